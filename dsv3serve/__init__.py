@@ -1,0 +1,1 @@
+"""dsv3serve: DeepSeek-V3/R1 serving runtime."""
