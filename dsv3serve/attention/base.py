@@ -1,0 +1,50 @@
+"""Attention backend interface for MLA over the paged latent cache.
+
+A backend is created once per model runner, ``plan()``-ed once per step, then called by
+every layer. The cache holds per token per layer the 576-wide latent
+``[kv_a_layernorm(c_kv) (512) | rotated k_pe (64)]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from dsv3serve.forward_batch import ForwardBatch
+
+# Maps cached latents [S, 576] to per-head keys [S, H, 192] and values [S, H, 128].
+ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class AttentionBackend(ABC):
+    """MLA attention over a paged latent KV cache."""
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare per-step metadata; called once per step before any layer runs."""
+
+    @abstractmethod
+    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
+        """Write the new tokens' latents [T, 576] at the batch's ``out_slots``."""
+
+    @abstractmethod
+    def forward_absorbed(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float
+    ) -> torch.Tensor:
+        """Weight-absorbed MQA form.
+
+        q_latent [T, H, 512] (q_nope already multiplied by W_UK), q_pe [T, H, 64].
+        Attends causally to each sequence's cached latents; returns [T, H, 512] in the
+        latent space (the caller applies W_UV).
+        """
+
+    @abstractmethod
+    def forward_mha(
+        self, q: torch.Tensor, layer_id: int, scale: float, expand_kv: ExpandKV
+    ) -> torch.Tensor:
+        """MHA form: q [T, H, 192]; K/V decompressed from the cache by ``expand_kv``.
+
+        Returns [T, H, v_head_dim].
+        """

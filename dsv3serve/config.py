@@ -1,0 +1,246 @@
+"""Model configuration read from a DeepSeek-V3/R1 ``config.json``.
+
+Two spellings of the same checkpoint config are accepted:
+
+* the published checkpoints' form: ``rope_scaling``, ``rope_theta``, ``topk_method``,
+  ``scoring_func``;
+* the form ``transformers`` 5 writes with ``save_pretrained``: ``rope_parameters``
+  (holding ``rope_theta`` and the YaRN fields), ``rope_interleave``, no ``topk_method``.
+
+Values the runtime cannot execute are rejected once here, naming the field, the value
+found and the values supported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json field holds a value this runtime does not support."""
+
+
+def _unsupported(field: str, found: Any, supported: Any) -> ConfigError:
+    return ConfigError(f"config field {field!r}: found {found!r}, supported: {supported!r}")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling parameters (DeepSeek-V3: factor 40 over 4096 positions)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def softmax_mscale(self) -> float:
+        """Multiplier DeepSeek applies to the softmax scale: ``yarn_mscale(mscale_all_dim)**2``."""
+        if not self.mscale_all_dim or self.factor <= 1:
+            return 1.0
+        m = 0.1 * self.mscale_all_dim * math.log(self.factor) + 1.0
+        return m * m
+
+    def cos_sin_scale(self) -> float:
+        """Scale applied to cos/sin: ``yarn_mscale(mscale) / yarn_mscale(mscale_all_dim)``."""
+
+        def m(scale: float, ms: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return m(self.factor, self.mscale) / m(self.factor, self.mscale_all_dim)
+        return m(self.factor, 1.0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint's architecture, with DeepSeek-V3's field names."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    topk_method: str
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rope_theta: float
+    rope_scaling: YarnScaling | None
+    rope_interleave: bool
+    rms_norm_eps: float
+    vocab_size: int
+    max_position_embeddings: int
+    num_nextn_predict_layers: int
+    quant_method: str | None  # "fp8" or None (bf16 checkpoint)
+    weight_block_size: tuple[int, int] | None
+    tie_word_embeddings: bool = False
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one cached token per layer: latent + rope part (576 for V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        if self.rope_scaling is not None:
+            scale *= self.rope_scaling.softmax_mscale()
+        return scale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_k_dense_replace
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        p = Path(path)
+        file = p / "config.json" if p.is_dir() else p
+        return cls.from_dict(json.loads(file.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Validate and normalise a raw config dict (either spelling)."""
+        _check_model_type(raw)
+        theta, yarn = _parse_rope(raw)
+        quant, block = _parse_quant(raw.get("quantization_config"))
+        scoring = raw.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise _unsupported("scoring_func", scoring, ["sigmoid"])
+        topk_method = raw.get("topk_method", "noaux_tc")
+        if topk_method != "noaux_tc":
+            raise _unsupported("topk_method", topk_method, ["noaux_tc"])
+        cfg = cls(
+            hidden_size=raw["hidden_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            intermediate_size=raw["intermediate_size"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            first_k_dense_replace=raw.get("first_k_dense_replace", 0),
+            n_routed_experts=raw["n_routed_experts"],
+            n_shared_experts=raw.get("n_shared_experts", 1),
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            n_group=raw.get("n_group", 1),
+            topk_group=raw.get("topk_group", 1),
+            topk_method=topk_method,
+            scoring_func=scoring,
+            norm_topk_prob=raw.get("norm_topk_prob", True),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            rope_theta=theta,
+            rope_scaling=yarn,
+            rope_interleave=raw.get("rope_interleave", True),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            vocab_size=raw["vocab_size"],
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0),
+            quant_method=quant,
+            weight_block_size=block,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=_first_id(raw.get("bos_token_id"), 0),
+            eos_token_id=_first_id(raw.get("eos_token_id"), 1),
+        )
+        _check_shapes(cfg)
+        return cfg
+
+
+def _first_id(value: Any, default: int) -> int:
+    if value is None:
+        return default
+    return int(value[0]) if isinstance(value, list) else int(value)
+
+
+def _check_model_type(raw: dict[str, Any]) -> None:
+    model_type = raw.get("model_type", "deepseek_v3")
+    if model_type != "deepseek_v3":
+        raise _unsupported("model_type", model_type, ["deepseek_v3"])
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise _unsupported("hidden_act", act, ["silu"])
+    if raw.get("attention_bias", False):
+        raise _unsupported("attention_bias", True, [False])
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """Return (rope_theta, YaRN params) from ``rope_scaling`` or ``rope_parameters``."""
+    params = raw.get("rope_parameters")
+    scaling = params if params is not None else raw.get("rope_scaling")
+    field = "rope_parameters" if params is not None else "rope_scaling"
+    theta = float((params or {}).get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if not scaling:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise _unsupported(f"{field}.rope_type", rope_type, ["yarn", "default"])
+    yarn = YarnScaling(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        mscale=float(scaling.get("mscale") or 0.0),
+        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+    )
+    return theta, yarn
+
+
+def _parse_quant(qc: dict[str, Any] | None) -> tuple[str | None, tuple[int, int] | None]:
+    if not qc:
+        return None, None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise _unsupported("quantization_config.quant_method", method, ["fp8"])
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _unsupported("quantization_config.fmt", fmt, ["e4m3"])
+    block = qc.get("weight_block_size")
+    if block is None or list(block) != [128, 128]:
+        raise _unsupported("quantization_config.weight_block_size", block, [[128, 128]])
+    return "fp8", (128, 128)
+
+
+def _check_shapes(cfg: ModelConfig) -> None:
+    if cfg.n_routed_experts % cfg.n_group:
+        raise _unsupported(
+            "n_group", cfg.n_group, f"a divisor of n_routed_experts={cfg.n_routed_experts}"
+        )
+    if not 0 < cfg.topk_group <= cfg.n_group:
+        raise _unsupported("topk_group", cfg.topk_group, f"1..n_group={cfg.n_group}")
+    per_group = cfg.n_routed_experts // cfg.n_group
+    if cfg.num_experts_per_tok > cfg.topk_group * per_group:
+        raise _unsupported(
+            "num_experts_per_tok",
+            cfg.num_experts_per_tok,
+            f"at most topk_group * experts per group = {cfg.topk_group * per_group}",
+        )
+    if cfg.qk_rope_head_dim % 2:
+        raise _unsupported("qk_rope_head_dim", cfg.qk_rope_head_dim, "an even number")
+    if cfg.num_nextn_predict_layers not in (0, 1):
+        raise _unsupported("num_nextn_predict_layers", cfg.num_nextn_predict_layers, [0, 1])

@@ -1,0 +1,300 @@
+"""DeepSeek-V3 decoder: MLA attention, MoE and dense MLPs, and the NextN (MTP) layer.
+
+No kernel code lives here: attention goes through an :class:`AttentionBackend`, routed
+experts through a :class:`MoEBackend`, linears through :mod:`dsv3serve.layers.linear`.
+Parameter names follow the published checkpoints (``model.layers.3.self_attn.q_a_proj``),
+so loading is a name lookup; only the stacked experts and the NextN layer map names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.config import ModelConfig
+from dsv3serve.forward_batch import ForwardBatch
+from dsv3serve.layers.linear import make_linear
+from dsv3serve.layers.norm import RMSNorm
+from dsv3serve.layers.rotary import RotaryEmbedding
+from dsv3serve.model.load_target import LoadTarget
+from dsv3serve.moe import create_moe_backend
+from dsv3serve.moe.base import MoEBackend
+from dsv3serve.moe.experts import FusedExperts
+from dsv3serve.moe.gate import grouped_topk
+
+AttnImpl = Literal["auto", "mha", "absorb"]
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to build the model: compute dtype, MLA form, FP8 activation quantisation."""
+
+    dtype: torch.dtype = torch.bfloat16
+    attn_impl: AttnImpl = "auto"  # auto: MHA for prefill/extend, absorbed MQA for decode
+    fp8_act_quant: bool = True
+    moe_backend: str = "torch"
+
+
+@dataclass
+class StepContext:
+    """Per-step values shared by all layers (computed once per forward)."""
+
+    batch: ForwardBatch
+    attn: AttentionBackend
+    cos: torch.Tensor
+    sin: torch.Tensor
+    absorbed: bool
+
+
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP (dense layers and the shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, inter: int, opts: ModelOptions) -> None:
+        super().__init__()
+        h, dt, aq = cfg.hidden_size, opts.dtype, opts.fp8_act_quant
+        self.gate_proj = make_linear(cfg, f"{prefix}.gate_proj", h, inter, dt, aq)
+        self.up_proj = make_linear(cfg, f"{prefix}.up_proj", h, inter, dt, aq)
+        self.down_proj = make_linear(cfg, f"{prefix}.down_proj", inter, h, dt, aq)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Module):
+    """Router weights: ``weight`` [E, H] (bf16) and ``e_score_correction_bias`` [E] (fp32)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
+        bias = torch.zeros(e, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+
+
+class MoE(nn.Module):
+    """Routed experts chosen by the biased grouped top-k, plus the shared expert."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, opts: ModelOptions) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = MoEGate(cfg, opts.dtype)
+        fp8 = cfg.quant_method == "fp8"
+        self.experts = FusedExperts(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8, opts.dtype
+        )
+        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = DenseMLP(cfg, f"{prefix}.shared_experts", shared_inter, opts)
+        self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, ids = grouped_topk(
+            logits,
+            self.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.routed_scaling_factor,
+            c.norm_topk_prob,
+        )
+        return self.backend.forward(x, weights, ids, self.experts) + self.shared_experts(x)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with both the MHA and the weight-absorbed MQA forms."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, layer_id: int, opts: ModelOptions) -> None:
+        super().__init__()
+        self.cfg, self.layer_id, self.dtype = cfg, layer_id, opts.dtype
+        h, heads, dt, aq = cfg.hidden_size, cfg.num_attention_heads, opts.dtype, opts.fp8_act_quant
+        qk = heads * cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = make_linear(cfg, f"{prefix}.q_a_proj", h, cfg.q_lora_rank, dt, aq)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt)
+            self.q_b_proj = make_linear(cfg, f"{prefix}.q_b_proj", cfg.q_lora_rank, qk, dt, aq)
+        else:
+            self.q_proj = make_linear(cfg, f"{prefix}.q_proj", h, qk, dt, aq)
+        self.kv_a_proj_with_mqa = make_linear(
+            cfg, f"{prefix}.kv_a_proj_with_mqa", h, cfg.kv_cache_dim, dt, aq
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt)
+        kv_b_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = make_linear(cfg, f"{prefix}.kv_b_proj", cfg.kv_lora_rank, kv_b_out, dt, aq)
+        self.o_proj = make_linear(cfg, f"{prefix}.o_proj", heads * cfg.v_head_dim, h, dt, aq)
+        self.w_uk: torch.Tensor | None = None  # [H, nope, R], set by post_load()
+        self.w_uv: torch.Tensor | None = None  # [H, v, R]
+
+    def post_load(self) -> None:
+        """Split the (dequantised) kv_b_proj into the absorbed W_UK and W_UV."""
+        c = self.cfg
+        w = self.kv_b_proj.dequantized_weight(self.dtype)
+        w = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents [S, 576] -> keys [S, H, 192] and values [S, H, 128]."""
+        c = self.cfg
+        s, heads = latent.shape[0], c.num_attention_heads
+        kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(s, heads, -1)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k_pe = latent[:, None, c.kv_lora_rank :].expand(s, heads, c.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        c = self.cfg
+        t, heads = x.shape[0], c.num_attention_heads
+        q = self._query(x).view(t, heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_pe = RotaryEmbedding.rotate(q_pe, ctx.cos, ctx.sin)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        k_pe = RotaryEmbedding.rotate(k_pe, ctx.cos, ctx.sin)
+        ctx.attn.save_latent(self.layer_id, torch.cat([self.kv_a_layernorm(kv_c), k_pe], -1))
+        if ctx.absorbed:
+            q_latent = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)
+            o_latent = ctx.attn.forward_absorbed(q_latent, q_pe, self.layer_id, c.softmax_scale)
+            out = torch.einsum("thr,hvr->thv", o_latent, self.w_uv)
+        else:
+            q_full = torch.cat([q_nope, q_pe], dim=-1)
+            out = ctx.attn.forward_mha(q_full, self.layer_id, c.softmax_scale, self.expand_kv)
+        return self.o_proj(out.reshape(t, heads * c.v_head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: MLA then a dense MLP (first ``first_k_dense_replace`` layers) or MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, prefix: str, opts: ModelOptions) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.self_attn = MLAttention(cfg, f"{prefix}.self_attn", layer_id, opts)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = MoE(cfg, f"{prefix}.mlp", opts)
+        else:
+            self.mlp = DenseMLP(cfg, f"{prefix}.mlp", cfg.intermediate_size, opts)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class NextNLayer(nn.Module):
+    """DeepSeek's MTP module: ``eh_proj([enorm(embed(t+1)) ; hnorm(h_t)])`` then one block.
+
+    Stored in checkpoints as ``model.layers.{num_hidden_layers}.*``; its embedding and
+    head are shared with the main model.
+    """
+
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions) -> None:
+        super().__init__()
+        h, dt = cfg.hidden_size, opts.dtype
+        prefix = f"model.layers.{cfg.num_hidden_layers}"
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self.eh_proj = make_linear(cfg, f"{prefix}.eh_proj", 2 * h, h, dt, opts.fp8_act_quant)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, prefix, opts)
+        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dt)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Returns the pre-norm hidden state; apply ``shared_head_norm`` then the head."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.block(x, ctx)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The full model; ``forward`` returns final hidden states, ``compute_logits`` the head."""
+
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions | None = None) -> None:
+        super().__init__()
+        self.cfg, self.opts = cfg, opts or ModelOptions()
+        dt = self.opts.dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, f"model.layers.{i}", self.opts)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.lm_head = make_linear(cfg, "lm_head", cfg.hidden_size, cfg.vocab_size, dt)
+        self.nextn = NextNLayer(cfg, self.opts) if cfg.num_nextn_predict_layers else None
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache: the decoder layers plus the NextN layer if present."""
+        return self.cfg.num_hidden_layers + (1 if self.nextn is not None else 0)
+
+    def post_load(self) -> None:
+        """Derive run-time tensors (absorbed MLA weights) after weights are in place."""
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.post_load()
+
+    def step_context(self, batch: ForwardBatch, attn: AttentionBackend) -> StepContext:
+        """Plan the step once: attention metadata, rotary cos/sin and the MLA form."""
+        attn.plan(batch)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        impl = self.opts.attn_impl
+        absorbed = impl == "absorb" or (impl == "auto" and batch.is_decode)
+        return StepContext(batch, attn, cos, sin, absorbed)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Run the decoder over the batch's new tokens; returns normed hidden [T, H]."""
+        ctx = self.step_context(batch, attn)
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] in float32 for hidden states [N, H]."""
+        return self.lm_head(hidden).float()
+
+    def checkpoint_targets(self) -> dict[str, LoadTarget]:
+        """Every checkpoint tensor name this model consumes, mapped to where it goes."""
+        targets: dict[str, LoadTarget] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, FusedExperts):
+                targets.update(module.checkpoint_targets(_ckpt_name(self.cfg, name)))
+        stacked = {id(p) for m in self.modules() if isinstance(m, FusedExperts) for p in m.parameters()}
+        for name, param in self.named_parameters():
+            if id(param) not in stacked:
+                targets[_ckpt_name(self.cfg, name)] = LoadTarget(param)
+        return targets
+
+    def ignored_checkpoint_names(self) -> tuple[str, ...]:
+        """Prefixes of checkpoint tensors that are present but deliberately not loaded."""
+        mtp = f"model.layers.{self.cfg.num_hidden_layers}"
+        if self.nextn is None:
+            return (f"{mtp}.",)
+        # The NextN copies of the embedding and head are shared with the main model.
+        return (f"{mtp}.embed_tokens.", f"{mtp}.shared_head.head.")
+
+
+def _ckpt_name(cfg: ModelConfig, name: str) -> str:
+    """Module path in this model -> tensor name in the published checkpoints."""
+    mtp = f"model.layers.{cfg.num_hidden_layers}"
+    if name.startswith("nextn."):
+        rest = name[len("nextn.") :]
+        if rest.startswith("block."):
+            return f"{mtp}.{rest[len('block.'):]}"
+        if rest.startswith("shared_head_norm."):
+            return f"{mtp}.shared_head.norm.{rest[len('shared_head_norm.'):]}"
+        return f"{mtp}.{rest}"
+    if name.startswith("lm_head"):
+        return name
+    return f"model.{name}"

@@ -1,0 +1,26 @@
+"""MoE backend interface: routed-expert compute given the router's choice."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from dsv3serve.moe.experts import FusedExperts
+
+
+class MoEBackend(ABC):
+    """Computes ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` for every token."""
+
+    @abstractmethod
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        experts: FusedExperts,
+    ) -> torch.Tensor:
+        """x [T, H]; topk_weights [T, k] float32 (already scaled); topk_ids [T, k] int64.
+
+        Returns [T, H] in x.dtype.
+        """
