@@ -136,7 +136,7 @@ def _is_quantized(name: str) -> bool:
     """FP8 in DeepSeek's checkpoints: every 2-D projection except router, eh_proj, heads."""
     bf16 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "eh_proj.weight",
             "shared_head.head.weight")
-    return name.endswith("proj.weight") and not name.endswith(bf16)
+    return name.endswith(("proj.weight", "proj_with_mqa.weight")) and not name.endswith(bf16)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
