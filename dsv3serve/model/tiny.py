@@ -9,6 +9,9 @@ The tokenizer is the published DeepSeek-V3 one (vocab padded to 129,280).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +212,19 @@ def make_tiny_checkpoint(
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     write_tokenizer_files(out)
     return out
+
+
+def cached_tiny_checkpoint(fp8: bool = True, seed: int = 0) -> Path:
+    """The tiny checkpoint in ``$DSV3SERVE_CACHE`` (default ~/.cache/dsv3serve), made once."""
+    root = Path(os.environ.get("DSV3SERVE_CACHE", Path.home() / ".cache" / "dsv3serve"))
+    path = root / f"tiny-{'fp8' if fp8 else 'bf16'}-seed{seed}-v1"
+    if (path / "config.json").exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
+    make_tiny_checkpoint(staging, fp8=fp8, seed=seed)
+    try:
+        staging.rename(path)  # atomic: concurrent makers race safely
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

@@ -1,0 +1,275 @@
+"""The engine: scheduler + model runner + sampler + detokenizer, one ``step()`` at a time.
+
+``step()`` is split into prepare (CPU: schedule, build metadata), run (device: forward and
+sample) and process (CPU: stop checks, detokenize). With an overlap scheduler the prepare
+of step n+1 runs while the device works on step n; on CPU the three run back to back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.model_runner import ModelRunner, StepResult
+from dsv3serve.engine.request import Request, TokenOutput
+from dsv3serve.engine.sampler import Sampler, SampleOutput, SamplingBatch, make_generator
+from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.engine.scheduler import Scheduler
+from dsv3serve.engine.sequence import ScheduledBatch, SchedulerConfig, Sequence
+from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
+from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
+from dsv3serve.tokenizer.tokenizer import Tokenizer
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never run (bad prompt, too long, duplicate id)."""
+
+
+@dataclass
+class _SeqState:
+    """Per-sequence output state the scheduler does not know about."""
+
+    seq: Sequence
+    index: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+    emitted: int = 0  # output tokens already reported
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """What a prefill-only request hands to the decode side."""
+
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int
+    pages: list[int]
+    page_size: int
+
+
+def resolve_model_dir(cfg: EngineConfig) -> Path | None:
+    """``tiny`` builds the tiny checkpoint once in a temp dir; dummy loads need no files."""
+    if cfg.model == "tiny":
+        from dsv3serve.model.tiny import cached_tiny_checkpoint
+
+        return cached_tiny_checkpoint()
+    return Path(cfg.model)
+
+
+class Engine:
+    """Continuous-batching DeepSeek-V3 engine for one model replica."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        model_dir = resolve_model_dir(cfg)
+        self.model_cfg = ModelConfig.from_hf(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.runner = ModelRunner(cfg, model_dir, self.model_cfg)
+        max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        self.scheduler = Scheduler(SchedulerConfig(
+            page_size=cfg.page_size,
+            num_pages=self.runner.num_pages,
+            max_running_requests=cfg.max_running_requests,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_context_len=max_len,
+            policy=cfg.schedule_policy,
+            enable_prefix_cache=cfg.enable_prefix_caching,
+        ))
+        self.sampler = Sampler(make_generator(cfg.seed, self.runner.device))
+        self._states: dict[str, _SeqState] = {}
+        self._pending: list[TokenOutput] = []
+        self._exports: dict[str, KVExport] = {}
+
+    # ---- requests -------------------------------------------------------------------
+    def _prompt_ids(self, req: Request) -> list[int]:
+        if (req.prompt is None) == (req.prompt_ids is None):
+            raise InvalidRequestError("exactly one of prompt and prompt_ids must be given")
+        ids = req.prompt_ids if req.prompt_ids is not None else self.tokenizer.encode(
+            req.prompt or "", add_bos=True)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        return list(ids)
+
+    def add_request(self, req: Request, prefill_only: bool = False) -> None:
+        """Queue ``req``; raises InvalidRequestError / ContextLengthError before any work."""
+        if any(s.seq.request_id == req.request_id for s in self._states.values()):
+            raise InvalidRequestError(f"request id {req.request_id!r} is already running")
+        if prefill_only and req.params.n != 1:
+            raise InvalidRequestError("prefill-only requests take n=1")
+        prompt = self._prompt_ids(req)
+        for i in range(req.params.n):
+            seq = Sequence(
+                seq_id=f"{req.request_id}#{i}", prompt_ids=prompt,
+                max_new_tokens=req.params.max_new_tokens, request_id=req.request_id,
+                salt=req.salt, prefill_only=prefill_only,
+            )
+            self.scheduler.add(seq)  # the first may raise ContextLengthError; all share it
+            self._track(seq, i, req.params, prompt)
+
+    def _track(self, seq: Sequence, index: int, params: SamplingParams, context: list[int]):
+        seed = params.seed
+        gen = None if seed is None else make_generator(seed + index, self.runner.device)
+        detok = IncrementalDetokenizer(self.tokenizer, context, params.skip_special_tokens)
+        state = _SeqState(seq, index, params, gen, detok, StopStringMatcher(params.stop))
+        self._states[seq.seq_id] = state
+
+    def abort(self, request_id: str) -> bool:
+        """Abort every sequence of ``request_id`` in any state; frees all its pages."""
+        states = [s for s in self._states.values() if s.seq.request_id == request_id]
+        self._exports.pop(request_id, None)
+        found = self.scheduler.abort(request_id)
+        for s in states:
+            del self._states[s.seq.seq_id]
+            self._pending.append(TokenOutput(
+                request_id, s.index, [], "", True, "abort",
+                prompt_tokens=len(s.seq.prompt_ids), completion_tokens=len(s.seq.output_ids)))
+        return found or bool(states)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence still needs steps (exported prefills do not)."""
+        return bool(self._pending) or any(not s.seq.is_finished for s in self._states.values())
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        """Run one scheduler iteration; returns the new outputs of every sequence."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            result = self.runner.run(batch.items)
+            sampled = self._sample(result)
+            self.scheduler.on_step_done(batch, {
+                item.seq.seq_id: int(tok)
+                for item, tok in zip(result.sampled_items, sampled.token_ids.tolist(), strict=True)
+            })
+            outputs += self._process(batch, result, sampled)
+        outputs += self._scheduler_finished()
+        return outputs
+
+    def _sample(self, result: StepResult) -> SampleOutput:
+        states = [self._states[item.seq.seq_id] for item in result.sampled_items]
+        logits = self._mask_early_stop(result.logits, states)
+        batch = SamplingBatch.build(
+            [s.params for s in states], [s.generator for s in states],
+            [s.seq.prompt_ids for s in states], [s.seq.output_ids for s in states],
+            self.model_cfg.vocab_size, self.runner.device,
+        )
+        return self.sampler.sample(logits, batch)
+
+    def _mask_early_stop(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+        """Before ``min_new_tokens`` a row may not sample EOS or its stop tokens."""
+        rows = [(i, s) for i, s in enumerate(states)
+                if len(s.seq.output_ids) < s.params.min_new_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i, s in rows:
+            banned = list(s.params.stop_token_ids)
+            if not s.params.ignore_eos:
+                banned.append(self.tokenizer.eos_token_id)
+            logits[i, banned] = float("-inf")
+        return logits
+
+    def _process(self, batch: ScheduledBatch, result: StepResult, out: SampleOutput):
+        del batch
+        outputs = []
+        logprobs = out.logprobs.tolist()
+        tops = None
+        if out.top_logprobs is not None:
+            tops = (out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist())
+        for row, item in enumerate(result.sampled_items):
+            state = self._states.get(item.seq.seq_id)
+            if state is None or not item.seq.output_ids:
+                continue
+            top = {} if tops is None else self._top_dict(state, tops, row)
+            outputs.append(self._emit(state, logprobs[row], top))
+        return outputs
+
+    @staticmethod
+    def _top_dict(state: _SeqState, tops, row: int) -> dict[int, float]:
+        k = state.params.logprobs or 0
+        return dict(zip(tops[1][row][:k], tops[0][row][:k], strict=True))
+
+    def _emit(self, state: _SeqState, logprob: float, top: dict[int, float]) -> TokenOutput:
+        seq, params = state.seq, state.params
+        token = seq.output_ids[-1]
+        reason = check_stop_token(token, len(seq.output_ids), params, self.tokenizer.eos_token_id)
+        text = ""
+        if reason != "stop":
+            text, hit = state.stop.feed(state.detok.add(token))
+            reason = "stop" if hit else reason
+        if reason is not None and not state.stop.stopped:
+            text += state.stop.feed(state.detok.flush())[0] + state.stop.flush()
+        out = TokenOutput(
+            seq.request_id, state.index, [token], text, reason is not None, reason,
+            [logprob] if params.logprobs is not None else [],
+            [top] if params.logprobs else [],
+            len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens,
+        )
+        if reason is not None:
+            self._finish(state, reason)
+        elif seq.prefill_only:
+            self._exports[seq.request_id] = KVExport(
+                seq.request_id, seq.prompt_ids, token, list(seq.page_table), self.cfg.page_size)
+        return out
+
+    def _finish(self, state: _SeqState, reason: str) -> None:
+        seq = state.seq
+        if seq.prefill_only and seq.finish_reason == "prefilled":
+            self.scheduler.release_exported(seq)
+        else:
+            self.scheduler.finish(seq, reason)
+        self._states.pop(seq.seq_id, None)
+
+    def _scheduler_finished(self) -> list[TokenOutput]:
+        """Outputs for sequences the scheduler ended itself (context outgrew the pool)."""
+        outputs = []
+        for seq in self.scheduler.pop_finished():
+            state = self._states.get(seq.seq_id)
+            if seq.finish_reason == "prefilled" or state is None:
+                continue
+            self._states.pop(seq.seq_id)
+            outputs.append(TokenOutput(seq.request_id, state.index, [], "", True,
+                                       seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
+                                       completion_tokens=len(seq.output_ids)))
+        return outputs
+
+    # ---- disaggregation hooks ---------------------------------------------------------
+    def export_kv(self, request_id: str) -> KVExport:
+        """Prefill side: the pages and first token of a finished prefill-only request."""
+        if request_id not in self._exports:
+            raise KeyError(f"request {request_id!r} has no exported KV (not prefilled here?)")
+        return self._exports[request_id]
+
+    def release_export(self, request_id: str) -> None:
+        """Prefill side: free the exported pages once the decode side has them."""
+        self._exports.pop(request_id, None)
+        state = self._states.pop(f"{request_id}#0", None)
+        if state is not None:
+            self.scheduler.release_exported(state.seq)
+
+    def reserve_kv(self, num_tokens: int) -> list[int] | None:
+        """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
+        return self.scheduler.reserve(num_tokens)
+
+    def release_reservation(self, pages: list[int]) -> None:
+        self.scheduler.release_reservation(pages)
+
+    def import_kv(self, req: Request, first_token: int, pages: list[int]) -> None:
+        """Decode side: continue ``req`` from KV already written into reserved ``pages``."""
+        prompt = self._prompt_ids(req)
+        seq = Sequence(seq_id=f"{req.request_id}#0", prompt_ids=prompt,
+                       max_new_tokens=req.params.max_new_tokens, request_id=req.request_id,
+                       salt=req.salt, output_ids=[first_token])
+        self.scheduler.add_prefilled(seq, pages)
+        self._track(seq, 0, req.params, prompt + [first_token])

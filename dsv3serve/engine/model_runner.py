@@ -1,0 +1,115 @@
+"""One rank's model execution: weights, KV pool, attention backend and the forward step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv3serve.attention import create_attention_backend
+from dsv3serve.config import ModelConfig
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
+from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
+from dsv3serve.model.weights import load_weights
+
+
+def resolve_dtype(cfg: EngineConfig) -> torch.dtype:
+    """``auto`` is bfloat16 on GPU and float32 on CPU (CPU bf16 matmuls are slow)."""
+    if cfg.dtype == "auto":
+        return torch.float32 if torch.device(cfg.device).type == "cpu" else torch.bfloat16
+    return getattr(torch, cfg.dtype)
+
+
+def kv_slots(page_table: list[int], page_size: int, num_tokens: int) -> list[int]:
+    """Cache slots of positions ``0 .. num_tokens-1`` of a sequence."""
+    return [page_table[p // page_size] * page_size + p % page_size for p in range(num_tokens)]
+
+
+@dataclass
+class StepResult:
+    """Logits [N, V] (float32) for the items with ``sample=True``, in item order."""
+
+    logits: torch.Tensor
+    sampled_items: list[ScheduledItem]
+
+
+class ModelRunner:
+    """Builds the model and its KV pool on one device and runs scheduled batches."""
+
+    def __init__(self, cfg: EngineConfig, model_dir: Path | None, model_cfg: ModelConfig):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = resolve_dtype(cfg)
+        opts = ModelOptions(
+            dtype=self.dtype,
+            attn_impl=cfg.attn_impl,
+            fp8_act_quant=cfg.fp8_act_quant,
+            moe_backend=cfg.moe_backend,
+        )
+        with torch.device(self.device):
+            self.model = DeepseekV3ForCausalLM(model_cfg, opts)
+        load_weights(self.model, model_dir, cfg.load_format)
+        self.pool = self._make_pool()
+        self.attn = create_attention_backend(cfg.attention_backend, self.pool, model_cfg.kv_lora_rank)
+
+    def _kv_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
+
+    def _make_pool(self) -> MLAKVPool:
+        layers, page = self.model.num_kv_layers, self.cfg.page_size
+        if self.cfg.num_kv_tokens is not None:
+            num_pages = -(-self.cfg.num_kv_tokens // page)
+        else:
+            num_pages = pages_for_memory_fraction(
+                self.cfg.mem_fraction_static, layers, page, self._kv_dtype(), self.device,
+                self.model_cfg.kv_cache_dim,
+            )
+        return MLAKVPool(
+            layers, num_pages, page, self.model_cfg.kv_cache_dim, self._kv_dtype(), self.device,
+            compute_dtype=self.dtype,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    def build_batch(self, items: list[ScheduledItem]) -> ForwardBatch:
+        """One ForwardBatch for the scheduled items (planned once, used by every layer)."""
+        page = self.cfg.page_size
+        spans = [
+            SeqSpan(
+                item.token_ids,
+                item.start,
+                kv_slots(item.seq.page_table, page, item.start + item.num_tokens),
+                item.sample,
+            )
+            for item in items
+        ]
+        return ForwardBatch.build(spans, self.device)
+
+    def run(self, items: list[ScheduledItem]) -> StepResult:
+        """Forward the scheduled tokens; logits only where a token will be sampled."""
+        batch = self.build_batch(items)
+        hidden = self.model(batch, self.attn)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return StepResult(logits, [item for item in items if item.sample])
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """KV of ``pages`` for every layer: [layers, len(pages), page_size, 576]."""
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        slots = (idx[:, None] * self.cfg.page_size + torch.arange(self.cfg.page_size,
+                 device=self.device)).flatten()
+        per_layer = [self.pool.read(layer, slots) for layer in range(self.pool.num_layers)]
+        return torch.stack(per_layer).view(self.pool.num_layers, len(pages), self.cfg.page_size, -1)
+
+    def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Inverse of :meth:`read_pages`."""
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        slots = (idx[:, None] * self.cfg.page_size + torch.arange(self.cfg.page_size,
+                 device=self.device)).flatten()
+        for layer in range(self.pool.num_layers):
+            self.pool.write(layer, slots, kv[layer].reshape(len(slots), -1).to(self.device))
