@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,6 +16,7 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="checkpoint directory, or 'tiny' for the built-in tiny model")
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    hf_overrides: dict[str, Any] | None = None  # config.json fields to replace (presets)
     dtype: DTypeName = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "cpu"
     seed: int = 0

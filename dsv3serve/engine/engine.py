@@ -53,12 +53,17 @@ class KVExport:
     page_size: int
 
 
-def resolve_model_dir(cfg: EngineConfig) -> Path | None:
-    """``tiny`` builds the tiny checkpoint once in a temp dir; dummy loads need no files."""
-    if cfg.model == "tiny":
-        from dsv3serve.model.tiny import cached_tiny_checkpoint
+def resolve_model_dir(cfg: EngineConfig) -> Path:
+    """``tiny``: the tiny checkpoint, made once; a preset name: config only (dummy loads)."""
+    from dsv3serve.model.presets import PRESETS, preset_dir
+    from dsv3serve.model.tiny import cached_tiny_checkpoint
 
+    if cfg.model == "tiny":
         return cached_tiny_checkpoint()
+    if cfg.model in PRESETS:
+        if cfg.load_format != "dummy":
+            raise ValueError(f"model {cfg.model!r} is a config preset: use load_format='dummy'")
+        return preset_dir(cfg.model, cfg.hf_overrides)
     return Path(cfg.model)
 
 

@@ -126,7 +126,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> bool:
         """End ``seq`` in any state, caching its full pages and freeing the rest.
 
-        Returns False (a no-op) when ``seq`` is not live here, e.g. already finished.
+        Returns False (a no-op) when ``seq`` is not live here, e.g. already finished; an
+        exported prefill-only sequence is released with ``release_exported`` instead.
         """
         if seq.is_finished or self._live.get(seq.seq_id) is not seq:
             return False

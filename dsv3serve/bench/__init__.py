@@ -1,0 +1,1 @@
+"""Benchmark scripts (print a table, write JSON; never timed tests)."""

@@ -1,0 +1,108 @@
+"""``dsv3serve generate`` and ``dsv3serve bench one-batch``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from dsv3serve.engine.config import EngineConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="checkpoint dir, 'tiny', or 'deepseek-v3'")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-kv-tokens", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--disable-prefix-caching", action="store_true")
+    p.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"num_hidden_layers": 4}\'')
+
+
+def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
+    """EngineConfig from parsed flags (``extra`` wins)."""
+    fields = {
+        "model": args.model, "load_format": args.load_format, "dtype": args.dtype,
+        "device": args.device, "page_size": args.page_size, "num_kv_tokens": args.num_kv_tokens,
+        "mem_fraction_static": args.mem_fraction_static, "kv_cache_dtype": args.kv_cache_dtype,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "max_running_requests": args.max_running_requests,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.disable_prefix_caching,
+        "hf_overrides": args.hf_overrides,
+    }
+    return EngineConfig(**(fields | extra))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from dsv3serve.engine.engine import Engine
+    from dsv3serve.engine.request import Request
+    from dsv3serve.engine.sampling_params import SamplingParams
+
+    engine = Engine(engine_config(args, num_kv_tokens=args.num_kv_tokens or 8192))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    for i, prompt in enumerate(args.prompt):
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) \
+            if args.chat else prompt
+        ids = engine.tokenizer.encode(text, add_bos=True)
+        engine.add_request(Request(f"cli-{i}", params, prompt_ids=ids))
+    texts: dict[str, str] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+    for i, prompt in enumerate(args.prompt):
+        print(json.dumps({"prompt": prompt, "completion": texts.get(f"cli-{i}", "")},
+                         ensure_ascii=False))
+    return 0
+
+
+def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
+    from dsv3serve.bench.one_batch import run_one_batch
+
+    run_one_batch(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv3serve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation")
+    _engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    one = bench.add_parser("one-batch", help="latency of one static batch (like bench_one_batch)")
+    _engine_args(one)
+    one.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    one.add_argument("--input-len", type=int, nargs="+", default=[128])
+    one.add_argument("--output-len", type=int, default=16)
+    one.add_argument("--json", default="bench_one_batch.json", help="where to write results")
+    one.set_defaults(func=_cmd_bench_one_batch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # config / request validation: a clear message, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
