@@ -1,0 +1,191 @@
+"""Paged MLA latent KV cache on a torch device, and its sizing helpers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dsv3serve.kvcache.allocator import pages_for_tokens
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "MLA_KV_DIM",
+    "MLAKVPool",
+    "bytes_per_page",
+    "pages_for_memory_fraction",
+    "pages_for_tokens",
+]
+
+MLA_KV_DIM = 576  # kv_lora_rank 512 (latent) + qk_rope_head_dim 64 (rope key)
+FP8_E4M3_MAX = 448.0
+_STORAGE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
+_SCALE_BYTES = 4  # one float32 scale per token per layer (fp8 only)
+_MIN_SCALE = 1e-12
+
+
+class MLAKVPool:
+    """Per-layer paged cache of the MLA latent: one 576-value row per token.
+
+    Layout, for each layer ``l``:
+
+    - ``kv_buffer(l)``: ``[num_pages, page_size, kv_dim]`` of the storage ``dtype``. Row
+      ``(page, offset)`` holds the token at slot ``page * page_size + offset``: values
+      ``[0:512]`` are the compressed latent ``c_kv`` (after ``kv_a_layernorm``) and
+      ``[512:576]`` the rotated rope key ``k_pe``.
+    - fp8 (``torch.float8_e4m3fn``), our documented fp8 layout: the row stores
+      ``q = x / s`` in e4m3, and ``scale_buffer(l)``, ``[num_pages, page_size]`` float32,
+      stores ``s = max(|x|) / 448`` of that token's 576 values; ``x ~= q.float() * s``.
+      bf16 and float32 pools have no scale buffer.
+
+    ``read`` returns ``compute_dtype`` (default: bf16 for fp8 storage, else the storage
+    dtype). Slots are not bounds-checked on the device (no host sync); the scheduler
+    only hands out slots of allocated pages.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_dim: int = MLA_KV_DIM,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        if dtype not in _STORAGE_DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {_STORAGE_DTYPES}, got {dtype}")
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.kv_dim, self.dtype = kv_dim, dtype
+        self.compute_dtype = compute_dtype or (torch.bfloat16 if self.is_fp8 else dtype)
+        shape = (num_pages, page_size, kv_dim)
+        self._kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = self._kv[0].device  # resolved: "cuda" becomes "cuda:<current>"
+        self._scale = [
+            torch.zeros(shape[:2], dtype=torch.float32, device=device)
+            for _ in range(num_layers if self.is_fp8 else 0)
+        ]
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether values are stored as e4m3 with per-token scales."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer (``num_pages * page_size``)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all layers, scales included."""
+        return self.num_pages * bytes_per_page(
+            self.num_layers, self.page_size, self.dtype, self.kv_dim
+        )
+
+    def kv_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s ``[num_pages, page_size, kv_dim]`` storage tensor."""
+        return self._kv[layer]
+
+    def scale_buffer(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s ``[num_pages, page_size]`` float32 fp8 scales, or None."""
+        return self._scale[layer] if self.is_fp8 else None
+
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """Store ``latent`` ``[T, kv_dim]`` (any float dtype) at ``slots`` ``[T]`` (int)."""
+        self._check_args(slots, latent)
+        flat_kv = self._kv[layer].view(self.num_slots, self.kv_dim)
+        if not self.is_fp8:
+            flat_kv[slots] = latent.to(self.dtype)
+            return
+        values = latent.float()
+        # Floor the scale so all-zero rows stay finite even where subnormals flush to 0.
+        scale = (values.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp_min(_MIN_SCALE)
+        quantized = (values / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        flat_kv[slots] = quantized.to(self.dtype)
+        self._scale[layer].view(self.num_slots)[slots] = scale
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` ``[T]`` as ``[T, kv_dim]`` in ``compute_dtype`` (dequantized)."""
+        self._check_slots(slots)
+        rows = self._kv[layer].view(self.num_slots, self.kv_dim)[slots]
+        if not self.is_fp8:
+            return rows.to(self.compute_dtype)
+        scale = self._scale[layer].view(self.num_slots)[slots]
+        return (rows.float() * scale[:, None]).to(self.compute_dtype)
+
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        if slots.dim() != 1 or slots.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"slots: expected a 1-D int64/int32 tensor, got {slots.dtype} {list(slots.shape)}"
+            )
+        if slots.device != self.device:
+            raise ValueError(f"slots: expected device {self.device}, got {slots.device}")
+
+    def _check_args(self, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        self._check_slots(slots)
+        expected = [slots.shape[0], self.kv_dim]
+        if list(latent.shape) != expected:
+            raise ValueError(f"latent: expected shape {expected}, got {list(latent.shape)}")
+        if not latent.is_floating_point() or latent.device != self.device:
+            raise ValueError(
+                f"latent: expected a float tensor on {self.device}, "
+                f"got {latent.dtype} on {latent.device}"
+            )
+
+
+def bytes_per_page(
+    num_layers: int, page_size: int, dtype: torch.dtype, kv_dim: int = MLA_KV_DIM
+) -> int:
+    """Bytes one page takes across all layers (fp8 pages include their float32 scales)."""
+    scale_bytes = _SCALE_BYTES if dtype == torch.float8_e4m3fn else 0
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return num_layers * page_size * (kv_dim * element_bytes + scale_bytes)
+
+
+def pages_for_memory_fraction(
+    fraction: float,
+    num_layers: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_dim: int = MLA_KV_DIM,
+) -> int:
+    """Pages that fit in ``fraction`` of the memory free now on ``device``.
+
+    CUDA: free memory from ``torch.cuda.mem_get_info``. CPU: available system memory
+    (psutil if installed, else ``/proc/meminfo`` MemAvailable, else ``os.sysconf``).
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    budget = int(_free_memory_bytes(torch.device(device)) * fraction)
+    return budget // bytes_per_page(num_layers, page_size, dtype, kv_dim)
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        import psutil  # optional dependency
+    except ImportError:
+        return _available_host_memory()
+    return int(psutil.virtual_memory().available)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
