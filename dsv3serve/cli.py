@@ -23,16 +23,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--disable-prefix-caching", action="store_true")
-    p.add_argument("--hf-overrides", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"num_hidden_layers": 4}\'')
+    p.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        default=None,
+        help="JSON, e.g. '{\"num_hidden_layers\": 4}'",
+    )
 
 
 def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     """EngineConfig from parsed flags (``extra`` wins)."""
     fields = {
-        "model": args.model, "load_format": args.load_format, "dtype": args.dtype,
-        "device": args.device, "page_size": args.page_size, "num_kv_tokens": args.num_kv_tokens,
-        "mem_fraction_static": args.mem_fraction_static, "kv_cache_dtype": args.kv_cache_dtype,
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": args.dtype,
+        "device": args.device,
+        "page_size": args.page_size,
+        "num_kv_tokens": args.num_kv_tokens,
+        "mem_fraction_static": args.mem_fraction_static,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "chunked_prefill_size": args.chunked_prefill_size,
         "max_running_requests": args.max_running_requests,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -48,11 +57,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from dsv3serve.engine.sampling_params import SamplingParams
 
     engine = Engine(engine_config(args, num_kv_tokens=args.num_kv_tokens or 8192))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
     for i, prompt in enumerate(args.prompt):
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) \
-            if args.chat else prompt
+        text = (
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            if args.chat
+            else prompt
+        )
         ids = engine.tokenizer.encode(text, add_bos=True)
         engine.add_request(Request(f"cli-{i}", params, prompt_ids=ids))
     texts: dict[str, str] = {}
@@ -60,8 +76,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for out in engine.step():
             texts[out.request_id] = texts.get(out.request_id, "") + out.text
     for i, prompt in enumerate(args.prompt):
-        print(json.dumps({"prompt": prompt, "completion": texts.get(f"cli-{i}", "")},
-                         ensure_ascii=False))
+        print(
+            json.dumps(
+                {"prompt": prompt, "completion": texts.get(f"cli-{i}", "")}, ensure_ascii=False
+            )
+        )
     return 0
 
 

@@ -27,9 +27,16 @@ def test_published_form() -> None:
 def test_transformers5_form_written_by_save_pretrained(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.DeepseekV3Config(
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
         max_position_embeddings=163840,
     )
     hf_cfg.save_pretrained(tmp_path)
@@ -37,8 +44,16 @@ def test_transformers5_form_written_by_save_pretrained(tmp_path: Path) -> None:
     assert "topk_method" not in raw and "rope_parameters" in raw
     cfg = ModelConfig.from_hf(tmp_path)
     published = ModelConfig.from_dict({**PUBLISHED_V3, "quantization_config": None})
-    for field in ("hidden_size", "n_routed_experts", "kv_lora_rank", "rope_theta",
-                  "rope_scaling", "rope_interleave", "topk_group", "softmax_scale"):
+    for field in (
+        "hidden_size",
+        "n_routed_experts",
+        "kv_lora_rank",
+        "rope_theta",
+        "rope_scaling",
+        "rope_interleave",
+        "topk_group",
+        "softmax_scale",
+    ):
         assert getattr(cfg, field) == getattr(published, field), field
 
 
@@ -47,11 +62,22 @@ def test_transformers5_form_written_by_save_pretrained(tmp_path: Path) -> None:
     [
         ({"scoring_func": "softmax"}, "scoring_func", "softmax"),
         ({"topk_method": "greedy"}, "topk_method", "greedy"),
-        ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                  "weight_block_size": [64, 64]}},
-         "quantization_config.weight_block_size", "[64, 64]"),
-        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method",
-         "awq"),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "weight_block_size": [64, 64],
+                }
+            },
+            "quantization_config.weight_block_size",
+            "[64, 64]",
+        ),
+        (
+            {"quantization_config": {"quant_method": "awq"}},
+            "quantization_config.quant_method",
+            "awq",
+        ),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type", "linear"),
         ({"n_group": 7}, "n_group", "7"),
     ],

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine, InvalidRequestError
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampling_params import SamplingParams
-from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.sequence import ContextLengthError
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
@@ -28,8 +28,9 @@ def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]
     return [[rng.randrange(2, 128000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def drain(engine: Engine, results: dict[str, list[int]] | None = None, max_steps: int = 10_000
-          ) -> dict[str, list[int]]:
+def drain(
+    engine: Engine, results: dict[str, list[int]] | None = None, max_steps: int = 10_000
+) -> dict[str, list[int]]:
     results = {} if results is None else results
     for _ in range(max_steps):
         if not engine.has_unfinished():
@@ -74,8 +75,9 @@ def test_batched_with_arrivals_mid_run_equals_alone(references) -> None:
 
 @pytest.mark.parametrize("chunk", [4, 8, 20])
 def test_chunked_prefill_equals_unchunked(references, chunk) -> None:
-    engine = make_engine(chunked_prefill_size=chunk, max_num_batched_tokens=chunk + 8,
-                         enable_prefix_caching=False)
+    engine = make_engine(
+        chunked_prefill_size=chunk, max_num_batched_tokens=chunk + 8, enable_prefix_caching=False
+    )
     ps = prompts(32)
     for i in range(0, 32, 4):
         engine.add_request(Request(f"r{i}", GREEDY, prompt_ids=ps[i]))
@@ -149,15 +151,21 @@ def test_abort_in_every_state_frees_all_pages(state) -> None:
 
 def test_stop_string_across_token_boundary_is_not_emitted(solo_engine) -> None:
     ids = prompts(1, seed=9)[0]
-    full_ids = run_alone(solo_engine, ids, SamplingParams(temperature=0, max_new_tokens=12,
-                                                          ignore_eos=True))
+    full_ids = run_alone(
+        solo_engine, ids, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    )
     text = solo_engine.tokenizer.decode(full_ids)
     pieces = [solo_engine.tokenizer.decode([t]) for t in full_ids]
     cut = len(pieces[0]) + len(pieces[1]) // 2 if len(pieces[1]) > 1 else len(pieces[0])
-    stop = text[max(0, cut - 2): cut + 2]  # spans the boundary of tokens 0/1 (or 1/2)
+    stop = text[max(0, cut - 2) : cut + 2]  # spans the boundary of tokens 0/1 (or 1/2)
     engine = make_engine()
-    engine.add_request(Request("s", SamplingParams(temperature=0, max_new_tokens=12,
-                                                   ignore_eos=True, stop=[stop]), prompt_ids=ids))
+    engine.add_request(
+        Request(
+            "s",
+            SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, stop=[stop]),
+            prompt_ids=ids,
+        )
+    )
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
@@ -169,14 +177,20 @@ def test_stop_string_across_token_boundary_is_not_emitted(solo_engine) -> None:
 
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples() -> None:
     engine = make_engine()
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=1234, n=3,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, max_new_tokens=8, seed=1234, n=3, ignore_eos=True
+    )
     ids = prompts(1, seed=3)[0]
 
     def run(rid: str, others: int) -> dict[int, list[int]]:
         for j in range(others):
-            engine.add_request(Request(f"{rid}-noise{j}", SamplingParams(temperature=1.0,
-                               max_new_tokens=5), prompt_ids=prompts(1, seed=40 + j)[0]))
+            engine.add_request(
+                Request(
+                    f"{rid}-noise{j}",
+                    SamplingParams(temperature=1.0, max_new_tokens=5),
+                    prompt_ids=prompts(1, seed=40 + j)[0],
+                )
+            )
         engine.add_request(Request(rid, params, prompt_ids=ids))
         got: dict[int, list[int]] = {}
         while engine.has_unfinished():
@@ -190,8 +204,17 @@ def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples() -> None:
     assert len({tuple(v) for v in a.values()}) > 1
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"n": 0},
-                                 {"max_new_tokens": 0}, {"top_k": -2}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"n": 0},
+        {"max_new_tokens": 0},
+        {"top_k": -2},
+    ],
+)
 def test_invalid_sampling_params_fail_before_any_work(bad) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -200,8 +223,9 @@ def test_invalid_sampling_params_fail_before_any_work(bad) -> None:
 def test_bad_requests_are_rejected_cleanly() -> None:
     engine = make_engine(max_model_len=64)
     with pytest.raises(ContextLengthError):
-        engine.add_request(Request("long", SamplingParams(max_new_tokens=40),
-                                   prompt_ids=list(range(2, 40))))
+        engine.add_request(
+            Request("long", SamplingParams(max_new_tokens=40), prompt_ids=list(range(2, 40)))
+        )
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request(Request("empty", prompt_ids=[]))
     with pytest.raises(InvalidRequestError, match="token ids"):
@@ -214,8 +238,9 @@ def test_min_new_tokens_blocks_eos() -> None:
     engine = make_engine()
     ids = prompts(1, seed=11)[0]
     eos = engine.tokenizer.eos_token_id
-    params = SamplingParams(temperature=0, max_new_tokens=5, min_new_tokens=5,
-                            stop_token_ids=list(range(0, 128815, 2)))  # half the vocab stops
+    params = SamplingParams(
+        temperature=0, max_new_tokens=5, min_new_tokens=5, stop_token_ids=list(range(0, 128815, 2))
+    )  # half the vocab stops
     engine.add_request(Request("m", params, prompt_ids=ids))
     got = drain(engine)["m"]
     assert len(got) == 5 and all(t % 2 for t in got[:4]) and eos not in got[:4]

@@ -20,8 +20,9 @@ SMALL = {"vocab_size": 512}  # loader tests do not need the real vocabulary
 
 @pytest.fixture(scope="module")
 def single_file_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("one"), fp8=True, num_shards=1,
-                                overrides=SMALL)
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("one"), fp8=True, num_shards=1, overrides=SMALL
+    )
 
 
 def _corrupt(src: Path, dst: Path, edit) -> Path:
@@ -49,8 +50,9 @@ def test_wrong_shape_names_tensor_and_both_shapes(tmp_path, single_file_dir) -> 
         t[name] = t[name][:-1]
 
     bad = _corrupt(single_file_dir, tmp_path / "bad", edit)
-    with pytest.raises(WeightLoadError, match=r"expected shape \[80, 256\] for " + name
-                       + r", got \[79, 256\]"):
+    with pytest.raises(
+        WeightLoadError, match=r"expected shape \[80, 256\] for " + name + r", got \[79, 256\]"
+    ):
         load_ours(bad)
 
 

@@ -45,22 +45,31 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int) -> dict
     med = statistics.median(decode) if decode else float("nan")
     total = prefill + sum(decode)
     return {
-        "batch_size": batch, "input_len": input_len, "output_len": output_len,
-        "prefill_latency_s": prefill, "prefill_throughput_tok_s": batch * input_len / prefill,
-        "median_decode_latency_s": med, "median_decode_throughput_tok_s": batch / med,
-        "total_latency_s": total, "total_throughput_tok_s": batch * (input_len + output_len) / total,
+        "batch_size": batch,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_latency_s": prefill,
+        "prefill_throughput_tok_s": batch * input_len / prefill,
+        "median_decode_latency_s": med,
+        "median_decode_throughput_tok_s": batch / med,
+        "total_latency_s": total,
+        "total_throughput_tok_s": batch * (input_len + output_len) / total,
     }
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'bs':>4} {'in':>6} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} " \
-           f"{'decode s':>10} {'decode tok/s':>13} {'total s':>9} {'total tok/s':>12}"
+    head = (
+        f"{'bs':>4} {'in':>6} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} "
+        f"{'decode s':>10} {'decode tok/s':>13} {'total s':>9} {'total tok/s':>12}"
+    )
     print(head)
     for r in rows:
-        print(f"{r['batch_size']:>4} {r['input_len']:>6} {r['output_len']:>5} "
-              f"{r['prefill_latency_s']:>10.4f} {r['prefill_throughput_tok_s']:>14.1f} "
-              f"{r['median_decode_latency_s']:>10.4f} {r['median_decode_throughput_tok_s']:>13.1f} "
-              f"{r['total_latency_s']:>9.3f} {r['total_throughput_tok_s']:>12.1f}")
+        print(
+            f"{r['batch_size']:>4} {r['input_len']:>6} {r['output_len']:>5} "
+            f"{r['prefill_latency_s']:>10.4f} {r['prefill_throughput_tok_s']:>14.1f} "
+            f"{r['median_decode_latency_s']:>10.4f} {r['median_decode_throughput_tok_s']:>13.1f} "
+            f"{r['total_latency_s']:>9.3f} {r['total_throughput_tok_s']:>12.1f}"
+        )
 
 
 def run_one_batch(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -69,19 +78,26 @@ def run_one_batch(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     need = max(args.batch_size) * (max(args.input_len) + args.output_len)
     cfg = engine_config(
-        args, num_kv_tokens=args.num_kv_tokens or need + 64 * args.page_size,
-        chunked_prefill_size=-1, max_num_batched_tokens=max(need, args.max_num_batched_tokens),
-        enable_prefix_caching=False, max_running_requests=max(args.batch_size),
+        args,
+        num_kv_tokens=args.num_kv_tokens or need + 64 * args.page_size,
+        chunked_prefill_size=-1,
+        max_num_batched_tokens=max(need, args.max_num_batched_tokens),
+        enable_prefix_caching=False,
+        max_running_requests=max(args.batch_size),
         max_model_len=max(args.input_len) + args.output_len,
     )
     engine = Engine(cfg)
     measure(engine, 1, 8, 2)  # warm-up
-    rows = [measure(engine, b, i, args.output_len)
-            for b in args.batch_size for i in args.input_len]
+    rows = [measure(engine, b, i, args.output_len) for b in args.batch_size for i in args.input_len]
     _print_table(rows)
-    meta = {"model": args.model, "device": str(engine.runner.device),
-            "dtype": str(engine.runner.dtype), "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "model": args.model,
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     return rows

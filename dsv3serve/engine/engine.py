@@ -16,7 +16,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
 from dsv3serve.engine.request import Request, TokenOutput
-from dsv3serve.engine.sampler import Sampler, SampleOutput, SamplingBatch, make_generator
+from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.scheduler import Scheduler
 from dsv3serve.engine.sequence import ScheduledBatch, SchedulerConfig, Sequence
@@ -77,16 +77,18 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.runner = ModelRunner(cfg, model_dir, self.model_cfg)
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        self.scheduler = Scheduler(SchedulerConfig(
-            page_size=cfg.page_size,
-            num_pages=self.runner.num_pages,
-            max_running_requests=cfg.max_running_requests,
-            chunked_prefill_size=cfg.chunked_prefill_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_context_len=max_len,
-            policy=cfg.schedule_policy,
-            enable_prefix_cache=cfg.enable_prefix_caching,
-        ))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_size=cfg.page_size,
+                num_pages=self.runner.num_pages,
+                max_running_requests=cfg.max_running_requests,
+                chunked_prefill_size=cfg.chunked_prefill_size,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_context_len=max_len,
+                policy=cfg.schedule_policy,
+                enable_prefix_cache=cfg.enable_prefix_caching,
+            )
+        )
         self.sampler = Sampler(make_generator(cfg.seed, self.runner.device))
         self._states: dict[str, _SeqState] = {}
         self._pending: list[TokenOutput] = []
@@ -96,8 +98,11 @@ class Engine:
     def _prompt_ids(self, req: Request) -> list[int]:
         if (req.prompt is None) == (req.prompt_ids is None):
             raise InvalidRequestError("exactly one of prompt and prompt_ids must be given")
-        ids = req.prompt_ids if req.prompt_ids is not None else self.tokenizer.encode(
-            req.prompt or "", add_bos=True)
+        ids = (
+            req.prompt_ids
+            if req.prompt_ids is not None
+            else self.tokenizer.encode(req.prompt or "", add_bos=True)
+        )
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_cfg.vocab_size
@@ -115,9 +120,12 @@ class Engine:
         prompt = self._prompt_ids(req)
         for i in range(req.params.n):
             seq = Sequence(
-                seq_id=f"{req.request_id}#{i}", prompt_ids=prompt,
-                max_new_tokens=req.params.max_new_tokens, request_id=req.request_id,
-                salt=req.salt, prefill_only=prefill_only,
+                seq_id=f"{req.request_id}#{i}",
+                prompt_ids=prompt,
+                max_new_tokens=req.params.max_new_tokens,
+                request_id=req.request_id,
+                salt=req.salt,
+                prefill_only=prefill_only,
             )
             self.scheduler.add(seq)  # the first may raise ContextLengthError; all share it
             self._track(seq, i, req.params, prompt)
@@ -136,9 +144,18 @@ class Engine:
         found = self.scheduler.abort(request_id)
         for s in states:
             del self._states[s.seq.seq_id]
-            self._pending.append(TokenOutput(
-                request_id, s.index, [], "", True, "abort",
-                prompt_tokens=len(s.seq.prompt_ids), completion_tokens=len(s.seq.output_ids)))
+            self._pending.append(
+                TokenOutput(
+                    request_id,
+                    s.index,
+                    [],
+                    "",
+                    True,
+                    "abort",
+                    prompt_tokens=len(s.seq.prompt_ids),
+                    completion_tokens=len(s.seq.output_ids),
+                )
+            )
         return found or bool(states)
 
     def has_unfinished(self) -> bool:
@@ -153,10 +170,15 @@ class Engine:
         if batch is not None:
             result = self.runner.run(batch.items)
             sampled = self._sample(result)
-            self.scheduler.on_step_done(batch, {
-                item.seq.seq_id: int(tok)
-                for item, tok in zip(result.sampled_items, sampled.token_ids.tolist(), strict=True)
-            })
+            self.scheduler.on_step_done(
+                batch,
+                {
+                    item.seq.seq_id: int(tok)
+                    for item, tok in zip(
+                        result.sampled_items, sampled.token_ids.tolist(), strict=True
+                    )
+                },
+            )
             outputs += self._process(batch, result, sampled)
         outputs += self._scheduler_finished()
         return outputs
@@ -165,16 +187,20 @@ class Engine:
         states = [self._states[item.seq.seq_id] for item in result.sampled_items]
         logits = self._mask_early_stop(result.logits, states)
         batch = SamplingBatch.build(
-            [s.params for s in states], [s.generator for s in states],
-            [s.seq.prompt_ids for s in states], [s.seq.output_ids for s in states],
-            self.model_cfg.vocab_size, self.runner.device,
+            [s.params for s in states],
+            [s.generator for s in states],
+            [s.seq.prompt_ids for s in states],
+            [s.seq.output_ids for s in states],
+            self.model_cfg.vocab_size,
+            self.runner.device,
         )
         return self.sampler.sample(logits, batch)
 
     def _mask_early_stop(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
         """Before ``min_new_tokens`` a row may not sample EOS or its stop tokens."""
-        rows = [(i, s) for i, s in enumerate(states)
-                if len(s.seq.output_ids) < s.params.min_new_tokens]
+        rows = [
+            (i, s) for i, s in enumerate(states) if len(s.seq.output_ids) < s.params.min_new_tokens
+        ]
         if not rows:
             return logits
         logits = logits.clone()
@@ -216,16 +242,24 @@ class Engine:
         if reason is not None and not state.stop.stopped:
             text += state.stop.feed(state.detok.flush())[0] + state.stop.flush()
         out = TokenOutput(
-            seq.request_id, state.index, [token], text, reason is not None, reason,
+            seq.request_id,
+            state.index,
+            [token],
+            text,
+            reason is not None,
+            reason,
             [logprob] if params.logprobs is not None else [],
             [top] if params.logprobs else [],
-            len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens,
+            len(seq.prompt_ids),
+            len(seq.output_ids),
+            seq.num_cached_tokens,
         )
         if reason is not None:
             self._finish(state, reason)
         elif seq.prefill_only:
             self._exports[seq.request_id] = KVExport(
-                seq.request_id, seq.prompt_ids, token, list(seq.page_table), self.cfg.page_size)
+                seq.request_id, seq.prompt_ids, token, list(seq.page_table), self.cfg.page_size
+            )
         return out
 
     def _finish(self, state: _SeqState, reason: str) -> None:
@@ -244,9 +278,18 @@ class Engine:
             if seq.finish_reason == "prefilled" or state is None:
                 continue
             self._states.pop(seq.seq_id)
-            outputs.append(TokenOutput(seq.request_id, state.index, [], "", True,
-                                       seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
-                                       completion_tokens=len(seq.output_ids)))
+            outputs.append(
+                TokenOutput(
+                    seq.request_id,
+                    state.index,
+                    [],
+                    "",
+                    True,
+                    seq.finish_reason,
+                    prompt_tokens=len(seq.prompt_ids),
+                    completion_tokens=len(seq.output_ids),
+                )
+            )
         return outputs
 
     # ---- disaggregation hooks ---------------------------------------------------------
@@ -273,8 +316,13 @@ class Engine:
     def import_kv(self, req: Request, first_token: int, pages: list[int]) -> None:
         """Decode side: continue ``req`` from KV already written into reserved ``pages``."""
         prompt = self._prompt_ids(req)
-        seq = Sequence(seq_id=f"{req.request_id}#0", prompt_ids=prompt,
-                       max_new_tokens=req.params.max_new_tokens, request_id=req.request_id,
-                       salt=req.salt, output_ids=[first_token])
+        seq = Sequence(
+            seq_id=f"{req.request_id}#0",
+            prompt_ids=prompt,
+            max_new_tokens=req.params.max_new_tokens,
+            request_id=req.request_id,
+            salt=req.salt,
+            output_ids=[first_token],
+        )
         self.scheduler.add_prefilled(seq, pages)
         self._track(seq, 0, req.params, prompt + [first_token])

@@ -49,8 +49,11 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             rid = f"offline-{i}"
-            req = Request(rid, p, prompt=prompt) if isinstance(prompt, str) else Request(
-                rid, p, prompt_ids=list(prompt))
+            req = (
+                Request(rid, p, prompt=prompt)
+                if isinstance(prompt, str)
+                else Request(rid, p, prompt_ids=list(prompt))
+            )
             self.engine.add_request(req)
             results[rid] = RequestOutput(rid, 0, [CompletionOutput(j) for j in range(p.n)])
         while self.engine.has_unfinished():

@@ -54,7 +54,9 @@ class ModelRunner:
             self.model = DeepseekV3ForCausalLM(model_cfg, opts)
         load_weights(self.model, model_dir, cfg.load_format)
         self.pool = self._make_pool()
-        self.attn = create_attention_backend(cfg.attention_backend, self.pool, model_cfg.kv_lora_rank)
+        self.attn = create_attention_backend(
+            cfg.attention_backend, self.pool, model_cfg.kv_lora_rank
+        )
 
     def _kv_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
@@ -65,11 +67,20 @@ class ModelRunner:
             num_pages = -(-self.cfg.num_kv_tokens // page)
         else:
             num_pages = pages_for_memory_fraction(
-                self.cfg.mem_fraction_static, layers, page, self._kv_dtype(), self.device,
+                self.cfg.mem_fraction_static,
+                layers,
+                page,
+                self._kv_dtype(),
+                self.device,
                 self.model_cfg.kv_cache_dim,
             )
         return MLAKVPool(
-            layers, num_pages, page, self.model_cfg.kv_cache_dim, self._kv_dtype(), self.device,
+            layers,
+            num_pages,
+            page,
+            self.model_cfg.kv_cache_dim,
+            self._kv_dtype(),
+            self.device,
             compute_dtype=self.dtype,
         )
 
@@ -98,18 +109,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return StepResult(logits, [item for item in items if item.sample])
 
+    def _page_slots(self, pages: list[int]) -> torch.Tensor:
+        """Every slot of ``pages``, page by page: [len(pages) * page_size]."""
+        page = self.cfg.page_size
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        return (idx[:, None] * page + torch.arange(page, device=self.device)).flatten()
+
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """KV of ``pages`` for every layer: [layers, len(pages), page_size, 576]."""
-        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        slots = (idx[:, None] * self.cfg.page_size + torch.arange(self.cfg.page_size,
-                 device=self.device)).flatten()
+        slots = self._page_slots(pages)
         per_layer = [self.pool.read(layer, slots) for layer in range(self.pool.num_layers)]
         return torch.stack(per_layer).view(self.pool.num_layers, len(pages), self.cfg.page_size, -1)
 
     def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Inverse of :meth:`read_pages`."""
-        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        slots = (idx[:, None] * self.cfg.page_size + torch.arange(self.cfg.page_size,
-                 device=self.device)).flatten()
+        slots = self._page_slots(pages)
         for layer in range(self.pool.num_layers):
             self.pool.write(layer, slots, kv[layer].reshape(len(slots), -1).to(self.device))

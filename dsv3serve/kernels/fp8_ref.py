@@ -23,9 +23,7 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, widths)
 
 
-def quant_per_token_group(
-    x: torch.Tensor, group: int = BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_per_token_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x`` [M, K] to e4m3 with one scale per (token, 128 channels).
 
     Returns ``(x_fp8 [M, K], scale [M, ceil(K/group)] float32)``.
@@ -37,7 +35,9 @@ def quant_per_token_group(
     return q.view(m, -1)[:, :k].contiguous(), scale
 
 
-def dequant_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
+def dequant_per_token_group(
+    q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK
+) -> torch.Tensor:
     """Inverse of :func:`quant_per_token_group`, in float32."""
     m, k = q.shape
     qp = _pad_to(q.float(), 1, group).view(m, -1, group)
@@ -55,7 +55,9 @@ def quant_weight_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
 
 
-def dequant_weight_block(w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def dequant_weight_block(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> torch.Tensor:
     """Dequantise an e4m3 weight [N, K] with block scales [ceil(N/128), ceil(K/128)] (float32)."""
     n, k = w.shape
     s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]

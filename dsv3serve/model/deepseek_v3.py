@@ -270,7 +270,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, FusedExperts):
                 targets.update(module.checkpoint_targets(_ckpt_name(self.cfg, name)))
-        stacked = {id(p) for m in self.modules() if isinstance(m, FusedExperts) for p in m.parameters()}
+        stacked = {
+            id(p) for m in self.modules() if isinstance(m, FusedExperts) for p in m.parameters()
+        }
         for name, param in self.named_parameters():
             if id(param) not in stacked:
                 targets[_ckpt_name(self.cfg, name)] = LoadTarget(param)
@@ -291,9 +293,9 @@ def _ckpt_name(cfg: ModelConfig, name: str) -> str:
     if name.startswith("nextn."):
         rest = name[len("nextn.") :]
         if rest.startswith("block."):
-            return f"{mtp}.{rest[len('block.'):]}"
+            return f"{mtp}.{rest[len('block.') :]}"
         if rest.startswith("shared_head_norm."):
-            return f"{mtp}.shared_head.norm.{rest[len('shared_head_norm.'):]}"
+            return f"{mtp}.shared_head.norm.{rest[len('shared_head_norm.') :]}"
         return f"{mtp}.{rest}"
     if name.startswith("lm_head"):
         return name

@@ -74,8 +74,13 @@ FP8_QUANT_CONFIG = {
     "weight_block_size": [128, 128],
 }
 
-GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
-                     "temperature": 0.6, "top_p": 0.95}
+GENERATION_CONFIG = {
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_p": 0.95,
+}
 
 
 def _attn_shapes(c: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
@@ -127,9 +132,16 @@ def checkpoint_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes.update(_layer_shapes(c, i))
     if c.get("num_nextn_predict_layers", 0):
         p = f"model.layers.{n}"
-        shapes.update({f"{p}.enorm.weight": (h,), f"{p}.hnorm.weight": (h,),
-                       f"{p}.eh_proj.weight": (h, 2 * h), f"{p}.embed_tokens.weight": (v, h),
-                       f"{p}.shared_head.norm.weight": (h,), f"{p}.shared_head.head.weight": (v, h)})
+        shapes.update(
+            {
+                f"{p}.enorm.weight": (h,),
+                f"{p}.hnorm.weight": (h,),
+                f"{p}.eh_proj.weight": (h, 2 * h),
+                f"{p}.embed_tokens.weight": (v, h),
+                f"{p}.shared_head.norm.weight": (h,),
+                f"{p}.shared_head.head.weight": (v, h),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (v, h)
     return shapes
@@ -137,8 +149,13 @@ def checkpoint_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def _is_quantized(name: str) -> bool:
     """FP8 in DeepSeek's checkpoints: every 2-D projection except router, eh_proj, heads."""
-    bf16 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "eh_proj.weight",
-            "shared_head.head.weight")
+    bf16 = (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "mlp.gate.weight",
+        "eh_proj.weight",
+        "shared_head.head.weight",
+    )
     return name.endswith(("proj.weight", "proj_with_mqa.weight")) and not name.endswith(bf16)
 
 

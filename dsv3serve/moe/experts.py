@@ -30,11 +30,15 @@ class FusedExperts(nn.Module):
         self.w2_scale_inv: nn.Parameter | None = None
         if fp8:
             if inter % BLOCK:
-                raise ValueError(f"moe_intermediate_size must be a multiple of {BLOCK}, got {inter}")
+                raise ValueError(
+                    f"moe_intermediate_size must be a multiple of {BLOCK}, got {inter}"
+                )
             self.w13_scale_inv = _param(
                 (num_experts, _blocks(2 * inter), _blocks(hidden)), torch.float32
             )
-            self.w2_scale_inv = _param((num_experts, _blocks(hidden), _blocks(inter)), torch.float32)
+            self.w2_scale_inv = _param(
+                (num_experts, _blocks(hidden), _blocks(inter)), torch.float32
+            )
 
     @property
     def is_fp8(self) -> bool:
@@ -52,6 +56,8 @@ class FusedExperts(nn.Module):
             if self.w13_scale_inv is not None and self.w2_scale_inv is not None:
                 s13 = self.w13_scale_inv
                 targets[f"{base}.gate_proj.weight_scale_inv"] = LoadTarget(s13, (e, slice(0, bi)))
-                targets[f"{base}.up_proj.weight_scale_inv"] = LoadTarget(s13, (e, slice(bi, 2 * bi)))
+                targets[f"{base}.up_proj.weight_scale_inv"] = LoadTarget(
+                    s13, (e, slice(bi, 2 * bi))
+                )
                 targets[f"{base}.down_proj.weight_scale_inv"] = LoadTarget(self.w2_scale_inv, (e,))
         return targets

@@ -36,8 +36,12 @@ class TorchRefMoE(MoEBackend):
         hit = torch.unique(flat_ids).tolist()
         for e in hit:
             token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            out.index_add_(0, token_idx, self._expert(x[token_idx], e, experts).float()
-                           * topk_weights[token_idx, slot, None])
+            out.index_add_(
+                0,
+                token_idx,
+                self._expert(x[token_idx], e, experts).float()
+                * topk_weights[token_idx, slot, None],
+            )
         return out.to(x.dtype)
 
     def _expert(self, x: torch.Tensor, e: int, ex: FusedExperts) -> torch.Tensor:
