@@ -1,8 +1,9 @@
 """The engine: scheduler + model runner + sampler + detokenizer, one ``step()`` at a time.
 
-``step()`` is split into prepare (CPU: schedule, build metadata), run (device: forward and
-sample) and process (CPU: stop checks, detokenize). With an overlap scheduler the prepare
-of step n+1 runs while the device works on step n; on CPU the three run back to back.
+A step is schedule (CPU), run (device: forward and sample), then process (CPU: stop checks,
+detokenize). They run back to back: there is no overlap scheduler yet. Overlapping step
+n+1's scheduling with step n's device work needs placeholders for step n's sampled tokens,
+which the scheduler does not have yet.
 """
 
 from __future__ import annotations
