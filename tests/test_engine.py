@@ -232,6 +232,12 @@ def test_bad_requests_are_rejected_cleanly() -> None:
         engine.add_request(Request("oov", prompt_ids=[10**7]))
     assert not engine.has_unfinished()
     assert engine.scheduler.kv.free_pages == engine.scheduler.kv.num_pages
+    engine.add_request(Request("dup", GREEDY, prompt_ids=[5, 6, 7]))
+    with pytest.raises(InvalidRequestError, match="already running"):
+        engine.add_request(Request("dup", GREEDY, prompt_ids=[5, 6, 7]))
+    drain(engine)
+    engine.scheduler.kv.evict_all()
+    assert engine.scheduler.kv.free_pages == engine.scheduler.kv.num_pages
 
 
 def test_min_new_tokens_blocks_eos() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,22 +115,29 @@ class Engine:
 
     def add_request(self, req: Request, prefill_only: bool = False) -> None:
         """Queue ``req``; raises InvalidRequestError / ContextLengthError before any work."""
-        if any(s.seq.request_id == req.request_id for s in self._states.values()):
-            raise InvalidRequestError(f"request id {req.request_id!r} is already running")
+        self._check_new_id(req.request_id)
         if prefill_only and req.params.n != 1:
             raise InvalidRequestError("prefill-only requests take n=1")
         prompt = self._prompt_ids(req)
         for i in range(req.params.n):
-            seq = Sequence(
-                seq_id=f"{req.request_id}#{i}",
-                prompt_ids=prompt,
-                max_new_tokens=req.params.max_new_tokens,
-                request_id=req.request_id,
-                salt=req.salt,
-                prefill_only=prefill_only,
-            )
+            seq = self._new_sequence(req, i, prompt, prefill_only=prefill_only)
             self.scheduler.add(seq)  # the first may raise ContextLengthError; all share it
             self._track(seq, i, req.params, prompt)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if any(s.seq.request_id == request_id for s in self._states.values()):
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+
+    @staticmethod
+    def _new_sequence(req: Request, index: int, prompt: list[int], **extra: Any) -> Sequence:
+        return Sequence(
+            seq_id=f"{req.request_id}#{index}",
+            prompt_ids=prompt,
+            max_new_tokens=req.params.max_new_tokens,
+            request_id=req.request_id,
+            salt=req.salt,
+            **extra,
+        )
 
     def _track(self, seq: Sequence, index: int, params: SamplingParams, context: list[int]):
         seed = params.seed
@@ -316,14 +324,8 @@ class Engine:
 
     def import_kv(self, req: Request, first_token: int, pages: list[int]) -> None:
         """Decode side: continue ``req`` from KV already written into reserved ``pages``."""
+        self._check_new_id(req.request_id)
         prompt = self._prompt_ids(req)
-        seq = Sequence(
-            seq_id=f"{req.request_id}#0",
-            prompt_ids=prompt,
-            max_new_tokens=req.params.max_new_tokens,
-            request_id=req.request_id,
-            salt=req.salt,
-            output_ids=[first_token],
-        )
+        seq = self._new_sequence(req, 0, prompt, output_ids=[first_token])
         self.scheduler.add_prefilled(seq, pages)
         self._track(seq, 0, req.params, prompt + [first_token])
