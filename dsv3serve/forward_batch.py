@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,6 @@ class ForwardBatch:
     kv_indptr: list[int]
     logits_indices: torch.Tensor  # [N] rows of T whose logits are computed
     is_decode: bool
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

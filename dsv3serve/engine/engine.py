@@ -21,7 +21,7 @@ from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.scheduler import Scheduler
-from dsv3serve.engine.sequence import ScheduledBatch, SchedulerConfig, Sequence
+from dsv3serve.engine.sequence import SchedulerConfig, Sequence
 from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from dsv3serve.tokenizer.tokenizer import Tokenizer
@@ -188,7 +188,7 @@ class Engine:
                     )
                 },
             )
-            outputs += self._process(batch, result, sampled)
+            outputs += self._process(result, sampled)
         outputs += self._scheduler_finished()
         return outputs
 
@@ -220,8 +220,7 @@ class Engine:
             logits[i, banned] = float("-inf")
         return logits
 
-    def _process(self, batch: ScheduledBatch, result: StepResult, out: SampleOutput):
-        del batch
+    def _process(self, result: StepResult, out: SampleOutput) -> list[TokenOutput]:
         outputs = []
         logprobs = out.logprobs.tolist()
         tops = None
