@@ -1,10 +1,11 @@
-"""``dsv3serve generate`` and ``dsv3serve bench one-batch``."""
+"""``dsv3serve serve``, ``dsv3serve generate`` and ``dsv3serve bench one-batch``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from dsv3serve.engine.config import EngineConfig
@@ -91,9 +92,27 @@ def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from router.launch import run
+
+    return run(args.config, args.port, args.check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv3serve")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start a local Ray cluster and the serving app")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a Serve deploy YAML (see deploy/); default: the tiny PD app on CPU",
+    )
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (overrides the file)")
+    serve.add_argument(
+        "--check", action="store_true", help="answer one chat completion, then stop"
+    )
+    serve.set_defaults(func=_cmd_serve)
     gen = sub.add_parser("generate", help="offline generation")
     _engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True)

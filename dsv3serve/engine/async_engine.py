@@ -4,39 +4,90 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
-from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.engine.request import Request, TokenOutput
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
-    """``generate(req)`` yields TokenOutputs; leaving the iterator early aborts the request."""
+    """``generate(req)`` yields TokenOutputs; leaving the iterator early aborts the request.
+
+    Every engine call goes through one lock: the step loop runs in a worker thread while
+    requests arrive on the event loop.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()  # engine calls come from the loop and a worker thread
+        self._lock = threading.Lock()
         self._queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._loop_task: asyncio.Task[None] | None = None
 
+    def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` under the engine lock (reserve, export, release, stats)."""
+        with self._lock:
+            return fn(self.engine)
+
     async def generate(self, req: Request) -> AsyncIterator[TokenOutput]:
         """Stream outputs of all ``n`` sequences of ``req`` until each has finished."""
+        async for out in self._stream(req, lambda e: e.add_request(req), req.params.n):
+            yield out
+
+    async def generate_imported(
+        self,
+        req: Request,
+        first_token: int,
+        pages: list[int],
+        first_logprob: float = 0.0,
+        first_top: dict[int, float] | None = None,
+    ) -> AsyncIterator[TokenOutput]:
+        """Decode side of PD: stream ``req`` on from KV already in reserved ``pages``."""
+
+        def admit(engine: Engine) -> None:
+            engine.import_kv(req, first_token, pages, first_logprob, first_top)
+
+        async for out in self._stream(req, admit, 1):
+            yield out
+
+    async def prefill(self, req: Request) -> tuple[TokenOutput, KVExport | None]:
+        """Prefill side of PD: run ``req`` (n=1) to its first token and keep its KV.
+
+        Returns the first output and the export, or None when the first token already
+        finished the request. Cancellation aborts the request and frees its pages.
+        """
+        stream = self._stream(req, lambda e: e.add_request(req, prefill_only=True), 1)
+        try:
+            first = await stream.__anext__()
+            if first.finished:
+                return first, None
+            return first, self.call(lambda e: e.export_kv(req.request_id))
+        finally:
+            await stream.aclose()  # a prefill-only stream stays open: closing would abort
+
+    async def _stream(
+        self, req: Request, admit: Callable[[Engine], None], n: int
+    ) -> AsyncIterator[TokenOutput]:
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(req)  # raises before anything is queued
+        self.call(admit)  # raises before anything is queued
         self._queues[req.request_id] = queue
         self._ensure_loop()
-        remaining = req.params.n
+        remaining, completed = n, False
         try:
             while remaining:
                 out = await queue.get()
                 remaining -= int(out.finished)
                 yield out
+            completed = True
         finally:
             self._queues.pop(req.request_id, None)
-            if remaining:
-                with self._lock:
-                    self.engine.abort(req.request_id)
+            if not completed and not self._is_exported(req.request_id):
+                self.call(lambda e: e.abort(req.request_id))
+
+    def _is_exported(self, request_id: str) -> bool:
+        return self.call(lambda e: e.has_export(request_id))
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():

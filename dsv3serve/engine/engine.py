@@ -307,6 +307,10 @@ class Engine:
             raise KeyError(f"request {request_id!r} has no exported KV (not prefilled here?)")
         return self._exports[request_id]
 
+    def has_export(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a prefilled request whose pages wait for a pull."""
+        return request_id in self._exports
+
     def release_export(self, request_id: str) -> None:
         """Prefill side: free the exported pages once the decode side has them."""
         self._exports.pop(request_id, None)
@@ -321,10 +325,24 @@ class Engine:
     def release_reservation(self, pages: list[int]) -> None:
         self.scheduler.release_reservation(pages)
 
-    def import_kv(self, req: Request, first_token: int, pages: list[int]) -> None:
-        """Decode side: continue ``req`` from KV already written into reserved ``pages``."""
+    def import_kv(
+        self,
+        req: Request,
+        first_token: int,
+        pages: list[int],
+        first_logprob: float = 0.0,
+        first_top: dict[int, float] | None = None,
+    ) -> None:
+        """Decode side: continue ``req`` from KV already written into reserved ``pages``.
+
+        The first token (sampled by the prefill side, with its logprobs) is emitted here
+        as the request's first output, through this engine's detokenizer and stop-string
+        matcher, so the decode stream carries every output token and no text is lost at
+        the handoff.
+        """
         self._check_new_id(req.request_id)
         prompt = self._prompt_ids(req)
         seq = self._new_sequence(req, 0, prompt, output_ids=[first_token])
         self.scheduler.add_prefilled(seq, pages)
-        self._track(seq, 0, req.params, prompt + [first_token])
+        self._track(seq, 0, req.params, prompt)
+        self._pending.append(self._emit(self._states[seq.seq_id], first_logprob, first_top or {}))

@@ -1,0 +1,130 @@
+"""The Ray Serve application: the router ingress and one deployment per worker replica.
+
+``build_app`` is the Serve app builder named by the configs in ``deploy/``
+(``import_path: router.app:build_app``); its ``args`` are a :class:`ServingConfig`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from router.colocated import ColocatedBackend
+from router.config import RoleGroup, ServingConfig
+from router.openai_api import APIConfig, OpenAIServer
+from router.pd import PDBackend
+from router.policy import ReplicaSet
+from workers.deployments import EngineWorker
+from workers.protocol import WorkerInfo, decode
+from workers.protocol import Role
+
+ROUTER_NAME = "router"
+ingress = FastAPI(title="dsv3serve", docs_url=None, redoc_url=None)
+
+
+def replica_name(role: Role, index: int) -> str:
+    """The deployment name of one worker replica, e.g. ``prefill-0``."""
+    return f"{role}-{index}"
+
+
+@serve.deployment(name=ROUTER_NAME, max_ongoing_requests=4096)
+@serve.ingress(ingress)
+class Router:
+    """OpenAI-compatible HTTP front end over the PD or colocated backend."""
+
+    def __init__(self, config_json: str, workers: dict[str, list[DeploymentHandle]]) -> None:
+        self.cfg = ServingConfig.model_validate_json(config_json)
+        self._workers = workers
+        self._server: OpenAIServer | None = None
+        self._init_lock = asyncio.Lock()
+
+    async def server(self) -> OpenAIServer:
+        """The HTTP logic, built on first use once a worker has reported its limits."""
+        async with self._init_lock:
+            if self._server is None:
+                self._server = await self._build_server()
+        return self._server
+
+    async def _build_server(self) -> OpenAIServer:
+        from dsv3serve.tokenizer.locate import tokenizer_dir
+        from dsv3serve.tokenizer.tokenizer import Tokenizer
+
+        roles = self.cfg.roles()
+        info = decode(WorkerInfo, await self._workers[roles[-1]][0].info.remote())
+        sets = {
+            role: ReplicaSet(
+                [replica_name(role, i) for i in range(len(self._workers[role]))],
+                self._workers[role],
+            )
+            for role in roles
+        }
+        settings = self.cfg.router
+        backend: Any
+        if self.cfg.mode == "pd":
+            backend = PDBackend(sets["prefill"], sets["decode"], settings, info.page_size)
+        else:
+            backend = ColocatedBackend(sets["colocated"])
+        api = APIConfig(
+            served_model_name=settings.served_model_name,
+            max_model_len=info.max_model_len,
+            max_in_flight=settings.max_in_flight,
+            max_body_bytes=settings.max_body_bytes,
+        )
+        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model))
+        return OpenAIServer(api, tokenizer, backend)
+
+    @ingress.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await (await self.server()).chat_completions(request)
+
+    @ingress.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await (await self.server()).completions(request)
+
+    @ingress.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await (await self.server()).models(request)
+
+    @ingress.get("/health")
+    async def health(self, request: Request) -> Response:
+        return await (await self.server()).health(request)
+
+
+def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
+    group = getattr(cfg, role)
+    options: dict[str, Any] = {
+        "name": replica_name(role, index),
+        "num_replicas": 1,
+        "ray_actor_options": {
+            "num_cpus": group.num_cpus,
+            "num_gpus": group.num_gpus,
+            "resources": dict(group.resources),
+        },
+    }
+    if group.group_size > 1:
+        options["placement_group_bundles"] = _bundles(group)
+        options["placement_group_strategy"] = "PACK"
+    return EngineWorker.options(**options).bind(cfg.worker_config(role).model_dump_json())
+
+
+def _bundles(group: RoleGroup) -> list[dict[str, float]]:
+    """One bundle per rank; rank 0 is the replica itself."""
+    bundle = {"CPU": max(group.num_cpus, 0.01), **group.resources}
+    if group.num_gpus:
+        bundle["GPU"] = group.num_gpus
+    return [dict(bundle) for _ in range(group.group_size)]
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Serve app builder: validate ``args`` as a ServingConfig and bind the deployments."""
+    cfg = args if isinstance(args, ServingConfig) else ServingConfig.parse(dict(args))
+    workers = {
+        role: [_worker_app(cfg, role, i) for i in range(getattr(cfg, role).num_replicas)]
+        for role in cfg.roles()
+    }
+    return Router.bind(cfg.model_dump_json(), workers)

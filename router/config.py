@@ -1,0 +1,102 @@
+"""The serving app's configuration: one pydantic object, from a YAML file or app args."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dsv3serve.engine.config import EngineConfig
+from router.policy import Policy
+from workers.config import WorkerConfig
+from workers.protocol import Role
+
+
+class ConfigError(ValueError):
+    """An invalid serving config; the message names each bad field."""
+
+
+class RoleGroup(BaseModel):
+    """The replicas of one role and the resources of each."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_replicas: int = Field(1, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    group_size: int = Field(1, ge=1, description="ranks (devices) per replica")
+    resources: dict[str, float] = Field(
+        {}, description="custom Ray resources per rank, e.g. {'decode_node': 1} to pin a node"
+    )
+    engine: dict[str, Any] = Field({}, description="EngineConfig fields for this role only")
+
+
+class RouterSettings(BaseModel):
+    """HTTP front end, admission and PD orchestration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    served_model_name: str = "deepseek-v3"
+    max_in_flight: int = Field(256, ge=1, description="admitted requests; more get 429")
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    policy: Policy = "prefix_affinity"
+    prefix_affinity_pages: int = Field(4, ge=1)
+    affinity_imbalance_tokens: int = Field(32768, ge=0)
+    prefill_timeout_s: float = Field(30.0, gt=0)
+    max_prefill_attempts: int = Field(2, ge=1)
+    reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
+
+
+class ServingConfig(BaseModel):
+    """Everything ``build_app`` needs: the engine, the groups, transfer and routing."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["pd", "colocated"] = "pd"
+    engine: EngineConfig
+    prefill: RoleGroup = RoleGroup()
+    decode: RoleGroup = RoleGroup()
+    colocated: RoleGroup = RoleGroup()
+    kv_connector: Literal["shm", "torch_dist", "nixl"] = "shm"
+    kv_connector_options: dict[str, Any] = {}
+    kv_lease_s: float = Field(30.0, gt=0, description="staged KV is freed if not pulled")
+    torch_threads: int | None = Field(None, ge=1)
+    router: RouterSettings = RouterSettings()
+    test_prefill_delay_s: float = Field(0.0, ge=0, description="fault injection, tests only")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServingConfig:
+        roles = ("prefill", "decode") if self.mode == "pd" else ("colocated",)
+        for role in roles:
+            if getattr(self, role).num_replicas < 1:
+                raise ValueError(f"{role}.num_replicas: mode {self.mode} needs at least 1")
+        return self
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> ServingConfig:
+        """Validate ``data``; raises ConfigError naming every bad field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = [
+                f"{'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors()
+            ]
+            raise ConfigError("invalid serving config: " + "; ".join(problems)) from None
+
+    def roles(self) -> tuple[Role, ...]:
+        return ("prefill", "decode") if self.mode == "pd" else ("colocated",)
+
+    def worker_config(self, role: Role) -> WorkerConfig:
+        """The WorkerConfig of ``role``'s replicas (shared engine + role overrides)."""
+        group: RoleGroup = getattr(self, role)
+        engine = EngineConfig.model_validate({**self.engine.model_dump(), **group.engine})
+        return WorkerConfig(
+            role=role,
+            engine=engine,
+            kv_connector=self.kv_connector,
+            kv_connector_options=self.kv_connector_options,
+            kv_lease_s=self.kv_lease_s,
+            torch_threads=self.torch_threads,
+            group_size=group.group_size,
+            test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
+        )

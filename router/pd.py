@@ -1,0 +1,272 @@
+"""Prefill/decode orchestration: reserve on decode, prefill, hand the KV over, stream.
+
+Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
+
+1. reserve pages on a decode replica (least outstanding first); no room anywhere within
+   ``reserve_wait_s`` is a 429;
+2. prefill on a prefill replica chosen by policy; a replica that dies or times out is
+   retried on the next, up to ``max_prefill_attempts``, else 503;
+3. the decode replica pulls the KV (the handle names the staged pages) and streams every
+   output token, the first included; the prefill side's staging is released as soon as
+   decode answers, or by its lease.
+
+Every exit path (finish, error, client disconnect) gives back the reservation, the staged
+KV and the router's own load accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from router.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
+from router.config import RouterSettings
+from router.policy import ReplicaSet, prefill_order
+from workers.protocol import (
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    ReserveResult,
+    TokenChunk,
+    WorkerLoad,
+    encode,
+)
+from workers.protocol import decode as parse
+
+RESERVE_RETRY_S = 0.05
+HEALTH_TIMEOUT_S = 2.0
+
+
+def _work_tokens(req: GenerateRequest) -> int:
+    return len(req.prompt_ids) + req.params.max_new_tokens
+
+
+class Background:
+    """Fire-and-forget remote calls that must still run (releases, cancellations)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def submit(self, call: Awaitable[Any]) -> None:
+        async def quiet() -> None:
+            try:
+                await call
+            except Exception:  # the lease frees it if the release is lost
+                pass
+
+        task = asyncio.get_running_loop().create_task(quiet())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class PDBackend:
+    """GenerationBackend over prefill and decode replica sets (Serve handles)."""
+
+    def __init__(
+        self, prefill: ReplicaSet, decode: ReplicaSet, settings: RouterSettings, page_size: int
+    ) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.settings = settings
+        self.page_size = page_size
+        self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
+        self._bg = Background()
+
+    # ---- GenerationBackend -------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Stream every sequence of ``req``; n > 1 runs n PD requests side by side."""
+        if req.params.n == 1:
+            async for chunk in self._one(req):
+                yield chunk
+            return
+        async for chunk in fan_out(req, self._one):
+            yield chunk
+
+    async def is_healthy(self) -> bool:
+        """At least one prefill and one decode replica answer within two seconds."""
+        ok = await asyncio.gather(any_alive(self.prefill), any_alive(self.decode))
+        return all(ok)
+
+    # ---- one sequence ------------------------------------------------------------------
+    async def _one(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        d = await self._reserve(req)
+        tokens = _work_tokens(req)
+        self.decode.acquire(d, tokens)
+        try:
+            try:
+                result, p = await self._prefill(req)
+            except BaseException:
+                self._cancel_reservation(d, req.request_id)
+                raise
+            if result.kv is None:
+                self._cancel_reservation(d, req.request_id)
+                if result.first.error is not None:
+                    raise error_from_chunk(result.first)
+                yield result.first
+                return
+            async for chunk in self._decode(d, p, req, result):
+                yield chunk
+        finally:
+            self.decode.release(d, tokens)
+
+    def _cancel_reservation(self, d: int, request_id: str) -> None:
+        self._bg.submit(self.decode.handles[d].cancel_reservation.remote(request_id))
+
+    async def _reserve(self, req: GenerateRequest) -> int:
+        """Reserve KV room on the least loaded decode replica that has it."""
+        msg = encode(ReserveRequest(request_id=req.request_id, num_tokens=len(req.prompt_ids),
+                                    lease_s=self.lease_s))
+        deadline = time.monotonic() + self.settings.reserve_wait_s
+        while True:
+            for d in self.decode.by_load():
+                try:
+                    raw = await self.decode.handles[d].reserve.remote(msg)
+                except Exception:
+                    continue  # a dead decode replica: try the next
+                if parse(ReserveResult, raw).ok:
+                    return d
+            if time.monotonic() >= deadline:
+                raise BackendOverloaded("no decode replica has KV cache room; retry later")
+            await asyncio.sleep(RESERVE_RETRY_S)
+
+    async def _prefill(self, req: GenerateRequest) -> tuple[PrefillResult, int]:
+        """Prefill on the policy's replica, retrying others when one fails or times out."""
+        s = self.settings
+        order = prefill_order(
+            self.prefill, req.prompt_ids, s.policy,
+            s.prefix_affinity_pages * self.page_size, s.affinity_imbalance_tokens,
+        )
+        msg = encode(PrefillRequest(request=req))
+        failures: list[str] = []
+        for attempt in range(s.max_prefill_attempts):
+            p = order[attempt % len(order)]
+            try:
+                return await self._prefill_on(p, msg, len(req.prompt_ids)), p
+            except TimeoutError as exc:
+                failures.append(f"{self.prefill.names[p]}: timed out ({exc})")
+            except BackendError:
+                raise
+            except Exception as exc:  # the replica died or its call failed
+                failures.append(f"{self.prefill.names[p]}: {type(exc).__name__}")
+            self._bg.submit(self.prefill.handles[p].release_kv.remote(req.request_id))
+        raise BackendUnavailable("prefill failed: " + "; ".join(failures))
+
+    async def _prefill_on(self, p: int, msg: bytes, tokens: int) -> PrefillResult:
+        self.prefill.acquire(p, tokens)
+        response = self.prefill.handles[p].prefill.remote(msg)
+        try:
+            raw = await asyncio.wait_for(_await(response), self.settings.prefill_timeout_s)
+        except BaseException:
+            response.cancel()  # aborts the prefill on the replica if it is still there
+            raise
+        finally:
+            self.prefill.release(p, tokens)
+        return parse(PrefillResult, raw)
+
+    async def _decode(
+        self, d: int, p: int, req: GenerateRequest, result: PrefillResult
+    ) -> AsyncIterator[TokenChunk]:
+        first = result.first
+        msg = DecodeRequest(
+            request=req,
+            first_token=first.token_ids[0],
+            first_logprob=first.logprobs[0] if first.logprobs else 0.0,
+            first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
+            kv=result.kv,
+        )
+        stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
+        released, seen = False, 0
+        try:
+            async for raw in stream:
+                if not released:
+                    released = True
+                    self._bg.submit(self.prefill.handles[p].release_kv.remote(req.request_id))
+                chunk = parse(TokenChunk, raw)
+                if chunk.error is not None and seen == 0:
+                    raise error_from_chunk(chunk)
+                seen += 1
+                yield chunk
+        except (BackendError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # the decode replica died mid-stream
+            if seen == 0:
+                raise BackendUnavailable(f"decode failed: {type(exc).__name__}") from None
+            yield TokenChunk(
+                request_id=req.request_id, finished=True, finish_reason="error",
+                error=f"decode replica failed: {type(exc).__name__}", error_status=503,
+            )
+        finally:
+            if not released:
+                self._bg.submit(self.prefill.handles[p].release_kv.remote(req.request_id))
+            stream.cancel()
+
+
+async def _await(response: Any) -> Any:
+    return await response
+
+
+async def any_alive(replicas: ReplicaSet) -> bool:
+    """Whether any replica of the set answers ``load`` in time."""
+
+    async def ping(handle: Any) -> bool:
+        try:
+            raw = await asyncio.wait_for(_await(handle.load.remote()), HEALTH_TIMEOUT_S)
+            parse(WorkerLoad, raw)
+            return True
+        except Exception:
+            return False
+
+    return any(await asyncio.gather(*(ping(h) for h in replicas.handles)))
+
+
+def sub_request(req: GenerateRequest, index: int) -> GenerateRequest:
+    """Sequence ``index`` of an n>1 request as its own n=1 request (seed + index)."""
+    seed = req.params.seed
+    params = req.params.model_copy(
+        update={"n": 1, "seed": None if seed is None else seed + index}
+    )
+    return GenerateRequest(
+        request_id=f"{req.request_id}-{index}", prompt_ids=req.prompt_ids, params=params
+    )
+
+
+async def fan_out(
+    req: GenerateRequest, one: Any
+) -> AsyncIterator[TokenChunk]:
+    """Run n sub-requests through ``one`` and merge their chunks (index = sequence).
+
+    An error before any chunk was yielded is raised; later errors arrive in-band.
+    """
+    queue: asyncio.Queue[tuple[int, TokenChunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for chunk in one(sub_request(req, i)):
+                await queue.put((i, chunk))
+            await queue.put((i, None))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(req.params.n)]
+    done, yielded = 0, False
+    try:
+        while done < len(tasks):
+            i, item = await queue.get()
+            if item is None:
+                done += 1
+                continue
+            if isinstance(item, BaseException):
+                if not yielded:
+                    raise item
+                done += 1
+                item = TokenChunk(request_id=req.request_id, finished=True,
+                                  finish_reason="error", error=str(item), error_status=500)
+            yielded = True
+            yield item.model_copy(update={"index": i, "request_id": req.request_id})
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,71 @@
+"""Replica choice: least outstanding tokens, and prefix affinity for prefill."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Literal
+
+Policy = Literal["least_outstanding", "prefix_affinity"]
+
+
+class ReplicaSet:
+    """The replicas of one role, with the tokens this router has outstanding on each.
+
+    The count is this router's own view (requests it sent and has not seen finish); with
+    several router replicas each balances its own share.
+    """
+
+    def __init__(self, names: Sequence[str], handles: Sequence[Any]) -> None:
+        if len(names) != len(handles):
+            raise ValueError("one name per handle")
+        self.names = list(names)
+        self.handles = list(handles)
+        self.outstanding = [0] * len(handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def by_load(self) -> list[int]:
+        """Replica indices, least outstanding tokens first (ties: lowest index)."""
+        return sorted(range(len(self)), key=lambda i: (self.outstanding[i], i))
+
+    def acquire(self, index: int, tokens: int) -> None:
+        self.outstanding[index] += tokens
+
+    def release(self, index: int, tokens: int) -> None:
+        self.outstanding[index] -= tokens
+
+
+def affinity_index(prompt_ids: Sequence[int], block_tokens: int, num_replicas: int) -> int | None:
+    """The replica a prompt's leading ``block_tokens`` tokens map to (None: prompt too short).
+
+    A stable hash (not Python's salted ``hash``), so every router replica agrees.
+    """
+    if len(prompt_ids) < block_tokens or num_replicas == 0:
+        return None
+    lead = ",".join(map(str, prompt_ids[:block_tokens])).encode()
+    digest = hashlib.blake2b(lead, digest_size=8).digest()
+    return int.from_bytes(digest, "little") % num_replicas
+
+
+def prefill_order(
+    replicas: ReplicaSet,
+    prompt_ids: Sequence[int],
+    policy: Policy,
+    block_tokens: int,
+    imbalance_tokens: int,
+) -> list[int]:
+    """Prefill replicas to try, best first: the affine one (if any), then by load.
+
+    Affinity yields to load when the affine replica has more than ``imbalance_tokens``
+    outstanding beyond the least loaded one (a hot prefix must not pin one replica).
+    """
+    order = replicas.by_load()
+    if policy == "prefix_affinity":
+        home = affinity_index(prompt_ids, block_tokens, len(replicas))
+        lightest = replicas.outstanding[order[0]]
+        if home is not None and replicas.outstanding[home] - lightest <= imbalance_tokens:
+            order.remove(home)
+            order.insert(0, home)
+    return order

@@ -1,0 +1,28 @@
+"""Configuration of one worker group (a prefill, decode or colocated replica)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsv3serve.engine.config import EngineConfig
+from workers.protocol import Role
+
+
+class WorkerConfig(BaseModel):
+    """One replica's role, engine and KV-transfer settings, validated once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    engine: EngineConfig
+    kv_connector: Literal["shm", "torch_dist", "nixl"] = "shm"
+    kv_connector_options: dict[str, Any] = {}
+    # prefill: staged KV not pulled within this many seconds is freed
+    kv_lease_s: float = Field(30.0, gt=0)
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    # ranks of the group: one engine over group_size devices (placement group bundles)
+    group_size: int = Field(1, ge=1)
+    # Fault injection for tests only: sleep this long before each prefill.
+    test_prefill_delay_s: float = Field(0.0, ge=0)

@@ -1,0 +1,71 @@
+"""The Ray Serve deployment that wraps an :class:`~workers.host.EngineHost`.
+
+One class serves every role; the app builder names one deployment per replica
+(``prefill-0``, ``decode-1``, ...) so the router can choose the replica. Messages in
+and out are JSON bytes validated on arrival (``workers.protocol``). torch and the engine
+are imported inside the replica only, so the router process never loads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from workers.config import WorkerConfig
+from workers.protocol import DecodeRequest, GenerateRequest, PrefillRequest, ReserveRequest
+from workers.protocol import decode as parse
+from workers.protocol import encode
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
+class EngineWorker:
+    """A prefill, decode or colocated engine replica."""
+
+    def __init__(self, config_json: str) -> None:
+        from workers.host import EngineHost
+
+        self.host = EngineHost(resolve_host(WorkerConfig.model_validate_json(config_json)))
+
+    async def info(self) -> bytes:
+        return encode(self.host.info())
+
+    async def load(self) -> bytes:
+        return encode(self.host.load())
+
+    async def stats(self) -> bytes:
+        return encode(self.host.stats())
+
+    async def generate(self, data: bytes) -> AsyncIterator[bytes]:
+        """Colocated: stream TokenChunks of the whole request."""
+        async for chunk in self.host.generate(parse(GenerateRequest, data)):
+            yield encode(chunk)
+
+    async def prefill(self, data: bytes) -> bytes:
+        """Prefill role: PrefillRequest in, PrefillResult out."""
+        return encode(await self.host.prefill(parse(PrefillRequest, data)))
+
+    async def release_kv(self, request_id: str) -> None:
+        self.host.release_kv(request_id)
+
+    async def reserve(self, data: bytes) -> bytes:
+        """Decode role: ReserveRequest in, ReserveResult out."""
+        return encode(self.host.reserve(parse(ReserveRequest, data)))
+
+    async def cancel_reservation(self, request_id: str) -> None:
+        self.host.cancel_reservation(request_id)
+
+    async def decode(self, data: bytes) -> AsyncIterator[bytes]:
+        """Decode role: pull the KV, then stream TokenChunks."""
+        async for chunk in self.host.decode(parse(DecodeRequest, data)):
+            yield encode(chunk)
+
+
+def resolve_host(cfg: WorkerConfig) -> WorkerConfig:
+    """``kv_connector_options.host: auto`` becomes this node's cluster IP."""
+    if cfg.kv_connector_options.get("host") != "auto":
+        return cfg
+    import ray
+
+    options = {**cfg.kv_connector_options, "host": ray.util.get_node_ip_address()}
+    return cfg.model_copy(update={"kv_connector_options": options})

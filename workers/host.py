@@ -1,0 +1,240 @@
+"""One replica's engine and its PD duties, without Ray: the deployments wrap this.
+
+A host runs the engine loop, stages prefilled KV for a pull (prefill role), holds page
+reservations for incoming KV (decode role), and frees both when their lease runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import torch
+
+from dsv3serve.engine.async_engine import AsyncEngine
+from dsv3serve.engine.engine import Engine, InvalidRequestError
+from dsv3serve.engine.request import Request
+from dsv3serve.engine.sequence import ContextLengthError
+from dsv3serve.kvcache.allocator import pages_for_tokens
+from kv_transfer.handle import KVHandle, TransferError
+from workers.config import WorkerConfig
+from workers.convert import chunk_from_output
+from workers.leases import LeaseTable
+from workers.protocol import (
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    ReserveResult,
+    TokenChunk,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerStats,
+)
+
+REAP_INTERVAL_S = 0.2
+_REFUSED = (InvalidRequestError, ContextLengthError)
+
+
+class WrongRoleError(RuntimeError):
+    """A call meant for another role (e.g. ``prefill`` on a decode replica)."""
+
+
+def _error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
+    return TokenChunk(
+        request_id=request_id,
+        finished=True,
+        finish_reason="error",
+        error=message,
+        error_status=status,
+    )
+
+
+def _engine_request(req: GenerateRequest) -> Request:
+    return Request(req.request_id, req.params, prompt_ids=list(req.prompt_ids))
+
+
+class EngineHost:
+    """The engine of one replica plus its staged KV and reservations."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.engine = Engine(cfg.engine)
+        self.aengine = AsyncEngine(self.engine)
+        self.connector = self._make_connector()
+        self._staged: LeaseTable[None] = LeaseTable(lambda rid, _: self._unstage(rid))
+        self._reserved: LeaseTable[list[int]] = LeaseTable(self._unreserve)
+        self._reaper: asyncio.Task[None] | None = None
+
+    def _make_connector(self) -> Any:
+        if self.cfg.role == "colocated":
+            return None
+        from kv_transfer.factory import create_kv_connector
+
+        pool = self.engine.runner.pool
+        return create_kv_connector(self.cfg.kv_connector, pool, **self.cfg.kv_connector_options)
+
+    def _require(self, role: str) -> None:
+        if self.cfg.role != role:
+            raise WrongRoleError(f"this replica's role is {self.cfg.role}, not {role}")
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            self._staged.expire()
+            self._reserved.expire()
+
+    # ---- introspection -------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        cfg = self.cfg.engine
+        max_len = cfg.max_model_len or self.engine.model_cfg.max_position_embeddings
+        return WorkerInfo(
+            role=self.cfg.role,
+            max_model_len=max_len,
+            page_size=cfg.page_size,
+            vocab_size=self.engine.model_cfg.vocab_size,
+        )
+
+    def load(self) -> WorkerLoad:
+        def read(e: Engine) -> WorkerLoad:
+            s = e.scheduler
+            return WorkerLoad(
+                role=self.cfg.role,
+                running=s.num_running,
+                waiting=s.num_waiting,
+                free_pages=s.kv.available_pages,
+                num_pages=s.kv.num_pages,
+            )
+
+        return self.aengine.call(read)
+
+    def stats(self) -> WorkerStats:
+        def read(e: Engine) -> WorkerStats:
+            kv = e.scheduler.kv
+            return WorkerStats(
+                role=self.cfg.role,
+                free_pages=kv.free_pages,
+                num_pages=kv.num_pages,
+                evictable_pages=kv.evictable_pages,
+                live_requests=len(e._states),
+                staged_kv=0 if self.connector is None else self.connector.staged(),
+                reservations=len(self._reserved),
+            )
+
+        return self.aengine.call(read)
+
+    # ---- colocated -------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Colocated serving: the whole request here; closing the stream aborts it."""
+        self._require("colocated")
+        try:
+            async with aclosing(self.aengine.generate(_engine_request(req))) as stream:
+                async for out in stream:
+                    yield chunk_from_output(out)
+        except _REFUSED as exc:
+            yield _error_chunk(req.request_id, str(exc), 400)
+
+    # ---- prefill ---------------------------------------------------------------------------
+    async def prefill(self, msg: PrefillRequest) -> PrefillResult:
+        """Prefill to the first token and stage the prompt's KV pages under a lease."""
+        self._require("prefill")
+        self._start_reaper()
+        req = msg.request
+        if self.cfg.test_prefill_delay_s:
+            await asyncio.sleep(self.cfg.test_prefill_delay_s)
+        try:
+            first, export = await self.aengine.prefill(_engine_request(req))
+        except _REFUSED as exc:
+            return PrefillResult(first=_error_chunk(req.request_id, str(exc), 400), kv=None)
+        if export is None:
+            return PrefillResult(first=chunk_from_output(first), kv=None)
+        num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
+        try:
+            handle = self.connector.publish(req.request_id, export.pages[:num_pages], len(req.prompt_ids))
+        except BaseException:
+            self._unstage(req.request_id)
+            raise
+        self._staged.add(req.request_id, None, self.cfg.kv_lease_s)
+        return PrefillResult(first=chunk_from_output(first), kv=handle)
+
+    def release_kv(self, request_id: str) -> None:
+        """The decode side has the KV (or gave up): free the staged pages. Idempotent."""
+        self._staged.take(request_id)
+        self._unstage(request_id)
+
+    def _unstage(self, request_id: str) -> None:
+        if self.connector is not None:
+            self.connector.release(request_id)
+        self.aengine.call(lambda e: e.release_export(request_id))
+
+    # ---- decode ----------------------------------------------------------------------------
+    def reserve(self, msg: ReserveRequest) -> ReserveResult:
+        """Admission on the decode side: hold pages for the incoming KV under a lease."""
+        self._require("decode")
+        pages = self.aengine.call(lambda e: e.reserve_kv(msg.num_tokens))
+        if pages is None:
+            return ReserveResult(ok=False)
+        self._unreserve(msg.request_id, self._reserved.take(msg.request_id))
+        self._reserved.add(msg.request_id, pages, msg.lease_s)
+        return ReserveResult(ok=True, num_pages=len(pages))
+
+    def cancel_reservation(self, request_id: str) -> None:
+        """Give back a reservation that will not be used. Idempotent."""
+        self._unreserve(request_id, self._reserved.take(request_id))
+
+    def _unreserve(self, request_id: str, pages: list[int] | None) -> None:
+        if pages:
+            self.aengine.call(lambda e: e.release_reservation(pages))
+
+    async def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
+        """Pull the KV into the reservation, then stream every output token."""
+        self._require("decode")
+        self._start_reaper()
+        rid = msg.request.request_id
+        pages = self._reserved.take(rid)
+        if pages is None:
+            yield _error_chunk(rid, "the KV reservation expired before the transfer", 503)
+            return
+        error = await self._receive(msg.kv, pages)
+        if error is not None:
+            yield _error_chunk(rid, error, 503)
+            return
+        top = dict(msg.first_top_logprobs)
+        stream = self.aengine.generate_imported(
+            _engine_request(msg.request), msg.first_token, pages, msg.first_logprob, top
+        )
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    yield chunk_from_output(out)
+        except _REFUSED as exc:
+            self._unreserve(rid, pages)
+            yield _error_chunk(rid, str(exc), 400)
+
+    async def _receive(self, handle: KVHandle, pages: list[int]) -> str | None:
+        """Pull ``handle`` into ``pages``; on failure free them and return the reason.
+
+        A cancelled caller does not interrupt the copy: the pages are freed only after
+        the transfer thread has stopped writing into them.
+        """
+        task = asyncio.ensure_future(
+            asyncio.to_thread(self.connector.receive, handle, pages[: handle.num_pages])
+        )
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda _: self._unreserve(handle.request_id, pages))
+            raise
+        except TransferError as exc:
+            self._unreserve(handle.request_id, pages)
+            return f"KV transfer failed: {exc}"
+        return None
