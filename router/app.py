@@ -4,7 +4,6 @@
 (``import_path: router.app:build_app``); its ``args`` are a :class:`ServingConfig`.
 """
 
-from __future__ import annotations
 
 import asyncio
 from typing import Any

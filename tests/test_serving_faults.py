@@ -1,0 +1,103 @@
+"""PD app under faults: a prefill replica killed mid-request, and overload (429).
+
+The app here has two prefill replicas that each wait ``test_prefill_delay_s`` before
+prefilling (fault injection), so a request is reliably in flight on a known replica.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import ray
+from serving_util import holds_nothing, local_serve, running_app, serving_config, wait_until
+from serving_util import worker_stats
+
+APP = "slow"
+DELAY_S = 2.0
+LEASE_S = 6.0
+MAX_IN_FLIGHT = 3
+MESSAGES = [{"role": "user", "content": "Count to ten."}]
+
+
+@pytest.fixture(scope="module")
+def app_url() -> Iterator[str]:
+    cfg = serving_config(
+        mode="pd",
+        prefill={"num_replicas": 2, "num_cpus": 0.5},
+        test_prefill_delay_s=DELAY_S,
+        kv_lease_s=LEASE_S,
+        router={
+            "served_model_name": "tiny",
+            "policy": "least_outstanding",
+            "max_in_flight": MAX_IN_FLIGHT,
+            "prefill_timeout_s": LEASE_S,
+            "max_prefill_attempts": 2,
+        },
+    )
+    with local_serve() as base, running_app(base, APP, cfg) as url:
+        yield url
+
+
+def chat(url: str, max_tokens: int = 8) -> str:
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    reply = c.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=max_tokens, temperature=0
+    )
+    return reply.choices[0].message.content or ""
+
+
+def replica_actor(app: str, deployment: str) -> ray.actor.ActorHandle:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if f"{app}#{deployment}#" in actor["name"]:
+            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+    raise LookupError(f"no replica actor of {app}/{deployment}")
+
+
+def test_killed_prefill_replica_is_retried_and_decode_keeps_serving(app_url: str) -> None:
+    expected = chat(app_url)  # both prefill replicas idle: least outstanding picks prefill-0
+    result: dict[str, object] = {}
+
+    def request() -> None:
+        start = time.monotonic()
+        try:
+            result["text"] = chat(app_url)
+        except openai.APIError as exc:
+            result["error"] = exc
+        result["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(DELAY_S / 2)  # the request now waits inside prefill-0's prefill
+    ray.kill(replica_actor(APP, "prefill-0"), no_restart=True)
+    thread.join(timeout=LEASE_S * 3)
+    assert not thread.is_alive(), "the request hung"
+    assert result.get("text") == expected, result  # retried on prefill-1
+    assert result["seconds"] < LEASE_S + 2 * DELAY_S + 5
+    assert chat(app_url) == expected  # decode keeps serving
+    for worker in ("decode-0", "prefill-1"):
+        assert wait_until(lambda w=worker: holds_nothing(worker_stats(APP, w)), LEASE_S)
+
+
+def test_overload_gets_429_fast_and_admitted_requests_succeed(app_url: str) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+
+    def post(_: int) -> tuple[int, float, httpx.Headers]:
+        start = time.monotonic()
+        response = httpx.post(f"{app_url}/v1/chat/completions", json=body, timeout=60)
+        return response.status_code, time.monotonic() - start, response.headers
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(post, range(12)))
+    ok = [r for r in results if r[0] == 200]
+    rejected = [r for r in results if r[0] == 429]
+    assert len(ok) + len(rejected) == 12, [r[0] for r in results]
+    assert len(ok) == MAX_IN_FLIGHT  # all 12 arrive before the first one can finish
+    assert all(seconds < DELAY_S for _, seconds, _ in rejected)  # before any prefill ends
+    assert all(int(headers["retry-after"]) >= 1 for _, _, headers in rejected)
+    assert chat(app_url)  # slots were released

@@ -1,0 +1,169 @@
+"""The PD and colocated apps on a real local Ray cluster, called over real HTTP.
+
+Router, prefill, KV transfer (shared memory) and decode all run as Ray Serve replicas;
+requests come from the official ``openai`` client and raw ``httpx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from serving_util import (
+    TINY_ENGINE,
+    holds_nothing,
+    local_serve,
+    running_app,
+    serving_config,
+    wait_until,
+    worker_stats,
+)
+
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.request import Request
+from dsv3serve.engine.sampling_params import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
+PD, COLOCATED = "pd", "colo"
+PD_WORKERS = ("prefill-0", "decode-0")
+
+
+@pytest.fixture(scope="module")
+def apps() -> Iterator[dict[str, str]]:
+    with (
+        local_serve() as base,
+        running_app(base, PD, serving_config(mode="pd")) as pd_url,
+        running_app(base, COLOCATED, serving_config(mode="colocated")) as colo_url,
+    ):
+        yield {PD: pd_url, COLOCATED: colo_url}
+
+
+@pytest.fixture(scope="module")
+def offline() -> Engine:
+    return Engine(EngineConfig(**TINY_ENGINE))
+
+
+def offline_greedy_text(engine: Engine, max_tokens: int) -> str:
+    ids = engine.tokenizer.encode_chat(MESSAGES, True)
+    params = SamplingParams(temperature=0, max_new_tokens=max_tokens)
+    engine.add_request(Request("offline", params, prompt_ids=ids))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(out.text for out in engine.step())
+    return text
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("app", [PD, COLOCATED])
+def test_streamed_greedy_chat_equals_offline_engine(
+    apps: dict[str, str], offline: Engine, app: str
+) -> None:
+    stream = client(apps[app]).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == offline_greedy_text(offline, 24)
+
+
+def test_pd_non_streaming_usage_n_and_logprobs(apps: dict[str, str], offline: Engine) -> None:
+    reply = client(apps[PD]).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=2,
+        logprobs=True, top_logprobs=2,
+    )
+    prompt_len = len(offline.tokenizer.encode_chat(MESSAGES, True))
+    assert reply.usage.prompt_tokens == prompt_len
+    assert reply.usage.completion_tokens == 16
+    greedy = offline_greedy_text(offline, 8)
+    assert [c.message.content for c in reply.choices] == [greedy, greedy]
+    for choice in reply.choices:
+        assert len(choice.logprobs.content) == 8
+        first = choice.logprobs.content[0]  # sampled on the prefill side, carried over
+        assert first.logprob <= 0 and len(first.top_logprobs) == 2
+        assert first.top_logprobs[0].logprob >= first.top_logprobs[1].logprob
+
+
+def test_pd_pages_return_after_requests(apps: dict[str, str]) -> None:
+    client(apps[PD]).completions.create(model="tiny", prompt="The sea", max_tokens=4)
+    assert all(
+        wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS
+    )
+
+
+def test_disconnect_mid_stream_frees_pages_on_both_workers(apps: dict[str, str]) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{apps[PD]}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 3:
+                    break
+            busy = worker_stats(PD, "decode-0")
+            assert busy.live_requests == 1 and busy.free_pages < busy.num_pages
+    assert all(
+        wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"\xff\xfe{}", 400, None),
+        ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "tiny", "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 2_000_000}]}, 413,
+         None),
+    ],
+)
+def test_pd_bad_input_gets_openai_4xx(
+    apps: dict[str, str], body: object, status: int, param: str | None
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        f"{apps[PD]}/v1/chat/completions", content=content,
+        headers={"Content-Type": "application/json"}, timeout=30,
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+    assert httpx.get(f"{apps[PD]}/health", timeout=10).status_code == 200
+
+
+def test_200_concurrent_streams_complete_without_leaks(apps: dict[str, str]) -> None:
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        stream = await c.chat.completions.create(
+            model="tiny", max_tokens=6, temperature=0.7, seed=i, stream=True,
+            messages=[{"role": "user", "content": f"Request number {i} says hello."}],
+        )
+        reason = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+        return reason or "missing"
+
+    async def run_all() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=f"{apps[PD]}/v1", api_key="none", max_retries=0,
+                               timeout=300)
+        return await asyncio.gather(*(one(c, i) for i in range(200)))
+
+    reasons = asyncio.run(run_all())
+    assert len(reasons) == 200 and set(reasons) <= {"stop", "length"}, reasons
+    assert all(
+        wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 10) for w in PD_WORKERS
+    )
