@@ -109,9 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Serve deploy YAML (see deploy/); default: the tiny PD app on CPU",
     )
     serve.add_argument("--port", type=int, default=None, help="HTTP port (overrides the file)")
-    serve.add_argument(
-        "--check", action="store_true", help="answer one chat completion, then stop"
-    )
+    serve.add_argument("--check", action="store_true", help="answer one chat completion, then stop")
     serve.set_defaults(func=_cmd_serve)
     gen = sub.add_parser("generate", help="offline generation")
     _engine_args(gen)

@@ -4,7 +4,6 @@
 (``import_path: router.app:build_app``); its ``args`` are a :class:`ServingConfig`.
 """
 
-
 import asyncio
 from typing import Any
 
@@ -15,15 +14,15 @@ from ray.serve.handle import DeploymentHandle
 
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
-from router.openai_api import APIConfig, OpenAIServer
+from router.openai_api import APIConfig, OpenAIServer, install_error_handlers
 from router.pd import PDBackend
 from router.policy import ReplicaSet
 from workers.deployments import EngineWorker
-from workers.protocol import WorkerInfo, decode
-from workers.protocol import Role
+from workers.protocol import Role, WorkerInfo, decode
 
 ROUTER_NAME = "router"
 ingress = FastAPI(title="dsv3serve", docs_url=None, redoc_url=None)
+install_error_handlers(ingress)
 
 
 def replica_name(role: Role, index: int) -> str:
@@ -74,7 +73,9 @@ class Router:
             max_in_flight=settings.max_in_flight,
             max_body_bytes=settings.max_body_bytes,
         )
-        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model))
+        tokenizer = await asyncio.to_thread(
+            Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
+        )
         return OpenAIServer(api, tokenizer, backend)
 
     @ingress.post("/v1/chat/completions")

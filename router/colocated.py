@@ -37,8 +37,11 @@ class ColocatedBackend:
             if seen == 0:
                 raise BackendUnavailable(f"replica failed: {type(exc).__name__}") from None
             yield TokenChunk(
-                request_id=req.request_id, finished=True, finish_reason="error",
-                error=f"replica failed: {type(exc).__name__}", error_status=503,
+                request_id=req.request_id,
+                finished=True,
+                finish_reason="error",
+                error=f"replica failed: {type(exc).__name__}",
+                error_status=503,
             )
         finally:
             self.replicas.release(r, tokens)

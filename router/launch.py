@@ -87,7 +87,9 @@ def start(data: dict[str, Any], port: int | None = None) -> str:
         _node_ip_address="127.0.0.1",
         ignore_reinit_error=True,
     )
-    serve.start(http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)})
+    serve.start(
+        http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)}
+    )
     for app in data["applications"]:
         serve.run(
             build_app(ServingConfig.parse(app.get("args") or {})),
@@ -110,7 +112,7 @@ def usage_text(url: str, model: str) -> str:
         "  python -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "/v1', "
         "api_key='none'); print(c.chat.completions.create(model='" + model + "', "
         "messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32)"
-        ".choices[0].message.content)\"\n\n"
+        '.choices[0].message.content)"\n\n'
         "Ctrl-C stops it."
     )
 

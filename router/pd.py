@@ -17,6 +17,7 @@ KV and the router's own load accounting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -53,10 +54,8 @@ class Background:
 
     def submit(self, call: Awaitable[Any]) -> None:
         async def quiet() -> None:
-            try:
+            with contextlib.suppress(Exception):  # a lost release: the lease frees it
                 await call
-            except Exception:  # the lease frees it if the release is lost
-                pass
 
         task = asyncio.get_running_loop().create_task(quiet())
         self._tasks.add(task)
@@ -117,8 +116,11 @@ class PDBackend:
 
     async def _reserve(self, req: GenerateRequest) -> int:
         """Reserve KV room on the least loaded decode replica that has it."""
-        msg = encode(ReserveRequest(request_id=req.request_id, num_tokens=len(req.prompt_ids),
-                                    lease_s=self.lease_s))
+        msg = encode(
+            ReserveRequest(
+                request_id=req.request_id, num_tokens=len(req.prompt_ids), lease_s=self.lease_s
+            )
+        )
         deadline = time.monotonic() + self.settings.reserve_wait_s
         while True:
             for d in self.decode.by_load():
@@ -136,8 +138,11 @@ class PDBackend:
         """Prefill on the policy's replica, retrying others when one fails or times out."""
         s = self.settings
         order = prefill_order(
-            self.prefill, req.prompt_ids, s.policy,
-            s.prefix_affinity_pages * self.page_size, s.affinity_imbalance_tokens,
+            self.prefill,
+            req.prompt_ids,
+            s.policy,
+            s.prefix_affinity_pages * self.page_size,
+            s.affinity_imbalance_tokens,
         )
         msg = encode(PrefillRequest(request=req))
         failures: list[str] = []
@@ -195,8 +200,11 @@ class PDBackend:
             if seen == 0:
                 raise BackendUnavailable(f"decode failed: {type(exc).__name__}") from None
             yield TokenChunk(
-                request_id=req.request_id, finished=True, finish_reason="error",
-                error=f"decode replica failed: {type(exc).__name__}", error_status=503,
+                request_id=req.request_id,
+                finished=True,
+                finish_reason="error",
+                error=f"decode replica failed: {type(exc).__name__}",
+                error_status=503,
             )
         finally:
             if not released:
@@ -225,17 +233,13 @@ async def any_alive(replicas: ReplicaSet) -> bool:
 def sub_request(req: GenerateRequest, index: int) -> GenerateRequest:
     """Sequence ``index`` of an n>1 request as its own n=1 request (seed + index)."""
     seed = req.params.seed
-    params = req.params.model_copy(
-        update={"n": 1, "seed": None if seed is None else seed + index}
-    )
+    params = req.params.model_copy(update={"n": 1, "seed": None if seed is None else seed + index})
     return GenerateRequest(
         request_id=f"{req.request_id}-{index}", prompt_ids=req.prompt_ids, params=params
     )
 
 
-async def fan_out(
-    req: GenerateRequest, one: Any
-) -> AsyncIterator[TokenChunk]:
+async def fan_out(req: GenerateRequest, one: Any) -> AsyncIterator[TokenChunk]:
     """Run n sub-requests through ``one`` and merge their chunks (index = sequence).
 
     An error before any chunk was yielded is raised; later errors arrive in-band.
@@ -262,8 +266,13 @@ async def fan_out(
                 if not yielded:
                     raise item
                 done += 1
-                item = TokenChunk(request_id=req.request_id, finished=True,
-                                  finish_reason="error", error=str(item), error_status=500)
+                item = TokenChunk(
+                    request_id=req.request_id,
+                    finished=True,
+                    finish_reason="error",
+                    error=str(item),
+                    error_status=500,
+                )
             yielded = True
             yield item.model_copy(update={"index": i, "request_id": req.request_id})
     finally:

@@ -75,8 +75,13 @@ def test_streamed_greedy_chat_equals_offline_engine(
 
 def test_pd_non_streaming_usage_n_and_logprobs(apps: dict[str, str], offline: Engine) -> None:
     reply = client(apps[PD]).chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=2,
-        logprobs=True, top_logprobs=2,
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
     )
     prompt_len = len(offline.tokenizer.encode_chat(MESSAGES, True))
     assert reply.usage.prompt_tokens == prompt_len
@@ -92,27 +97,28 @@ def test_pd_non_streaming_usage_n_and_logprobs(apps: dict[str, str], offline: En
 
 def test_pd_pages_return_after_requests(apps: dict[str, str]) -> None:
     client(apps[PD]).completions.create(model="tiny", prompt="The sea", max_tokens=4)
-    assert all(
-        wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS
-    )
+    assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS)
 
 
 def test_disconnect_mid_stream_frees_pages_on_both_workers(apps: dict[str, str]) -> None:
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4000, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{apps[PD]}/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            events = 0
-            for line in response.iter_lines():
-                events += line.startswith("data: ")
-                if events >= 3:
-                    break
-            busy = worker_stats(PD, "decode-0")
-            assert busy.live_requests == 1 and busy.free_pages < busy.num_pages
-    assert all(
-        wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS
-    )
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    url = f"{apps[PD]}/v1/chat/completions"
+    with httpx.Client(timeout=30) as http, http.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 3:
+                break
+        busy = worker_stats(PD, "decode-0")
+        assert busy.live_requests == 1 and busy.free_pages < busy.num_pages
+    assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS)
 
 
 @pytest.mark.parametrize(
@@ -125,8 +131,7 @@ def test_disconnect_mid_stream_frees_pages_on_both_workers(apps: dict[str, str])
         ({"model": "tiny", "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
         ({"model": "tiny", "messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 2_000_000}]}, 413,
-         None),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 2_000_000}]}, 413, None),
     ],
 )
 def test_pd_bad_input_gets_openai_4xx(
@@ -134,8 +139,10 @@ def test_pd_bad_input_gets_openai_4xx(
 ) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(
-        f"{apps[PD]}/v1/chat/completions", content=content,
-        headers={"Content-Type": "application/json"}, timeout=30,
+        f"{apps[PD]}/v1/chat/completions",
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
     )
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -148,7 +155,11 @@ def test_pd_bad_input_gets_openai_4xx(
 def test_200_concurrent_streams_complete_without_leaks(apps: dict[str, str]) -> None:
     async def one(c: openai.AsyncOpenAI, i: int) -> str:
         stream = await c.chat.completions.create(
-            model="tiny", max_tokens=6, temperature=0.7, seed=i, stream=True,
+            model="tiny",
+            max_tokens=6,
+            temperature=0.7,
+            seed=i,
+            stream=True,
             messages=[{"role": "user", "content": f"Request number {i} says hello."}],
         )
         reason = None
@@ -158,12 +169,11 @@ def test_200_concurrent_streams_complete_without_leaks(apps: dict[str, str]) -> 
         return reason or "missing"
 
     async def run_all() -> list[str]:
-        c = openai.AsyncOpenAI(base_url=f"{apps[PD]}/v1", api_key="none", max_retries=0,
-                               timeout=300)
+        c = openai.AsyncOpenAI(
+            base_url=f"{apps[PD]}/v1", api_key="none", max_retries=0, timeout=300
+        )
         return await asyncio.gather(*(one(c, i) for i in range(200)))
 
     reasons = asyncio.run(run_all())
     assert len(reasons) == 200 and set(reasons) <= {"stop", "length"}, reasons
-    assert all(
-        wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 10) for w in PD_WORKERS
-    )
+    assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 10) for w in PD_WORKERS)

@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from workers.config import WorkerConfig
-from workers.protocol import DecodeRequest, GenerateRequest, PrefillRequest, ReserveRequest
+from workers.protocol import DecodeRequest, GenerateRequest, PrefillRequest, ReserveRequest, encode
 from workers.protocol import decode as parse
-from workers.protocol import encode
 
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)

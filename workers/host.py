@@ -159,7 +159,9 @@ class EngineHost:
             return PrefillResult(first=chunk_from_output(first), kv=None)
         num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
         try:
-            handle = self.connector.publish(req.request_id, export.pages[:num_pages], len(req.prompt_ids))
+            handle = self.connector.publish(
+                req.request_id, export.pages[:num_pages], len(req.prompt_ids)
+            )
         except BaseException:
             self._unstage(req.request_id)
             raise

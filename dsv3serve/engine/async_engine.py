@@ -59,13 +59,16 @@ class AsyncEngine:
         finished the request. Cancellation aborts the request and frees its pages.
         """
         stream = self._stream(req, lambda e: e.add_request(req, prefill_only=True), 1)
+        done = False
         try:
             first = await stream.__anext__()
-            if first.finished:
-                return first, None
-            return first, self.call(lambda e: e.export_kv(req.request_id))
+            export = None if first.finished else self.call(lambda e: e.export_kv(req.request_id))
+            done = True
+            return first, export
         finally:
-            await stream.aclose()  # a prefill-only stream stays open: closing would abort
+            await stream.aclose()  # an exported request survives the close...
+            if not done:  # ...unless we were cancelled, perhaps just after its export
+                self.call(lambda e: e.abort(req.request_id))
 
     async def _stream(
         self, req: Request, admit: Callable[[Engine], None], n: int

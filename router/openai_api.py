@@ -1,0 +1,390 @@
+"""The OpenAI-compatible HTTP layer: validate, admit, tokenize, stream from a backend.
+
+``OpenAIServer`` holds all the logic in methods that take a starlette ``Request`` and
+return a ``Response``, so a FastAPI app (``build_fastapi_app``) and a Ray Serve ingress
+can both mount them. No torch and no Ray are imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
+from dsv3serve.tokenizer.tokenizer import Tokenizer
+from router.admission import Admission, Slot
+from router.backend import BackendError, GenerationBackend, error_from_chunk
+from router.errors import (
+    INTERNAL_ERROR,
+    APIError,
+    bad_request,
+    error_body,
+    error_response,
+    from_backend_error,
+    from_validation_error,
+    internal_error,
+)
+from router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    ResponseMeta,
+    SamplingFields,
+)
+from router.sse import SSEResponse, StreamGuard, close_quietly, stream_events
+from workers.protocol import GenerateRequest, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+
+
+class APIConfig(BaseModel):
+    """Settings of the OpenAI front end."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    served_model_name: str = "deepseek-v3-tiny"
+    max_model_len: int = Field(ge=2, description="prompt + completion tokens per sequence")
+    max_in_flight: int = Field(256, ge=1, description="admitted requests; more get 429")
+    max_body_bytes: int = Field(1 << 20, ge=1)
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+    max_n: int = Field(16, ge=1)
+
+
+# ---- reading the body ----------------------------------------------------------------
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object: 413 over ``max_bytes``, 400 unless UTF-8 JSON object."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        parts.append(part)
+    try:
+        body = json.loads(b"".join(parts).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc}", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"expected a JSON object as the body, got {type(body).__name__}")
+    return body
+
+
+# ---- prompt and sampling parameters ----------------------------------------------------
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The conversation through the DeepSeek chat template, ending in the assistant tag."""
+    try:
+        return tokenizer.encode_chat(body.template_messages(), True, thinking=body.thinking)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
+def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list[int]:
+    """Token ids of a text prompt (with BOS) or the given ids as they are."""
+    try:
+        prompt = body.single_prompt()
+    except ValueError as exc:
+        raise bad_request(str(exc), "prompt") from None
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_bos=True)
+    if any(t < 0 for t in prompt):
+        raise bad_request(f"prompt token ids must be >= 0, got {min(prompt)}", "prompt")
+    return list(prompt)
+
+
+def check_context_length(
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    prompt_param: str,
+    tokens_param: str,
+) -> None:
+    """400 when the prompt leaves no room, or prompt + ``max_tokens`` exceeds the limit."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            head + f"your {prompt_param} has {prompt_len} tokens, which leaves no room for "
+            f"the completion. Please reduce the length of the {prompt_param}.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens is not None and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            head + f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of "
+            f"the {prompt_param} or completion.",
+            tokens_param,
+            "context_length_exceeded",
+        )
+
+
+def build_sampling_params(
+    body: SamplingFields, prompt_len: int, config: APIConfig, prompt_param: str
+) -> SamplingParams:
+    """SamplingParams of ``body``; ``max_tokens`` defaults to what the context leaves."""
+    if body.n > config.max_n:
+        raise bad_request(f"n must be <= {config.max_n}, got {body.n}", "n")
+    max_tokens = body.requested_max_tokens()
+    tokens_param = body.param_name("max_new_tokens")
+    check_context_length(prompt_len, max_tokens, config.max_model_len, prompt_param, tokens_param)
+    if max_tokens is None:
+        max_tokens = config.max_model_len - prompt_len
+    try:
+        return SamplingParams(**body.sampling_kwargs(), max_new_tokens=max_tokens)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), body.param_name(exc.field)) from None
+
+
+# ---- running a request -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for admission."""
+
+    request: GenerateRequest
+    meta: ResponseMeta
+    stream: bool
+    include_usage: bool
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run ``work``; cancel it if the client disconnects first (its cleanup then aborts).
+
+    Must start after the body has been read: the watcher consumes ASGI receive messages.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def first_chunk(chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
+    """The backend's first chunk; its refusal or failure becomes an APIError."""
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        raise APIError(500, "the backend finished without any output", INTERNAL_ERROR) from None
+    except BackendError as exc:
+        raise from_backend_error(exc) from None
+    if first.error is not None:
+        raise from_backend_error(error_from_chunk(first))
+    return first
+
+
+async def collect(
+    builder: ResponseBuilder, first: TokenChunk, chunks: AsyncIterator[TokenChunk]
+) -> dict[str, Any]:
+    """Wait for all ``n`` sequences; the whole non-streaming response body."""
+    chunk: TokenChunk | None = first
+    while chunk is not None:
+        if chunk.error is not None:
+            raise from_backend_error(error_from_chunk(chunk))
+        builder.add(chunk)
+        chunk = await anext(chunks, None)
+    return builder.response()
+
+
+class OpenAIServer:
+    """OpenAI-compatible endpoints over a GenerationBackend.
+
+    Each endpoint method takes a starlette ``Request`` and returns a ``Response``; every
+    failure is answered with an OpenAI error body, never an exception.
+    """
+
+    def __init__(self, config: APIConfig, tokenizer: Tokenizer, backend: GenerationBackend) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.admission = Admission(config.max_in_flight)
+        self.created = int(time.time())
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        return await self._handle(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        return await self._handle(request, "completion")
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the one served model."""
+        name = self.config.served_model_name
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "dsv3serve"}
+        card |= {"root": name, "max_model_len": self.config.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        """GET /health: 200 when the backend is healthy, else 503."""
+        try:
+            healthy = await self.backend.is_healthy()
+        except Exception:
+            logger.exception("backend health check failed")
+            healthy = False
+        status = "ok" if healthy else "unhealthy"
+        return JSONResponse({"status": status}, status_code=200 if healthy else 503)
+
+    async def _handle(self, request: Request, kind: Kind) -> Response:
+        try:
+            body = await read_json_object(request, self.config.max_body_bytes)
+            prepared = self._prepare(body, kind)
+            return await run_until_disconnect(request, self._run(prepared))
+        except APIError as err:
+            return self._error(err)
+        except BackendError as exc:
+            return self._error(from_backend_error(exc))
+        except Exception as exc:
+            logger.exception("%s request failed", kind)
+            return self._error(internal_error(exc))
+
+    def _prepare(self, body: dict[str, Any], kind: Kind) -> Prepared:
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = model.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        problem = req.unsupported()
+        if problem is not None:
+            raise bad_request(problem[1], problem[0])
+        self._check_model(req.model)
+        ids, prompt_param = self._prompt_ids(req)
+        params = build_sampling_params(req, len(ids), self.config, prompt_param)
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = GenerateRequest(request_id=request_id, prompt_ids=ids, params=params)
+        return Prepared(gen, self._meta(kind, gen), req.stream, req.include_usage)
+
+    def _meta(self, kind: Kind, gen: GenerateRequest) -> ResponseMeta:
+        return ResponseMeta(
+            kind=kind,
+            request_id=gen.request_id,
+            model=self.config.served_model_name,
+            created=int(time.time()),
+            n=gen.params.n,
+            prompt_tokens=len(gen.prompt_ids),
+            want_logprobs=gen.params.logprobs is not None,
+            token_text=self._token_text,
+        )
+
+    def _prompt_ids(self, req: SamplingFields) -> tuple[list[int], str]:
+        """The prompt's token ids, and the request field that holds the prompt."""
+        if isinstance(req, ChatCompletionRequest):
+            return chat_prompt_ids(self.tokenizer, req), "messages"
+        assert isinstance(req, CompletionRequest)
+        return completion_prompt_ids(self.tokenizer, req), "prompt"
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist.",
+                "NotFoundError",
+                "model",
+                "model_not_found",
+            )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _admit(self) -> Slot:
+        slot = self.admission.try_acquire()
+        if slot is None:
+            limit = self.admission.max_in_flight
+            message = f"the server is at capacity ({limit} requests in flight); retry later"
+            raise APIError(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
+        return slot
+
+    def _error(self, err: APIError) -> Response:
+        """``err`` as a response; every 429 (ours or the backend's) carries Retry-After."""
+        if err.status == 429 and err.headers is None:
+            err.headers = {"Retry-After": str(self.config.retry_after_s)}
+        return error_response(err)
+
+    async def _start(
+        self, slot: Slot, req: GenerateRequest
+    ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
+        """The backend stream and its first chunk; on any failure the slot is released."""
+        chunks: AsyncIterator[TokenChunk] | None = None
+        try:
+            chunks = aiter(self.backend.generate(req))
+            return chunks, await first_chunk(chunks)
+        except BaseException:
+            slot.release()
+            if chunks is not None:
+                await close_quietly(chunks)
+            raise
+
+    async def _run(self, prepared: Prepared) -> Response:
+        slot = self._admit()
+        chunks, first = await self._start(slot, prepared.request)
+        builder = ResponseBuilder(prepared.meta)
+        if prepared.stream:
+            guard = StreamGuard(slot, chunks)
+            return SSEResponse(stream_events(builder, first, guard, prepared.include_usage), guard)
+        try:
+            return JSONResponse(await collect(builder, first, chunks))
+        finally:
+            slot.release()
+            await close_quietly(chunks)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer routing errors (404, 405) with the OpenAI error body too."""
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return JSONResponse(
+        error_body(str(exc.detail), "invalid_request_error"), exc.status_code, exc.headers
+    )
+
+
+def build_fastapi_app(server: OpenAIServer) -> FastAPI:
+    """A FastAPI app with the OpenAI routes mounted on ``server``'s methods."""
+    app = FastAPI(title="dsv3serve", docs_url=None, redoc_url=None)
+    routes = [
+        ("/v1/chat/completions", server.chat_completions, "POST"),
+        ("/v1/completions", server.completions, "POST"),
+        ("/v1/models", server.models, "GET"),
+        ("/health", server.health, "GET"),
+    ]
+    for path, endpoint, method in routes:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None)
+    install_error_handlers(app)
+    return app
