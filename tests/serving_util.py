@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
+from http_util import free_socket
 from ray import serve
 
-from http_util import free_socket
 from router.app import build_app
 from router.config import ServingConfig
 from workers.protocol import WorkerStats, decode

@@ -15,8 +15,14 @@ import httpx
 import openai
 import pytest
 import ray
-from serving_util import holds_nothing, local_serve, running_app, serving_config, wait_until
-from serving_util import worker_stats
+from serving_util import (
+    holds_nothing,
+    local_serve,
+    running_app,
+    serving_config,
+    wait_until,
+    worker_stats,
+)
 
 APP = "slow"
 DELAY_S = 2.0
