@@ -22,9 +22,11 @@ class EngineWorker:
     """A prefill, decode or colocated engine replica."""
 
     def __init__(self, config_json: str) -> None:
+        from workers.group import start_group
         from workers.host import EngineHost
 
-        self.host = EngineHost(resolve_host(WorkerConfig.model_validate_json(config_json)))
+        cfg = resolve_host(WorkerConfig.model_validate_json(config_json))
+        self.host = EngineHost(cfg, start_group)
 
     async def info(self) -> bytes:
         return encode(self.host.info())
@@ -34,6 +36,10 @@ class EngineWorker:
 
     async def stats(self) -> bytes:
         return encode(self.host.stats())
+
+    async def group_in_sync(self) -> bool:
+        """Whether every rank of this replica's group holds the same KV pool bytes."""
+        return self.host.group_in_sync()
 
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
         """Colocated: stream TokenChunks of the whole request."""

@@ -7,7 +7,7 @@ reservations for incoming KV (decode role), and frees both when their lease runs
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -36,6 +36,8 @@ from workers.protocol import (
 )
 
 REAP_INTERVAL_S = 0.2
+# Starts ranks 1..N-1 and returns an object with ``.leader`` (a GroupLeader) and ``.stop()``.
+GroupStarter = Callable[[WorkerConfig, Any], Any]
 _REFUSED = (InvalidRequestError, ContextLengthError)
 
 
@@ -60,11 +62,17 @@ def _engine_request(req: GenerateRequest) -> Request:
 class EngineHost:
     """The engine of one replica plus its staged KV and reservations."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, group_starter: GroupStarter | None = None) -> None:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.engine = Engine(cfg.engine)
+        self.group: Any = None
+        if cfg.group_size > 1:
+            if group_starter is None:
+                raise ValueError(f"group_size {cfg.group_size} needs a group starter (Ray)")
+            self.group = group_starter(cfg, self.engine.runner)
+            self.engine.use_runner(self.group.leader)
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
         self._staged: LeaseTable[None] = LeaseTable(lambda rid, _: self._unstage(rid))
@@ -128,6 +136,7 @@ class EngineHost:
                 live_requests=len(e._states),
                 staged_kv=0 if self.connector is None else self.connector.staged(),
                 reservations=len(self._reserved),
+                group_size=self.cfg.group_size,
             )
 
         return self.aengine.call(read)
@@ -239,4 +248,13 @@ class EngineHost:
         except TransferError as exc:
             self._unreserve(handle.request_id, pages)
             return f"KV transfer failed: {exc}"
+        if self.group is not None:  # every rank's pool gets the pages
+            self.aengine.call(lambda _: self.group.leader.replicate_pages(pages))
         return None
+
+    def group_in_sync(self) -> bool:
+        """Whether every rank's KV pool holds the same bytes (True without a group)."""
+        if self.group is None:
+            return True
+        digests = self.aengine.call(lambda _: self.group.leader.digests())
+        return all(bool((d == digests[0]).all()) for d in digests)

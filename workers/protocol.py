@@ -131,3 +131,4 @@ class WorkerStats(_Msg):
     live_requests: int
     staged_kv: int
     reservations: int
+    group_size: int = 1

@@ -96,6 +96,10 @@ class Engine:
         self._pending: list[TokenOutput] = []
         self._exports: dict[str, KVExport] = {}
 
+    def use_runner(self, runner: Any) -> None:
+        """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``)."""
+        self.runner = runner
+
     # ---- requests -------------------------------------------------------------------
     def _prompt_ids(self, req: Request) -> list[int]:
         if (req.prompt is None) == (req.prompt_ids is None):

@@ -88,10 +88,10 @@ class ModelRunner:
     def num_pages(self) -> int:
         return self.pool.num_pages
 
-    def build_batch(self, items: list[ScheduledItem]) -> ForwardBatch:
-        """One ForwardBatch for the scheduled items (planned once, used by every layer)."""
+    def spans(self, items: list[ScheduledItem]) -> list[SeqSpan]:
+        """The scheduled items as device-independent spans (what a group broadcasts)."""
         page = self.cfg.page_size
-        spans = [
+        return [
             SeqSpan(
                 item.token_ids,
                 item.start,
@@ -100,14 +100,17 @@ class ModelRunner:
             )
             for item in items
         ]
-        return ForwardBatch.build(spans, self.device)
 
     def run(self, items: list[ScheduledItem]) -> StepResult:
         """Forward the scheduled tokens; logits only where a token will be sampled."""
-        batch = self.build_batch(items)
+        return self.run_spans(self.spans(items), items)
+
+    def run_spans(self, spans: list[SeqSpan], items: list[ScheduledItem] | None) -> StepResult:
+        """Forward ``spans``; ``items`` (None on follower ranks) label the sampled rows."""
+        batch = ForwardBatch.build(spans, self.device)
         hidden = self.model(batch, self.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return StepResult(logits, [item for item in items if item.sample])
+        return StepResult(logits, [item for item in items or [] if item.sample])
 
     def _page_slots(self, pages: list[int]) -> torch.Tensor:
         """Every slot of ``pages``, page by page: [len(pages) * page_size]."""

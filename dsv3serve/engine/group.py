@@ -1,0 +1,199 @@
+"""One engine over N ranks: rank 0 schedules, every rank runs the same forward in lockstep.
+
+Rank 0 (the leader) owns the scheduler. Each step it broadcasts the step's spans over
+``torch.distributed`` (NCCL on GPU, gloo on CPU) and every rank runs the forward on its
+own device and KV pool. KV pages that arrive from outside (PD import) are broadcast from
+rank 0 to the other ranks' pools the same way, so every pool holds the same pages.
+
+Today the model is replicated on every rank: the group exercises placement, the process
+group and the lockstep protocol, which the DP-attention / expert-parallel layout will use
+to split the work. Only tensors and fixed-layout int64 headers cross the wire (no pickle).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsv3serve.engine.model_runner import ModelRunner, StepResult
+from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.forward_batch import SeqSpan
+from dsv3serve.kvcache.pool import MLAKVPool
+
+OP_STEP, OP_WRITE_PAGES, OP_DIGEST, OP_STOP = 1, 2, 3, 4
+_HEADER_LEN = 2  # [op, payload length]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where rank ``rank`` of a ``world_size``-rank group meets the others."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str  # "gloo" or "nccl"
+    timeout_s: float = 600.0
+
+
+def init_group(spec: GroupSpec) -> None:
+    """Join the group's default process group (blocks until every rank has joined)."""
+    dist.init_process_group(
+        spec.backend,
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        world_size=spec.world_size,
+        rank=spec.rank,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+
+
+def encode_spans(spans: Sequence[SeqSpan]) -> torch.Tensor:
+    """Spans as one int64 tensor: per span ``[n_tokens, start, n_slots, sample]`` + data."""
+    flat: list[int] = [len(spans)]
+    for s in spans:
+        flat += [len(s.token_ids), s.start, len(s.kv_slots), int(s.sample)]
+        flat += s.token_ids
+        flat += s.kv_slots
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def decode_spans(data: torch.Tensor) -> list[SeqSpan]:
+    """Inverse of :func:`encode_spans`."""
+    flat = data.tolist()
+    spans, i = [], 1
+    for _ in range(flat[0]):
+        n_tok, start, n_slots, sample = flat[i : i + 4]
+        i += 4
+        tokens = flat[i : i + n_tok]
+        i += n_tok
+        slots = flat[i : i + n_slots]
+        i += n_slots
+        spans.append(SeqSpan(tokens, start, slots, bool(sample)))
+    return spans
+
+
+def pool_digest(pool: MLAKVPool) -> torch.Tensor:
+    """A float64 fingerprint of every layer's raw storage (and fp8 scales): [layers]."""
+    sums = []
+    for layer in range(pool.num_layers):
+        raw = pool.kv_buffer(layer).view(torch.uint8).to(torch.float64)
+        weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.float64) % 251 + 1
+        total = (raw.flatten() * weights).sum()
+        scale = pool.scale_buffer(layer)
+        if scale is not None:
+            total = total + scale.to(torch.float64).sum()
+        sums.append(total)
+    return torch.stack(sums)
+
+
+class _Wire:
+    """Header + payload broadcasts from rank 0 on the group's communication device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def send(self, op: int, payload: torch.Tensor | None = None) -> None:
+        n = 0 if payload is None else payload.numel()
+        dist.broadcast(torch.tensor([op, n], dtype=torch.int64, device=self.device), src=0)
+        if payload is not None and n:
+            dist.broadcast(payload.to(self.device), src=0)
+
+    def recv_header(self) -> tuple[int, int]:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=0)
+        op, n = header.tolist()
+        return op, n
+
+    def recv(self, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        payload = torch.empty(n, dtype=dtype, device=self.device)
+        dist.broadcast(payload, src=0)
+        return payload
+
+
+def _comm_device(runner: ModelRunner) -> torch.device:
+    return runner.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _broadcast_pages(runner: ModelRunner, pages: torch.Tensor, wire: _Wire, send: bool) -> None:
+    """Rank 0 sends the raw storage of ``pages`` of every layer; the others write it."""
+    pool = runner.pool
+    idx = pages.to(pool.device)
+    for layer in range(pool.num_layers):
+        buffers = [pool.kv_buffer(layer)]
+        scale = pool.scale_buffer(layer)
+        if scale is not None:
+            buffers.append(scale)
+        for buf in buffers:
+            rows = buf[idx].contiguous()
+            raw = rows.view(torch.uint8).to(wire.device)
+            dist.broadcast(raw, src=0)
+            if not send:
+                buf[idx] = raw.to(pool.device).view(buf.dtype).view(rows.shape)
+
+
+class GroupLeader:
+    """Rank 0's runner: broadcasts each step, then runs it like a plain ModelRunner."""
+
+    def __init__(self, runner: ModelRunner, world_size: int) -> None:
+        self.runner = runner
+        self.world_size = world_size
+        self._wire = _Wire(_comm_device(runner))
+
+    def __getattr__(self, name: str) -> object:  # pool, device, num_pages, read_pages, ...
+        return getattr(self.runner, name)
+
+    def run(self, items: list[ScheduledItem]) -> StepResult:
+        """Broadcast the step's spans, then forward them here."""
+        batch_spans = self.runner.spans(items)
+        self._wire.send(OP_STEP, encode_spans(batch_spans))
+        return self.runner.run_spans(batch_spans, items)
+
+    def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Write pages here (compute dtype) and replicate their raw storage to every rank."""
+        self.runner.write_pages(pages, kv)
+        self.replicate_pages(pages)
+
+    def replicate_pages(self, pages: list[int]) -> None:
+        """Copy the raw storage of ``pages`` from this pool to every other rank's pool."""
+        idx = torch.tensor(pages, dtype=torch.int64)
+        self._wire.send(OP_WRITE_PAGES, idx)
+        _broadcast_pages(self.runner, idx, self._wire, send=True)
+
+    def digests(self) -> list[torch.Tensor]:
+        """Every rank's pool fingerprint (rank order); equal when the pools are in sync."""
+        self._wire.send(OP_DIGEST)
+        return _gather_digest(self.runner, self.world_size)
+
+    def stop(self) -> None:
+        """End the other ranks' loops."""
+        self._wire.send(OP_STOP)
+
+
+def _gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
+    mine = pool_digest(runner.pool).to(_comm_device(runner))
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)
+    return [t.cpu() for t in out]
+
+
+def follower_loop(runner: ModelRunner) -> int:
+    """Ranks 1..N-1: execute rank 0's commands until STOP; returns the steps run."""
+    wire = _Wire(_comm_device(runner))
+    steps = 0
+    while True:
+        op, n = wire.recv_header()
+        if op == OP_STEP:
+            runner.run_spans(decode_spans(wire.recv(n).cpu()), None)
+            steps += 1
+        elif op == OP_WRITE_PAGES:
+            _broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
+        elif op == OP_DIGEST:
+            _gather_digest(runner, dist.get_world_size())
+        elif op == OP_STOP:
+            return steps
+        else:
+            raise RuntimeError(f"unknown group op {op}")
