@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from router.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
@@ -47,17 +48,24 @@ def _work_tokens(req: GenerateRequest) -> int:
 
 
 class Background:
-    """Fire-and-forget remote calls that must still run (releases, cancellations)."""
+    """Fire-and-forget remote calls that must still run (releases, cancellations).
+
+    Each call is made in a fresh context: inside a request that Serve is cancelling
+    (client disconnect), calls made in the request's context are cancelled with it.
+    """
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def submit(self, call: Awaitable[Any]) -> None:
+    def submit(self, method: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Call ``method(*args)`` (a handle's ``.remote``) in the background."""
+
         async def quiet() -> None:
             with contextlib.suppress(Exception):  # a lost release: the lease frees it
-                await call
+                await method(*args)
 
-        task = asyncio.get_running_loop().create_task(quiet())
+        loop = asyncio.get_running_loop()
+        task = contextvars.Context().run(loop.create_task, quiet())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -112,7 +120,7 @@ class PDBackend:
             self.decode.release(d, tokens)
 
     def _cancel_reservation(self, d: int, request_id: str) -> None:
-        self._bg.submit(self.decode.handles[d].cancel_reservation.remote(request_id))
+        self._bg.submit(self.decode.handles[d].cancel_reservation.remote, request_id)
 
     async def _reserve(self, req: GenerateRequest) -> int:
         """Reserve KV room on the least loaded decode replica that has it."""
@@ -156,7 +164,7 @@ class PDBackend:
                 raise
             except Exception as exc:  # the replica died or its call failed
                 failures.append(f"{self.prefill.names[p]}: {type(exc).__name__}")
-            self._bg.submit(self.prefill.handles[p].release_kv.remote(req.request_id))
+            self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
         raise BackendUnavailable("prefill failed: " + "; ".join(failures))
 
     async def _prefill_on(self, p: int, msg: bytes, tokens: int) -> PrefillResult:
@@ -188,7 +196,7 @@ class PDBackend:
             async for raw in stream:
                 if not released:
                     released = True
-                    self._bg.submit(self.prefill.handles[p].release_kv.remote(req.request_id))
+                    self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
                 chunk = parse(TokenChunk, raw)
                 if chunk.error is not None and seen == 0:
                     raise error_from_chunk(chunk)
@@ -208,7 +216,7 @@ class PDBackend:
             )
         finally:
             if not released:
-                self._bg.submit(self.prefill.handles[p].release_kv.remote(req.request_id))
+                self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
             stream.cancel()
 
 

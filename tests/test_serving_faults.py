@@ -6,8 +6,11 @@ prefilling (fault injection), so a request is reliably in flight on a known repl
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -107,3 +110,31 @@ def test_overload_gets_429_fast_and_admitted_requests_succeed(app_url: str) -> N
     assert all(seconds < DELAY_S for _, seconds, _ in rejected)  # before any prefill ends
     assert all(int(headers["retry-after"]) >= 1 for _, _, headers in rejected)
     assert chat(app_url)  # slots were released
+
+
+def test_disconnect_during_prefill_aborts_it_on_the_prefill_worker(app_url: str) -> None:
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    url = urllib.parse.urlsplit(f"{app_url}/v1/chat/completions")
+    head = (
+        f"POST {url.path} HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    # A raw socket: an HTTP client would block until the response headers, which the
+    # router sends only with the first token, i.e. after the prefill.
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        time.sleep(DELAY_S / 2)  # the prefill replica is inside its prefill now
+    hung_up = time.monotonic()
+    time.sleep(DELAY_S)  # past the point where an unaborted prefill would stage its KV
+    workers = ("prefill-0", "prefill-1", "decode-0")
+    stats = [worker_stats(APP, w) for w in workers]
+    assert all(holds_nothing(s) for s in stats), stats  # nothing was staged
+    assert time.monotonic() - hung_up < LEASE_S  # so no lease can have cleaned up for us
