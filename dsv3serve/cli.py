@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
 
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--output-len", type=int, default=16)
     one.add_argument("--json", default="bench_one_batch.json", help="where to write results")
     one.set_defaults(func=_cmd_bench_one_batch)
+    add_serve_parser(bench)
     return parser
 
 

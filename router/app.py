@@ -12,8 +12,11 @@ from fastapi.responses import Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from dsv3serve.metrics import Identity, Metrics
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
+from router.metered import MeteredBackend
+from router.metrics_server import serve_metrics
 from router.openai_api import APIConfig, OpenAIServer, install_error_handlers
 from router.pd import PDBackend
 from router.policy import ReplicaSet
@@ -40,6 +43,13 @@ class Router:
         self._workers = workers
         self._server: OpenAIServer | None = None
         self._init_lock = asyncio.Lock()
+        settings = self.cfg.router
+        self.metrics = Metrics(Identity("router", ROUTER_NAME, settings.served_model_name))
+        if settings.metrics_port is not None:
+            handles = [h for role in self.cfg.roles() for h in workers[role]]
+            serve_metrics(
+                self.metrics.registry, handles, settings.metrics_host, settings.metrics_port
+            )
 
     async def server(self) -> OpenAIServer:
         """The HTTP logic, built on first use once a worker has reported its limits."""
@@ -64,9 +74,12 @@ class Router:
         settings = self.cfg.router
         backend: Any
         if self.cfg.mode == "pd":
-            backend = PDBackend(sets["prefill"], sets["decode"], settings, info.page_size)
+            backend = PDBackend(
+                sets["prefill"], sets["decode"], settings, info.page_size, self.metrics
+            )
         else:
             backend = ColocatedBackend(sets["colocated"])
+        backend = MeteredBackend(backend, self.metrics)
         api = APIConfig(
             served_model_name=settings.served_model_name,
             max_model_len=info.max_model_len,
@@ -78,21 +91,25 @@ class Router:
         )
         return OpenAIServer(api, tokenizer, backend)
 
+    def _count(self, response: Response) -> Response:
+        self.metrics.answered("http", response.status_code)
+        return response
+
     @ingress.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await (await self.server()).chat_completions(request)
+        return self._count(await (await self.server()).chat_completions(request))
 
     @ingress.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await (await self.server()).completions(request)
+        return self._count(await (await self.server()).completions(request))
 
     @ingress.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        return await (await self.server()).models(request)
+        return self._count(await (await self.server()).models(request))
 
     @ingress.get("/health")
     async def health(self, request: Request) -> Response:
-        return await (await self.server()).health(request)
+        return self._count(await (await self.server()).health(request))
 
 
 def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
@@ -109,7 +126,8 @@ def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
     if group.group_size > 1:
         options["placement_group_bundles"] = _bundles(group)
         options["placement_group_strategy"] = "PACK"
-    return EngineWorker.options(**options).bind(cfg.worker_config(role).model_dump_json())
+    worker_cfg = cfg.worker_config(role).model_dump_json()
+    return EngineWorker.options(**options).bind(worker_cfg, cfg.router.served_model_name)
 
 
 def _bundles(group: RoleGroup) -> list[dict[str, float]]:

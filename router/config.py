@@ -45,6 +45,8 @@ class RouterSettings(BaseModel):
     prefill_timeout_s: float = Field(30.0, gt=0)
     max_prefill_attempts: int = Field(2, ge=1)
     reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
+    metrics_host: str = Field("127.0.0.1", description="internal metrics endpoint address")
+    metrics_port: int | None = Field(8001, ge=0, le=65535, description="None: no endpoint")
 
 
 class ServingConfig(BaseModel):

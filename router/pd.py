@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from dsv3serve.metrics import Identity, Metrics
 from router.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
 from router.config import RouterSettings
 from router.policy import ReplicaSet, prefill_order
@@ -74,9 +75,15 @@ class PDBackend:
     """GenerationBackend over prefill and decode replica sets (Serve handles)."""
 
     def __init__(
-        self, prefill: ReplicaSet, decode: ReplicaSet, settings: RouterSettings, page_size: int
+        self,
+        prefill: ReplicaSet,
+        decode: ReplicaSet,
+        settings: RouterSettings,
+        page_size: int,
+        metrics: Metrics | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
+        self.metrics = metrics or Metrics(Identity("router", "router", "unnamed"))
         self.settings = settings
         self.page_size = page_size
         self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
@@ -130,6 +137,13 @@ class PDBackend:
             )
         )
         deadline = time.monotonic() + self.settings.reserve_wait_s
+        self.metrics.waiting_for_kv.inc()
+        try:
+            return await self._reserve_until(msg, deadline)
+        finally:
+            self.metrics.waiting_for_kv.dec()
+
+    async def _reserve_until(self, msg: bytes, deadline: float) -> int:
         while True:
             for d in self.decode.by_load():
                 try:
@@ -192,10 +206,12 @@ class PDBackend:
         )
         stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
         released, seen = False, 0
+        handoff_start = time.monotonic()
         try:
             async for raw in stream:
                 if not released:
                     released = True
+                    self.metrics.handoff_time.observe(time.monotonic() - handoff_start)
                     self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
                 chunk = parse(TokenChunk, raw)
                 if chunk.error is not None and seen == 0:

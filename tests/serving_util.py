@@ -33,7 +33,7 @@ def serving_config(**fields: Any) -> ServingConfig:
         "decode": {"num_cpus": 0.5},
         "colocated": {"num_cpus": 0.5},
         "torch_threads": 1,
-        "router": {"served_model_name": "tiny"},
+        "router": {"served_model_name": "tiny", "metrics_port": None},
     }
     return ServingConfig.parse(base | fields)
 

@@ -21,12 +21,17 @@ from workers.protocol import decode as parse
 class EngineWorker:
     """A prefill, decode or colocated engine replica."""
 
-    def __init__(self, config_json: str) -> None:
+    def __init__(self, config_json: str, model_name: str = "") -> None:
         from workers.group import start_group
         from workers.host import EngineHost
 
         cfg = resolve_host(WorkerConfig.model_validate_json(config_json))
-        self.host = EngineHost(cfg, start_group)
+        context = serve.get_replica_context()
+        self.host = EngineHost(cfg, start_group, replica=context.deployment, model=model_name)
+
+    async def metrics(self) -> bytes:
+        """This replica's Prometheus exposition (merged by the router's metrics endpoint)."""
+        return self.host.metrics.exposition()
 
     async def info(self) -> bytes:
         return encode(self.host.info())

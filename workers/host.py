@@ -7,6 +7,7 @@ reservations for incoming KV (decode role), and frees both when their lease runs
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -15,9 +16,10 @@ import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine, InvalidRequestError
-from dsv3serve.engine.request import Request
+from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
 from dsv3serve.kvcache.allocator import pages_for_tokens
+from dsv3serve.metrics import Identity
 from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
@@ -34,6 +36,7 @@ from workers.protocol import (
     WorkerLoad,
     WorkerStats,
 )
+from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
 # Starts ranks 1..N-1 and returns an object with ``.leader`` (a GroupLeader) and ``.stop()``.
@@ -55,6 +58,11 @@ def _error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
     )
 
 
+async def _chunks(outputs: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenChunk]:
+    async for out in outputs:
+        yield chunk_from_output(out)
+
+
 def _engine_request(req: GenerateRequest) -> Request:
     return Request(req.request_id, req.params, prompt_ids=list(req.prompt_ids))
 
@@ -62,11 +70,20 @@ def _engine_request(req: GenerateRequest) -> Request:
 class EngineHost:
     """The engine of one replica plus its staged KV and reservations."""
 
-    def __init__(self, cfg: WorkerConfig, group_starter: GroupStarter | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        group_starter: GroupStarter | None = None,
+        replica: str = "",
+        model: str = "",
+    ) -> None:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.engine = Engine(cfg.engine)
+        identity = Identity(cfg.role, replica or cfg.role, model or cfg.engine.model)
+        self.metrics = WorkerMetrics(identity, self.engine.engine_state)
+        self.engine.metrics = self.metrics.m
         self.group: Any = None
         if cfg.group_size > 1:
             if group_starter is None:
@@ -147,8 +164,8 @@ class EngineHost:
         self._require("colocated")
         try:
             async with aclosing(self.aengine.generate(_engine_request(req))) as stream:
-                async for out in stream:
-                    yield chunk_from_output(out)
+                async for chunk in self.metrics.stream(_chunks(stream), count_prompt=True):
+                    yield chunk
         except _REFUSED as exc:
             yield _error_chunk(req.request_id, str(exc), 400)
 
@@ -160,10 +177,12 @@ class EngineHost:
         req = msg.request
         if self.cfg.test_prefill_delay_s:
             await asyncio.sleep(self.cfg.test_prefill_delay_s)
+        start = time.monotonic()
         try:
             first, export = await self.aengine.prefill(_engine_request(req))
         except _REFUSED as exc:
             return PrefillResult(first=_error_chunk(req.request_id, str(exc), 400), kv=None)
+        self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
         if export is None:
             return PrefillResult(first=chunk_from_output(first), kv=None)
         num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
@@ -225,8 +244,8 @@ class EngineHost:
         )
         try:
             async with aclosing(stream):
-                async for out in stream:
-                    yield chunk_from_output(out)
+                async for chunk in self.metrics.stream(_chunks(stream), count_prompt=False):
+                    yield chunk
         except _REFUSED as exc:
             self._unreserve(rid, pages)
             yield _error_chunk(rid, str(exc), 400)
@@ -240,14 +259,19 @@ class EngineHost:
         task = asyncio.ensure_future(
             asyncio.to_thread(self.connector.receive, handle, pages[: handle.num_pages])
         )
+        m = self.metrics.m
+        m.in_transfer.inc()
         try:
-            await asyncio.shield(task)
+            self.metrics.transferred(await asyncio.shield(task))
         except asyncio.CancelledError:
             task.add_done_callback(lambda _: self._unreserve(handle.request_id, pages))
             raise
         except TransferError as exc:
             self._unreserve(handle.request_id, pages)
+            m.transfer_failed("timeout" if "timed out" in str(exc).lower() else "error")
             return f"KV transfer failed: {exc}"
+        finally:
+            m.in_transfer.dec()
         if self.group is not None:  # every rank's pool gets the pages
             self.aengine.call(lambda _: self.group.leader.replicate_pages(pages))
         return None

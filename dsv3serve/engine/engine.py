@@ -8,6 +8,7 @@ which the scheduler does not have yet.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.scheduler import Scheduler
-from dsv3serve.engine.sequence import SchedulerConfig, Sequence
+from dsv3serve.engine.sequence import ScheduledItem, SchedulerConfig, Sequence
 from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
+from dsv3serve.metrics import EngineState, Metrics
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
@@ -95,6 +97,7 @@ class Engine:
         self._states: dict[str, _SeqState] = {}
         self._pending: list[TokenOutput] = []
         self._exports: dict[str, KVExport] = {}
+        self.metrics: Metrics | None = None  # set by the serving layer
 
     def use_runner(self, runner: Any) -> None:
         """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``)."""
@@ -181,6 +184,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch is not None:
+            self._observe(batch.items)
             result = self.runner.run(batch.items)
             sampled = self._sample(result)
             self.scheduler.on_step_done(
@@ -195,6 +199,30 @@ class Engine:
             outputs += self._process(result, sampled)
         outputs += self._scheduler_finished()
         return outputs
+
+    def _observe(self, items: list[ScheduledItem]) -> None:
+        """Step metrics: batch size, tokens, and queue time of first-scheduled sequences."""
+        now = time.monotonic()
+        for item in items:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+                if self.metrics is not None:
+                    self.metrics.queue_time.observe(now - item.seq.arrival_time)
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(items))
+            self.metrics.step_tokens.observe(sum(item.num_tokens for item in items))
+
+    def engine_state(self) -> EngineState:
+        """Scrape-time engine gauges and counters."""
+        s = self.scheduler
+        return EngineState(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_usage=s.kv.usage,
+            prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
+            prefix_hits=s.prefix_hit_tokens,
+            preemptions=s.num_preemptions,
+        )
 
     def _sample(self, result: StepResult) -> SampleOutput:
         states = [self._states[item.seq.seq_id] for item in result.sampled_items]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,6 +88,8 @@ class Sequence:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     arrival: int = -1
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     num_tree_pages: int = 0
     cache_handle: RadixNode | None = None
     num_admissions: int = 0

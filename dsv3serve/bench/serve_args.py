@@ -1,0 +1,200 @@
+"""The ``dsv3serve bench serve`` flags and the validated config they build (stdlib only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+Endpoint = Literal["chat", "completions"]
+DatasetName = Literal["random", "sharegpt"]
+
+
+class BenchServeError(Exception):
+    """The benchmark cannot run (server unreachable, warm-up failed, bad dataset)."""
+
+
+@dataclass(frozen=True)
+class BenchServeConfig:
+    """One serving benchmark, or a sweep of them, against an OpenAI-compatible server.
+
+    ``random_range_ratio`` r draws each length uniformly from ``[L * (1 - r), L * (1 + r)]``
+    (vLLM's meaning: 0 gives exact lengths). A sweep varies ``request_rate`` or
+    ``max_concurrency`` over its points and keeps every other field.
+    """
+
+    base_url: str
+    endpoint: Endpoint = "chat"
+    model: str | None = None
+    dataset_name: DatasetName = "random"
+    dataset_path: Path | None = None
+    num_prompts: int = 100
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    sharegpt_output_len: int | None = None
+    sharegpt_context_len: int = 2048
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    seed: int = 1
+    tokenizer: Path | None = None
+    output_file: Path | None = None
+    disable_tqdm: bool = False
+    ignore_eos: bool = False
+    warmup_requests: int = 1
+    extra_request_body: dict[str, Any] = field(default_factory=dict)
+    plot: Path | None = None
+    request_rate_sweep: tuple[float, ...] = ()
+    concurrency_sweep: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = [*self._dataset_problems(), *self._load_problems()]
+        if problems:
+            raise ValueError("bench serve: expected " + "; expected ".join(problems))
+
+    def _dataset_problems(self) -> Iterator[str]:
+        if self.endpoint not in ("chat", "completions"):
+            yield f"--endpoint chat or completions, got {self.endpoint!r}"
+        if self.dataset_name == "sharegpt" and self.dataset_path is None:
+            yield "--dataset-path with --dataset-name sharegpt, got none"
+        if self.num_prompts < 1:
+            yield f"--num-prompts >= 1, got {self.num_prompts}"
+        if self.random_input_len < 2:  # BOS plus at least one token of text
+            yield f"--random-input-len >= 2, got {self.random_input_len}"
+        if self.random_output_len < 1:
+            yield f"--random-output-len >= 1, got {self.random_output_len}"
+        if not 0 <= self.random_range_ratio < 1:
+            yield f"0 <= --random-range-ratio < 1, got {self.random_range_ratio}"
+
+    def _load_problems(self) -> Iterator[str]:
+        if self.request_rate <= 0:
+            yield f"--request-rate > 0, got {self.request_rate}"
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            yield f"--max-concurrency >= 1, got {self.max_concurrency}"
+        if self.warmup_requests < 0:
+            yield f"--warmup-requests >= 0, got {self.warmup_requests}"
+        if any(r <= 0 for r in self.request_rate_sweep):
+            yield f"rates > 0 in --request-rate-sweep, got {self.request_rate_sweep}"
+        if any(c < 1 for c in self.concurrency_sweep):
+            yield f"values >= 1 in --concurrency-sweep, got {self.concurrency_sweep}"
+        if self.request_rate_sweep and self.concurrency_sweep:
+            yield "one of --request-rate-sweep and --concurrency-sweep, got both"
+
+    def points(self) -> list[BenchServeConfig]:
+        """One config per benchmark to run: the sweep's points, or this config alone."""
+        if self.request_rate_sweep:
+            return [replace(self, request_rate=r) for r in self.request_rate_sweep]
+        if self.concurrency_sweep:
+            return [replace(self, max_concurrency=c) for c in self.concurrency_sweep]
+        return [self]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text else None
+
+
+def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
+    """The validated config of parsed ``bench serve`` flags."""
+    return BenchServeConfig(
+        base_url=args.base_url.rstrip("/"),
+        endpoint=args.endpoint,
+        model=args.model,
+        dataset_name=args.dataset_name,
+        dataset_path=_path(args.dataset_path),
+        num_prompts=args.num_prompts,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        sharegpt_output_len=args.sharegpt_output_len,
+        sharegpt_context_len=args.sharegpt_context_len,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        tokenizer=_path(args.tokenizer),
+        output_file=_path(args.output_file),
+        disable_tqdm=args.disable_tqdm,
+        ignore_eos=args.ignore_eos,
+        warmup_requests=args.warmup_requests,
+        extra_request_body=args.extra_request_body,
+        plot=_path(args.plot),
+        request_rate_sweep=args.request_rate_sweep,
+        concurrency_sweep=args.concurrency_sweep,
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="chat", choices=["chat", "completions"])
+    p.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir; default: DeepSeek-V3's")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (exact lengths)")
+    p.add_argument(
+        "--extra-request-body", type=_json_object, default={}, help="JSON merged into each body"
+    )
+
+
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens, BOS included")
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="lengths in [L(1-r), L(1+r)]"
+    )
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="override reply lengths")
+    p.add_argument("--sharegpt-context-len", type=int, default=2048, help="skip longer pairs")
+    p.add_argument("--seed", type=int, default=1)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--warmup-requests", type=int, default=1)
+    sweep = p.add_mutually_exclusive_group()
+    sweep.add_argument("--request-rate-sweep", type=_floats, default=(), help="r1,r2,...")
+    sweep.add_argument("--concurrency-sweep", type=_ints, default=(), help="c1,c2,...")
+    p.add_argument("--plot", default=None, help="PNG of latency against output throughput")
+    p.add_argument("--output-file", default=None, help="JSON results")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dsv3serve.bench.serve import run_bench_serve
+
+    try:
+        run_bench_serve(config_from_args(args))
+    except BenchServeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_serve_parser(bench: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``bench`` subparsers (``bench``: argparse's subparsers action)."""
+    p = bench.add_parser("serve", help="serving benchmark against an OpenAI-compatible URL")
+    _add_target_args(p)
+    _add_dataset_args(p)
+    _add_load_args(p)
+    p.set_defaults(func=_run)
+    return p

@@ -1,0 +1,55 @@
+"""PNG of a sweep: median and P99 TTFT, TPOT and E2E latency against output throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dsv3serve.bench.serve_args import BenchServeConfig
+
+PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e_latency", "E2E latency"))
+
+
+def point_label(record: dict[str, Any], config: BenchServeConfig) -> str:
+    """How a sweep point is named on the plot: its concurrency or its request rate."""
+    if config.concurrency_sweep:
+        return f"c={record['max_concurrency']}"
+    return f"{record['request_rate']:g} req/s"
+
+
+def _panel(
+    ax: Any, records: list[dict[str, Any]], metric: str, title: str, labels: list[str]
+) -> None:
+    xs = [r["output_throughput"] for r in records]
+    for stat, style in (("median", "o-"), ("p99", "s--")):
+        ax.plot(xs, [r[f"{stat}_{metric}_ms"] for r in records], style, label=stat.upper())
+    for x, y, text in zip(xs, [r[f"p99_{metric}_ms"] for r in records], labels, strict=True):
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.set_title(title)
+    ax.set_xlabel("output throughput (tok/s)")
+    ax.set_ylabel(f"{title} (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def plot_sweep(records: list[dict[str, Any]], config: BenchServeConfig, path: Path) -> None:
+    """Write the sweep's latency-throughput PNG to ``path`` (matplotlib's Agg canvas).
+
+    The figure is drawn without pyplot, so no global backend or figure state changes.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    labels = [point_label(r, config) for r in records]
+    fig = Figure(figsize=(5 * len(PANELS), 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(PANELS))
+    for ax, (metric, title) in zip(axes, PANELS, strict=True):
+        _panel(ax, records, metric, title, labels)
+    first = records[0]
+    fig.suptitle(
+        f"{first['model']} via {config.endpoint}: {config.dataset_name}, "
+        f"{first['num_prompts']} prompts"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,177 @@
+"""Every Prometheus metric of dsv3serve, defined once: names, labels and buckets.
+
+Names follow vLLM / SGLang in our own ``dsv3serve:`` namespace. Each process (router,
+prefill, decode or colocated replica) builds its metrics in its own registry with constant
+labels ``role``, ``replica`` and ``model`` (plus ``dp_rank`` on engine metrics); label sets
+are bounded (never a request id). The router merges its workers' expositions into one
+internal endpoint (``router/metrics_server.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+NS = "dsv3serve:"
+disable_created_metrics()  # no *_created series (as vLLM): they double every counter
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKENS_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
+BYTES_BUCKETS = tuple(float(4**i) * 1024 for i in range(1, 12))
+GBPS_BUCKETS = (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who emits: the constant labels of one process's metrics."""
+
+    role: str  # router | prefill | decode | colocated
+    replica: str
+    model: str
+
+    def labels(self) -> dict[str, str]:
+        return {"role": self.role, "replica": self.replica, "model": self.model}
+
+
+class Metrics:
+    """All metric objects of one process, registered in ``registry``.
+
+    Every process builds the full set (unused ones simply stay at zero), so a dashboard
+    query never depends on which process it hits.
+    """
+
+    def __init__(self, identity: Identity, registry: CollectorRegistry | None = None) -> None:
+        self.identity = identity
+        self.registry = registry or CollectorRegistry()
+        c = identity.labels()
+        names = list(c)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(NS + name, doc, names, registry=self.registry, buckets=buckets).labels(
+                **c
+            )
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            metric = Counter(NS + name, doc, [*names, *extra], registry=self.registry)
+            return metric if extra else metric.labels(**c)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(NS + name, doc, names, registry=self.registry).labels(**c)
+
+        # request latencies (router: as clients see them; workers: their own part)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between output tokens.", TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency.", LATENCY_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds",
+            "Time waiting before the first schedule.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill_time = hist(
+            "request_prefill_time_seconds", "Time to prefill a request.", LATENCY_BUCKETS
+        )
+        self.decode_time = hist(
+            "request_decode_time_seconds", "Time from first to last token.", LATENCY_BUCKETS
+        )
+        # request counters
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self._finished = counter(
+            "request_success_total", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self._status = counter(
+            "requests_total", "Answered requests by protocol and status.", ("protocol", "status")
+        )
+        # engine internals
+        self.batch_size = hist("batch_size", "Sequences in one engine step.", BATCH_BUCKETS)
+        self.step_tokens = hist("step_num_tokens", "Tokens in one engine step.", TOKENS_BUCKETS)
+        # prefill / decode
+        self.transfer_latency = hist(
+            "kv_transfer_latency_seconds", "Time to pull one request's KV.", LATENCY_BUCKETS
+        )
+        self.transfer_size = hist("kv_transfer_size_bytes", "KV bytes per transfer.", BYTES_BUCKETS)
+        self.transfer_speed = hist(
+            "kv_transfer_speed_gb_per_s", "KV transfer speed (GB/s).", GBPS_BUCKETS
+        )
+        self.transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved.")
+        self._transfer_failures = counter(
+            "kv_transfer_failures_total", "Failed KV transfers by reason.", ("reason",)
+        )
+        self.waiting_for_kv = gauge(
+            "num_requests_waiting_for_kv", "Requests waiting for a decode KV reservation."
+        )
+        self.in_transfer = gauge("num_requests_in_transfer", "Requests pulling KV now.")
+        self.handoff_time = hist(
+            "pd_handoff_seconds", "Prefill result to first decode output.", LATENCY_BUCKETS
+        )
+        # speculative decoding (filled when it lands)
+        self.spec_drafts = counter("spec_decode_num_drafts_total", "Draft rounds.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens_total", "Draft tokens.")
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens_total", "Accepted draft tokens."
+        )
+
+    def finished(self, reason: str) -> None:
+        """Count one finished sequence (``stop``, ``length``, ``abort``, ``error``)."""
+        self._finished.labels(**self.identity.labels(), finished_reason=reason).inc()
+
+    def answered(self, protocol: str, status: int | str) -> None:
+        """Count one answered request (``http`` status code or ``grpc`` status name)."""
+        labels = self.identity.labels()
+        self._status.labels(**labels, protocol=protocol, status=str(status)).inc()
+
+    def transfer_failed(self, reason: str) -> None:
+        """Count one failed transfer (``error`` or ``timeout``)."""
+        self._transfer_failures.labels(**self.identity.labels(), reason=reason).inc()
+
+
+@dataclass
+class EngineState:
+    """What an engine reports at scrape time (read without stopping it)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+
+
+class EngineStateCollector(Collector):
+    """Engine gauges and cumulative counters, read from the engine when scraped."""
+
+    def __init__(self, identity: Identity, read: Any, dp_rank: int = 0) -> None:
+        self.labels = {**identity.labels(), "dp_rank": str(dp_rank)}
+        self.read = read  # () -> EngineState
+
+    def collect(self) -> Iterator[Any]:
+        state: EngineState = self.read()
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, value, family in (
+            ("num_requests_running", "Requests in the running batch.", state.running, 0),
+            ("num_requests_waiting", "Requests waiting to run.", state.waiting, 0),
+            ("kv_cache_usage_perc", "KV cache usage (0-1).", state.kv_usage, 0),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             state.prefix_queries, 1),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             state.prefix_hits, 1),
+            ("num_preemptions", "Preempted sequences.", state.preemptions, 1),
+        ):  # fmt: skip
+            kind = CounterMetricFamily if family else GaugeMetricFamily
+            metric = kind(NS + name, doc, labels=names)
+            metric.add_metric(values, value)
+            yield metric

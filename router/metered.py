@@ -1,0 +1,44 @@
+"""Client-visible latencies and counts, measured around any GenerationBackend."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dsv3serve.metrics import Metrics
+from workers.protocol import GenerateRequest, TokenChunk
+
+
+class MeteredBackend:
+    """GenerationBackend wrapper: TTFT, ITL, E2E, tokens and finish reasons."""
+
+    def __init__(self, backend: Any, metrics: Metrics) -> None:
+        self.backend = backend
+        self.m = metrics
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        start = time.monotonic()
+        last: dict[int, float] = {}  # per sequence index: when its last token arrived
+        try:
+            async for chunk in self.backend.generate(req):
+                self._observe(chunk, start, last)
+                yield chunk
+        finally:
+            self.m.e2e.observe(time.monotonic() - start)
+
+    def _observe(self, chunk: TokenChunk, start: float, last: dict[int, float]) -> None:
+        now = time.monotonic()
+        if chunk.token_ids:
+            if not last:
+                self.m.ttft.observe(now - start)
+                self.m.prompt_tokens.inc(chunk.prompt_tokens)
+            elif chunk.index in last:
+                self.m.itl.observe((now - last[chunk.index]) / len(chunk.token_ids))
+            last[chunk.index] = now
+            self.m.generation_tokens.inc(len(chunk.token_ids))
+        if chunk.finished:
+            self.m.finished(chunk.finish_reason or "unknown")
+
+    async def is_healthy(self) -> bool:
+        return await self.backend.is_healthy()

@@ -1,0 +1,53 @@
+"""A worker's metrics: the shared definitions bound to this replica, and what it observes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import generate_latest
+
+from dsv3serve.metrics import EngineState, EngineStateCollector, Identity, Metrics
+from kv_transfer.handle import TransferStats
+from workers.protocol import TokenChunk
+
+
+class WorkerMetrics:
+    """Metrics of one replica (``role``, ``replica``, ``model`` labels)."""
+
+    def __init__(self, identity: Identity, engine_state: Callable[[], EngineState]) -> None:
+        self.m = Metrics(identity)
+        self.m.registry.register(EngineStateCollector(identity, engine_state))
+
+    def exposition(self) -> bytes:
+        """This replica's metrics in the Prometheus text format."""
+        return generate_latest(self.m.registry)
+
+    async def stream(
+        self, chunks: AsyncIterator[TokenChunk], count_prompt: bool
+    ) -> AsyncIterator[TokenChunk]:
+        """Pass ``chunks`` through, counting tokens, finish reasons and decode time."""
+        first_at: float | None = None
+        async for chunk in chunks:
+            if chunk.token_ids:
+                now = time.monotonic()
+                if first_at is None:
+                    first_at = now
+                    if count_prompt:
+                        self.m.prompt_tokens.inc(chunk.prompt_tokens)
+                self.m.generation_tokens.inc(len(chunk.token_ids))
+            if chunk.finished:
+                self.m.finished(chunk.finish_reason or "unknown")
+                if first_at is not None:
+                    self.m.decode_time.observe(time.monotonic() - first_at)
+            yield chunk
+
+    def prefilled(self, seconds: float, prompt_tokens: int) -> None:
+        self.m.prefill_time.observe(seconds)
+        self.m.prompt_tokens.inc(prompt_tokens)
+
+    def transferred(self, stats: TransferStats) -> None:
+        self.m.transfer_latency.observe(stats.seconds)
+        self.m.transfer_size.observe(stats.nbytes)
+        self.m.transfer_speed.observe(stats.gbps)
+        self.m.transfer_bytes.inc(stats.nbytes)
