@@ -30,7 +30,8 @@ TOKEN_LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKENS_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
 BYTES_BUCKETS = tuple(float(4**i) * 1024 for i in range(1, 12))
-GBPS_BUCKETS = (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+SPEED_BUCKETS = tuple(gb * 1e9 for gb in (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400))
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Metrics:
         )
         self.transfer_size = hist("kv_transfer_size_bytes", "KV bytes per transfer.", BYTES_BUCKETS)
         self.transfer_speed = hist(
-            "kv_transfer_speed_gb_per_s", "KV transfer speed (GB/s).", GBPS_BUCKETS
+            "kv_transfer_speed_bytes_per_second", "KV transfer speed.", SPEED_BUCKETS
         )
         self.transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved.")
         self._transfer_failures = counter(
@@ -124,6 +125,18 @@ class Metrics:
         self.spec_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens_total", "Accepted draft tokens."
         )
+
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Create the labelled series users query, at zero, so rates exist from the start."""
+        labels = self.identity.labels()
+        for reason in FINISH_REASONS:
+            self._finished.labels(**labels, finished_reason=reason)
+        for status in ("200", "400", "404", "413", "429", "500", "503"):
+            self._status.labels(**labels, protocol="http", status=status)
+        for reason in ("error", "timeout"):
+            self._transfer_failures.labels(**labels, reason=reason)
 
     def finished(self, reason: str) -> None:
         """Count one finished sequence (``stop``, ``length``, ``abort``, ``error``)."""

@@ -49,5 +49,5 @@ class WorkerMetrics:
     def transferred(self, stats: TransferStats) -> None:
         self.m.transfer_latency.observe(stats.seconds)
         self.m.transfer_size.observe(stats.nbytes)
-        self.m.transfer_speed.observe(stats.gbps)
+        self.m.transfer_speed.observe(stats.gbps * 1e9)
         self.m.transfer_bytes.inc(stats.nbytes)

@@ -1,0 +1,97 @@
+{{/* Names and labels. */}}
+{{- define "dsv3serve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* At most 40 characters: KubeRay derives longer names (<name>-raycluster-xxxxx-head-svc). */}}
+{{- define "dsv3serve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv3serve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dsv3serve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dsv3serve.labels" -}}
+{{ include "dsv3serve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "dsv3serve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Secret names and keys. */}}
+{{- define "dsv3serve.rayAuthSecret" -}}
+{{- default (printf "%s-ray-auth" (include "dsv3serve.fullname" .)) .Values.rayAuth.existingSecret -}}
+{{- end -}}
+
+{{- define "dsv3serve.apiKeySecret" -}}
+{{- default (printf "%s-api-key" (include "dsv3serve.fullname" .)) .Values.apiKey.existingSecret -}}
+{{- end -}}
+
+{{/* KubeRay's key for the Ray auth token in a Secret. */}}
+{{- define "dsv3serve.rayAuthKey" -}}auth_token{{- end -}}
+
+{{/*
+A secret value: the given one, else the one already stored in the release's Secret (so
+upgrades keep it), else a new random one. Args: (list ctx secretName key given).
+*/}}
+{{- define "dsv3serve.secretValue" -}}
+{{- $ctx := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $key := index . 2 -}}
+{{- $given := index . 3 -}}
+{{- $stored := (lookup "v1" "Secret" $ctx.Release.Namespace $name).data | default dict -}}
+{{- if $given -}}
+{{- $given -}}
+{{- else if hasKey $stored $key -}}
+{{- index $stored $key | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 48 -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Ray custom resource that pins a role's ranks to its worker pods. */}}
+{{- define "dsv3serve.nodeResource" -}}{{ . }}_node{{- end -}}
+
+{{/*
+Fail early, with the field names, on layouts Ray could never place. Args: (list ctx role).
+*/}}
+{{- define "dsv3serve.checkRole" -}}
+{{- $ctx := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- $g := index $ctx.Values $role -}}
+{{- $w := $g.workers -}}
+{{- if gt (int $g.groupSize) (int $w.gpus) -}}
+{{- fail (printf "%s.groupSize: found %d, expected <= %s.workers.gpus (%d): one replica's ranks must fit in one pod" $role (int $g.groupSize) $role (int $w.gpus)) -}}
+{{- end -}}
+{{- $need := mul $g.numReplicas $g.groupSize -}}
+{{- $have := mul $w.replicas (div $w.gpus $g.groupSize) $g.groupSize -}}
+{{- if gt (int $need) (int $have) -}}
+{{- fail (printf "%s.numReplicas: %d replicas x groupSize %d need %d GPUs in whole groups, but %s.workers has %d pods x %d GPUs (room for %d)" $role (int $g.numReplicas) (int $g.groupSize) (int $need) $role (int $w.replicas) (int $w.gpus) (int $have)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv3serve.checkValues" -}}
+{{- include "dsv3serve.checkRole" (list . "prefill") -}}
+{{- include "dsv3serve.checkRole" (list . "decode") -}}
+{{- if eq (int .Values.metrics.routerPort) (int .Values.metrics.rayPort) -}}
+{{- fail (printf "metrics.routerPort: found %d, the same as metrics.rayPort" (int .Values.metrics.routerPort)) -}}
+{{- end -}}
+{{- if and .Values.rayAuth.enabled (not (semverCompare ">=2.52.0-0" .Values.rayVersion)) -}}
+{{- fail (printf "rayVersion: found %s, expected >= 2.52.0 for rayAuth.enabled (Ray token authentication)" .Values.rayVersion) -}}
+{{- end -}}
+{{- end -}}

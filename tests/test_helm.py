@@ -1,0 +1,458 @@
+"""The Helm chart helm/dsv3serve: lint, render, schemas, the Serve config, secure defaults.
+
+Real tools, offline, no cluster and no helm binary. Test dependencies (pip):
+  helm-python-sdk==0.2.2      Helm v4 SDK (lint, render, values.schema.json) through ctypes
+  kubernetes-validate==1.37.0 Kubernetes JSON schemas, checks Service/Secret/ConfigMap/NetworkPolicy
+  jsonschema                  (already installed with ray) checks the RayService against
+                              tests/data/kuberay/rayservice-v1.schema.json
+The ServiceMonitor is a Prometheus-operator CRD that kubernetes-validate has no schema for; it
+is only checked for its selector and port here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import referencing
+import yaml
+from kubernetes_validate.utils import latest_version
+from ray.serve.schema import ServeDeploySchema
+
+from dsv3serve.engine.config import EngineConfig
+from router.config import RouterSettings, ServingConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "dsv3serve"
+VALUES_DIR = ROOT / "helm" / "values"
+RAYSERVICE_SCHEMA = Path(__file__).parent / "data" / "kuberay" / "rayservice-v1.schema.json"
+K8S_VERSIONS = ("1.27.0", latest_version())  # the chart's kubeVersion floor, and the newest
+CORE_KINDS = {"Service", "Secret", "ConfigMap", "NetworkPolicy"}
+INTERNAL_PORTS = {6379, 8265, 10001, 52365}  # GCS, dashboard, Ray client, dashboard agent
+METRICS_PORTS = {8001, 8080}  # the router's merged /metrics, Ray's exporter
+
+LAYOUTS = {
+    "one-node-1p1d": yaml.safe_load((VALUES_DIR / "one-node-1p1d.yaml").read_text()),
+    "multi-node": yaml.safe_load((VALUES_DIR / "multi-node.yaml").read_text()),
+    "chart-defaults": {"model": {"path": "/models/DeepSeek-V3"}},
+}
+layouts = pytest.mark.parametrize("layout", sorted(LAYOUTS))
+
+
+def render(values: dict[str, Any], chart: Path = CHART) -> list[dict[str, Any]]:
+    """Every object the chart renders for ``values`` (release dsv3, namespace llm)."""
+    with helm.Chart.load(chart) as loaded:
+        manifests = loaded.render(values, name="dsv3", namespace="llm", is_install=True)
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".yaml"):
+            docs += [doc for doc in yaml.safe_load_all(text) if doc]
+    return docs
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def rayservice(values: dict[str, Any]) -> dict[str, Any]:
+    (only,) = of_kind(render(values), "RayService")
+    return only
+
+
+def serve_config(values: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rayservice(values)["spec"]["serveConfigV2"])
+
+
+def pod_templates(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pod template per group name ('head', 'prefill', 'decode')."""
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
+    return {"head": cluster["headGroupSpec"]["template"], **groups}
+
+
+def env_of(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    (container,) = template["spec"]["containers"]
+    return {e["name"]: e for e in container.get("env") or []}
+
+
+# --- lint and schemas -----------------------------------------------------------------
+
+
+@layouts
+def test_chart_lints_clean_in_strict_mode(layout: str) -> None:
+    report = helm.lint(CHART, LAYOUTS[layout], strict=True, namespace="llm")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert report["errors"] == [] and problems == [], report
+
+
+@layouts
+@pytest.mark.parametrize("k8s", K8S_VERSIONS)
+def test_core_objects_validate_against_kubernetes_schemas(layout: str, k8s: str) -> None:
+    docs = render(LAYOUTS[layout])
+    core = [doc for doc in docs if doc["kind"] in CORE_KINDS]
+    assert {doc["kind"] for doc in core} >= {"Service", "Secret", "NetworkPolicy"}
+    for doc in core:
+        kubernetes_validate.validate(doc, k8s, strict=True)
+
+
+def kuberay_validator() -> jsonschema.protocols.Validator:
+    """The RayService schema, its Kubernetes $refs served from kubernetes-validate's files."""
+    folder = resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    defs = json.loads(
+        (folder / f"v{latest_version()}-local-strict" / "_definitions.json").read_text()
+    )
+    registry = referencing.Resource.from_contents(defs) @ referencing.Registry()
+    schema = json.loads(RAYSERVICE_SCHEMA.read_text())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+@layouts
+def test_rayservice_validates_against_kuberay_schema(layout: str) -> None:
+    errors = list(kuberay_validator().iter_errors(rayservice(LAYOUTS[layout])))
+    assert not errors, [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+
+
+def test_kuberay_schema_catches_a_misspelt_field() -> None:
+    service = rayservice(LAYOUTS["multi-node"])
+    service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
+    assert not kuberay_validator().is_valid(service)
+
+
+# --- the Serve application ------------------------------------------------------------
+
+
+@layouts
+def test_serve_config_validates_with_ray_and_serving_config(layout: str) -> None:
+    config = serve_config(LAYOUTS[layout])
+    ServeDeploySchema.model_validate(config)
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert config["grpc_options"]["port"] == 9000
+    for app in config["applications"]:
+        assert app["import_path"] == "router.app:build_app"
+        cfg = ServingConfig.parse(app["args"])
+        assert cfg.mode == "pd" and cfg.kv_connector in ("torch_dist", "nixl")
+        assert (cfg.router.metrics_host, cfg.router.metrics_port) == ("0.0.0.0", 8001)
+
+
+def ray_start_resources(group: dict[str, Any]) -> dict[str, float]:
+    """KubeRay's rayStartParams.resources: a shell-quoted JSON object."""
+    return json.loads(json.loads(group["rayStartParams"]["resources"]))
+
+
+@layouts
+def test_each_role_fits_only_its_own_worker_group(layout: str) -> None:
+    service = rayservice(LAYOUTS[layout])
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    cfg = ServingConfig.parse(args)
+    for role in ("prefill", "decode"):
+        want, group = getattr(cfg, role), groups[role]
+        offered = ray_start_resources(group)
+        other = ray_start_resources(groups["decode" if role == "prefill" else "prefill"])
+        assert want.resources and set(want.resources) <= set(offered)
+        assert set(want.resources).isdisjoint(other), "a rank could land on the other role"
+        gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        ranks = want.num_replicas * want.group_size
+        assert want.group_size <= gpus and ranks <= group["replicas"] * gpus
+        # the ranks take every Ray CPU of the pod, so the router (1 CPU) runs on the head
+        assert int(group["rayStartParams"]["num-cpus"]) == gpus * want.num_cpus
+
+
+VARIANTS = {
+    "no-auth": {"rayAuth": {"enabled": False}, "apiKey": {"enabled": False}},
+    "load-balancer": {
+        "service": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8"]},
+        "networkPolicy": {"routerFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]},
+    },
+    "bare": {
+        "serviceMonitor": {"enabled": False},
+        "dashboards": {"enabled": False},
+        "networkPolicy": {"enabled": False},
+    },
+    "autoscaling": {
+        "enableInTreeAutoscaling": True,
+        "decode": {"workers": {"minReplicas": 1, "maxReplicas": 4}},
+    },
+    "nixl-and-role-engine": {
+        "kvTransfer": {"connector": "nixl", "options": {}},
+        "decode": {"engine": {"max_running_requests": 512}},
+        "head": {"env": {"RAY_SERVE_LOG_LEVEL": "INFO"}},
+    },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_render_valid_objects(variant: str) -> None:
+    values = LAYOUTS["multi-node"] | VARIANTS[variant]
+    docs = render(values)
+    for doc in docs:
+        if doc["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(doc, latest_version(), strict=True)
+    (service,) = of_kind(docs, "RayService")
+    assert kuberay_validator().is_valid(service)
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    ServingConfig.parse(config["applications"][0]["args"])
+
+
+def test_switches_remove_what_they_name() -> None:
+    docs = render(LAYOUTS["multi-node"] | VARIANTS["bare"] | VARIANTS["no-auth"])
+    kinds = {doc["kind"] for doc in docs}
+    assert kinds == {"RayService", "Service"}  # the router Service alone
+    (service,) = of_kind(docs, "RayService")
+    assert "authOptions" not in service["spec"]["rayClusterConfig"]
+    for template in pod_templates(service).values():
+        assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "DSV3SERVE_API_KEY"}.isdisjoint(env_of(template))
+
+
+def test_values_files_describe_the_two_layouts() -> None:
+    one = ServingConfig.parse(serve_config(LAYOUTS["one-node-1p1d"])["applications"][0]["args"])
+    assert (one.prefill.group_size, one.decode.group_size) == (4, 4)
+    one_node = LAYOUTS["one-node-1p1d"]
+    assert one_node["prefill"]["workers"]["gpus"] == one_node["decode"]["workers"]["gpus"] == 4
+    node_types = {
+        one_node[r]["workers"]["nodeSelector"]["nvidia.com/gpu.product"]
+        for r in ("prefill", "decode")
+    }
+    assert len(node_types) == 1
+    multi = ServingConfig.parse(serve_config(LAYOUTS["multi-node"])["applications"][0]["args"])
+    assert (multi.prefill.num_replicas, multi.prefill.group_size) == (1, 8)
+    assert (multi.decode.num_replicas, multi.decode.group_size) == (2, 8)
+    assert LAYOUTS["multi-node"]["decode"]["workers"]["replicas"] == 2
+
+
+def test_engine_and_router_schemas_track_the_config_classes() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    engine_keys = set(schema["definitions"]["engine"]["properties"])
+    assert engine_keys == set(EngineConfig.model_fields) - {"model"}
+    chart_set = {"metrics_host", "metrics_port"}  # from metrics.routerPort, bound to the pod IP
+    router_keys = set(schema["properties"]["router"]["properties"])
+    assert router_keys == set(RouterSettings.model_fields) - chart_set
+
+
+# --- secure defaults ------------------------------------------------------------------
+
+
+def service_ports(service: dict[str, Any]) -> set[int]:
+    return {p["port"] for p in service["spec"]["ports"]} | {
+        p["targetPort"] for p in service["spec"]["ports"] if isinstance(p.get("targetPort"), int)
+    }
+
+
+@layouts
+def test_router_service_exposes_only_http_and_grpc(layout: str) -> None:
+    services = {s["metadata"]["name"]: s for s in of_kind(render(LAYOUTS[layout]), "Service")}
+    router = services["dsv3-dsv3serve"]
+    assert router["spec"]["type"] == "ClusterIP"
+    assert [(p["port"], p["targetPort"]) for p in router["spec"]["ports"]] == [
+        (8000, "serve"),
+        (9000, "grpc"),
+    ]
+    for service in services.values():
+        assert service_ports(service).isdisjoint(INTERNAL_PORTS), service["metadata"]["name"]
+        assert service["spec"]["type"] == "ClusterIP" or service is router
+    metrics = services["dsv3-dsv3serve-metrics"]
+    assert metrics["spec"]["clusterIP"] == "None" and service_ports(metrics) == METRICS_PORTS
+
+
+@layouts
+def test_kuberay_head_service_and_dashboard_stay_internal(layout: str) -> None:
+    cluster = rayservice(LAYOUTS[layout])["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP" and head["enableIngress"] is False
+    # KubeRay deploys serveConfigV2 through the dashboard on the pod IP; the NetworkPolicy
+    # limits that port to the operator's namespace and Ray's token guards it.
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert cluster["enableInTreeAutoscaling"] is False
+    for template in pod_templates(rayservice(LAYOUTS[layout])).values():
+        assert template["spec"]["automountServiceAccountToken"] is False
+
+
+@layouts
+def test_ray_token_auth_on_every_ray_container(layout: str) -> None:
+    service = rayservice(LAYOUTS[layout])
+    secret = "dsv3-dsv3serve-ray-auth"
+    assert service["spec"]["rayClusterConfig"]["authOptions"] == {
+        "mode": "token",
+        "secretName": secret,
+    }
+    for group, template in pod_templates(service).items():
+        env = env_of(template)
+        assert env["RAY_AUTH_MODE"]["value"] == "token", group
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret, "key": "auth_token"}, group
+        assert ("DSV3SERVE_API_KEY" in env) == (group == "head")
+    secrets = {s["metadata"]["name"]: s for s in of_kind(render(LAYOUTS[layout]), "Secret")}
+    assert len(secrets[secret]["data"]["auth_token"]) >= 48
+
+
+def policies(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    docs = of_kind(render(values), "NetworkPolicy")
+    return {p["metadata"]["name"].removeprefix("dsv3-dsv3serve-"): p["spec"] for p in docs}
+
+
+def rule_ports(rule: dict[str, Any]) -> set[int] | None:
+    """The ports a rule opens; None means every port."""
+    return {p["port"] for p in rule["ports"]} if "ports" in rule else None
+
+
+@layouts
+def test_network_policies_fence_the_release(layout: str) -> None:
+    specs = policies(LAYOUTS[layout])
+    release = {"app.kubernetes.io/name": "dsv3serve", "app.kubernetes.io/instance": "dsv3"}
+    for spec in specs.values():
+        assert spec["policyTypes"] == ["Ingress"]
+        assert release.items() <= spec["podSelector"]["matchLabels"].items()
+    (internal,) = specs["internal"]["ingress"]
+    assert internal["from"] == [{"podSelector": {"matchLabels": release}}]
+    open_rules = [r for s in specs.values() for r in s["ingress"] if "from" not in r]
+    assert [rule_ports(r) for r in open_rules] == [{8000, 9000}]  # the only rule from anywhere
+    assert specs["router"]["podSelector"]["matchLabels"]["dsv3serve.io/role"] == "head"
+    (operator,) = specs["operator"]["ingress"]
+    assert rule_ports(operator) == {8265}
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "kuberay-system"
+    }
+    (scrape,) = specs["metrics"]["ingress"]
+    assert rule_ports(scrape) == METRICS_PORTS
+    assert "monitoring" in json.dumps(scrape["from"])
+
+
+def test_service_monitor_scrapes_the_metrics_service() -> None:
+    docs = render(LAYOUTS["multi-node"])
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (metrics,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics")]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    )
+    ports = {p["name"]: p["targetPort"] for p in metrics["spec"]["ports"]}
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == list(ports)
+    head = pod_templates(of_kind(docs, "RayService")[0])["head"]["spec"]["containers"][0]
+    assert set(ports.values()) <= {p["name"] for p in head["ports"]}
+
+
+def test_existing_secrets_are_referenced_not_created() -> None:
+    values = copy.deepcopy(LAYOUTS["multi-node"])
+    values["rayAuth"] = {"existingSecret": "ray-token"}
+    values["apiKey"] = {"existingSecret": "llm-keys", "secretKey": "key"}
+    docs = render(values)
+    assert of_kind(docs, "Secret") == []
+    env = env_of(pod_templates(of_kind(docs, "RayService")[0])["head"])
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "ray-token"
+    assert env["DSV3SERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "llm-keys",
+        "key": "key",
+    }
+
+
+def test_given_api_key_is_stored() -> None:
+    values = {**LAYOUTS["multi-node"], "apiKey": {"value": "sk-test-123"}}
+    (secret,) = [
+        s for s in of_kind(render(values), "Secret") if s["metadata"]["name"].endswith("-api-key")
+    ]
+    assert secret["data"]["api-key"] == "c2stdGVzdC0xMjM="  # base64 of sk-test-123
+
+
+# --- bad values -----------------------------------------------------------------------
+
+
+def changed(path: str, value: Any) -> dict[str, Any]:
+    """The multi-node values with the dotted ``path`` set to ``value`` (None deletes it)."""
+    values = copy.deepcopy(LAYOUTS["multi-node"])
+    *parents, last = path.split(".")
+    node = values
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is None:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return values
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("prefill.numReplicas", -1, r"at '/prefill/numReplicas': minimum"),
+        ("decode.workers.gpus", 2.5, r"at '/decode/workers/gpus': got number, want integer"),
+        ("colour", "blue", r"additional properties 'colour' not allowed"),
+        ("model", None, r"at '/model': missing property 'path'"),
+        ("model.path", None, r"at '/model': missing property 'path'"),
+        ("kvTransfer.connector", "rdma", r"at '/kvTransfer/connector': value must be one of"),
+        ("kvTransfer.connector", "shm", r"at '/kvTransfer/connector': value must be one of"),
+        ("engine.page_size", 0, r"at '/engine/page_size': minimum"),
+        ("router.policy", "random", r"at '/router/policy'"),
+        ("gpuEnv.NCCL_NVLS_ENABLE", 0, r"at '/gpuEnv/NCCL_NVLS_ENABLE': got number, want string"),
+        ("service.type", "ExternalName", r"at '/service/type'"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message: str) -> None:
+    with pytest.raises(helm.HelmValuesError, match=message):
+        render(changed(path, value))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("decode.numReplicas", 3, r"decode\.numReplicas: 3 replicas x groupSize 8 need 24 GPUs"),
+        (
+            "prefill.groupSize",
+            16,
+            r"prefill\.groupSize: found 16, expected <= prefill\.workers\.gpus",
+        ),
+        ("rayVersion", "2.50.0", r"rayVersion: found 2\.50\.0, expected >= 2\.52\.0"),
+        ("metrics.rayPort", 8001, r"metrics\.routerPort: found 8001, the same as metrics\.rayPort"),
+    ],
+)
+def test_layouts_ray_cannot_place_fail_naming_the_field(
+    path: str, value: Any, message: str
+) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(changed(path, value))
+
+
+# --- Grafana dashboards ---------------------------------------------------------------
+
+
+def test_chart_dashboards_mirror_deploy_grafana() -> None:
+    canonical = {p.name: p.read_bytes() for p in (ROOT / "deploy" / "grafana").glob("*.json")}
+    packaged = {p.name: p.read_bytes() for p in (CHART / "dashboards").glob("*.json")}
+    assert packaged.keys() == canonical.keys(), "copy deploy/grafana/*.json to the chart"
+    for name, data in canonical.items():
+        assert packaged[name] == data, (
+            f"helm/dsv3serve/dashboards/{name} differs from deploy/grafana"
+        )
+
+
+def test_each_packaged_dashboard_is_a_labelled_config_map() -> None:
+    maps = of_kind(render(LAYOUTS["multi-node"]), "ConfigMap")
+    packaged = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    found = {}
+    for config_map in maps:
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        found.update(config_map["data"])
+    assert found.keys() == packaged.keys()
+    for name, text in packaged.items():
+        assert json.loads(found[name]) == json.loads(text)
+
+
+def test_dashboard_file_names_become_config_map_names(tmp_path: Path) -> None:
+    chart = Path(shutil.copytree(CHART, tmp_path / "dsv3serve"))
+    board = {"title": "probe", "panels": []}  # a stand-in file, only to exercise the template
+    (chart / "dashboards" / "PD_Overview.json").write_text(json.dumps(board))
+    maps = {
+        m["metadata"]["name"]: m for m in of_kind(render(LAYOUTS["multi-node"], chart), "ConfigMap")
+    }
+    config_map = maps["dsv3-dsv3serve-dashboard-pd-overview"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(config_map["data"]["PD_Overview.json"]) == board
+    kubernetes_validate.validate(config_map, latest_version(), strict=True)
