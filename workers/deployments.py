@@ -29,6 +29,12 @@ class EngineWorker:
         context = serve.get_replica_context()
         self.host = EngineHost(cfg, start_group, replica=context.deployment, model=model_name)
 
+    def __del__(self) -> None:
+        """Serve's graceful shutdown: unlink staged KV, stop follower ranks."""
+        host = getattr(self, "host", None)
+        if host is not None:
+            host.close()
+
     async def metrics(self) -> bytes:
         """This replica's Prometheus exposition (merged by the router's metrics endpoint)."""
         return self.host.metrics.exposition()

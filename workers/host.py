@@ -96,6 +96,14 @@ class EngineHost:
         self._reserved: LeaseTable[list[int]] = LeaseTable(self._unreserve)
         self._reaper: asyncio.Task[None] | None = None
 
+    def close(self) -> None:
+        """Free staged KV (shared-memory segments included).
+
+        The group's follower ranks are child actors: they end with this replica.
+        """
+        if self.connector is not None:
+            self.connector.close()
+
     def _make_connector(self) -> Any:
         if self.cfg.role == "colocated":
             return None
