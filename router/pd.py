@@ -27,6 +27,7 @@ from dsv3serve.metrics import Identity, Metrics
 from router.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
 from router.config import RouterSettings
 from router.policy import ReplicaSet, prefill_order
+from router.relay import relay
 from workers.protocol import (
     DecodeRequest,
     GenerateRequest,
@@ -205,35 +206,21 @@ class PDBackend:
             kv=result.kv,
         )
         stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
-        released, seen = False, 0
         handoff_start = time.monotonic()
+        released = False
+
+        def release() -> None:  # decode answered: it has pulled the KV (or given up)
+            nonlocal released
+            released = True
+            self.metrics.handoff_time.observe(time.monotonic() - handoff_start)
+            self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
+
         try:
-            async for raw in stream:
-                if not released:
-                    released = True
-                    self.metrics.handoff_time.observe(time.monotonic() - handoff_start)
-                    self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
-                chunk = parse(TokenChunk, raw)
-                if chunk.error is not None and seen == 0:
-                    raise error_from_chunk(chunk)
-                seen += 1
+            async for chunk in relay(stream, req.request_id, "decode replica", release):
                 yield chunk
-        except (BackendError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:  # the decode replica died mid-stream
-            if seen == 0:
-                raise BackendUnavailable(f"decode failed: {type(exc).__name__}") from None
-            yield TokenChunk(
-                request_id=req.request_id,
-                finished=True,
-                finish_reason="error",
-                error=f"decode replica failed: {type(exc).__name__}",
-                error_status=503,
-            )
         finally:
             if not released:
                 self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
-            stream.cancel()
 
 
 async def _await(response: Any) -> Any:
