@@ -29,7 +29,7 @@ from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
-PD, COLOCATED = "pd", "colo"
+PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"
 PD_WORKERS = ("prefill-0", "decode-0")
 
 
@@ -39,8 +39,11 @@ def apps() -> Iterator[dict[str, str]]:
         local_serve() as base,
         running_app(base, PD, serving_config(mode="pd")) as pd_url,
         running_app(base, COLOCATED, serving_config(mode="colocated")) as colo_url,
+        running_app(
+            base, PD_TORCH_DIST, serving_config(mode="pd", kv_connector="torch_dist")
+        ) as td_url,
     ):
-        yield {PD: pd_url, COLOCATED: colo_url}
+        yield {PD: pd_url, COLOCATED: colo_url, PD_TORCH_DIST: td_url}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-@pytest.mark.parametrize("app", [PD, COLOCATED])
+@pytest.mark.parametrize("app", [PD, COLOCATED, PD_TORCH_DIST])
 def test_streamed_greedy_chat_equals_offline_engine(
     apps: dict[str, str], offline: Engine, app: str
 ) -> None:
