@@ -96,7 +96,7 @@ def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from router.launch import run
 
-    return run(args.config, args.port, args.check)
+    return run(args.config, args.port, args.check, grpc_port=args.grpc_port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Serve deploy YAML (see deploy/); default: the tiny PD app on CPU",
     )
     serve.add_argument("--port", type=int, default=None, help="HTTP port (overrides the file)")
+    serve.add_argument("--grpc-port", type=int, default=None, help="gRPC port (overrides the file)")
     serve.add_argument("--check", action="store_true", help="answer one chat completion, then stop")
     serve.set_defaults(func=_cmd_serve)
     gen = sub.add_parser("generate", help="offline generation")

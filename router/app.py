@@ -2,24 +2,33 @@
 
 ``build_app`` is the Serve app builder named by the configs in ``deploy/``
 (``import_path: router.app:build_app``); its ``args`` are a :class:`ServingConfig`.
+The router answers OpenAI HTTP and, through Serve's gRPC proxy, ``dsv3serve.v1.Generation``
+(``router/proto/generate.proto``; enabled by the deploy file's ``grpc_options``).
 """
 
 import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
+from router.auth import APIKeyAuth, unauthorized_response
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
+from router.grpc_api import GenerationService
 from router.metered import MeteredBackend
 from router.metrics_server import serve_metrics
 from router.openai_api import APIConfig, OpenAIServer, install_error_handlers
 from router.pd import PDBackend
 from router.policy import ReplicaSet
+from router.proto import generate_pb2 as pb
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
 
@@ -36,7 +45,7 @@ def replica_name(role: Role, index: int) -> str:
 @serve.deployment(name=ROUTER_NAME, max_ongoing_requests=4096)
 @serve.ingress(ingress)
 class Router:
-    """OpenAI-compatible HTTP front end over the PD or colocated backend."""
+    """OpenAI-compatible HTTP and gRPC front ends over the PD or colocated backend."""
 
     def __init__(self, config_json: str, workers: dict[str, list[DeploymentHandle]]) -> None:
         self.cfg = ServingConfig.model_validate_json(config_json)
@@ -45,6 +54,8 @@ class Router:
         self._init_lock = asyncio.Lock()
         settings = self.cfg.router
         self.metrics = Metrics(Identity("router", ROUTER_NAME, settings.served_model_name))
+        self.auth = APIKeyAuth.from_env(settings.api_key_env, os.environ)
+        self.grpc = GenerationService(self.server, self.auth, self.metrics)
         if settings.metrics_port is not None:
             handles = [h for role in self.cfg.roles() for h in workers[role]]
             serve_metrics(
@@ -95,21 +106,61 @@ class Router:
         self.metrics.answered("http", response.status_code)
         return response
 
+    async def _v1(
+        self, request: Request, endpoint: Callable[[OpenAIServer, Request], Awaitable[Response]]
+    ) -> Response:
+        """An inference route: the API key first (when one is set), then ``endpoint``."""
+        refusal = self.auth.refusal(request.headers.get("authorization"))
+        if refusal is not None:
+            return self._count(unauthorized_response(refusal))
+        return self._count(await endpoint(await self.server(), request))
+
+    # ---- HTTP: the OpenAI API ------------------------------------------------------------
     @ingress.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return self._count(await (await self.server()).chat_completions(request))
+        return await self._v1(request, OpenAIServer.chat_completions)
 
     @ingress.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return self._count(await (await self.server()).completions(request))
+        return await self._v1(request, OpenAIServer.completions)
 
     @ingress.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        return self._count(await (await self.server()).models(request))
+        return await self._v1(request, OpenAIServer.models)
 
     @ingress.get("/health")
     async def health(self, request: Request) -> Response:
         return self._count(await (await self.server()).health(request))
+
+    # ---- gRPC: dsv3serve.v1.Generation (Serve calls the method named like the RPC) ------
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> pb.GenerateResponse:
+        return await self.grpc.complete(request, grpc_context)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def ChatComplete(
+        self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
+    ) -> pb.GenerateResponse:
+        return await self.grpc.complete(request, grpc_context)
+
+    async def ChatCompleteStream(
+        self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def Health(
+        self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
+    ) -> pb.HealthResponse:
+        return await self.grpc.health(grpc_context)
 
 
 def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
@@ -141,8 +192,16 @@ def _bundles(group: RoleGroup) -> list[dict[str, float]]:
 def build_app(args: dict[str, Any]) -> Any:
     """Serve app builder: validate ``args`` as a ServingConfig and bind the deployments."""
     cfg = args if isinstance(args, ServingConfig) else ServingConfig.parse(dict(args))
+    return bind_app(cfg)
+
+
+def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None) -> Any:
+    """The app of ``cfg``; ``router_options`` are Serve deployment options of the router,
+    as a deploy file's ``deployments: [{name: router, ...}]`` entry would set them (e.g.
+    ``{"ray_actor_options": {"runtime_env": {"env_vars": {...}}}}``)."""
     workers = {
         role: [_worker_app(cfg, role, i) for i in range(getattr(cfg, role).num_replicas)]
         for role in cfg.roles()
     }
-    return Router.bind(cfg.model_dump_json(), workers)
+    router = Router.options(**router_options) if router_options else Router
+    return router.bind(cfg.model_dump_json(), workers)

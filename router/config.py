@@ -47,6 +47,12 @@ class RouterSettings(BaseModel):
     reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
     metrics_host: str = Field("127.0.0.1", description="internal metrics endpoint address")
     metrics_port: int | None = Field(8001, ge=0, le=65535, description="None: no endpoint")
+    api_key_env: str | None = Field(
+        None,
+        min_length=1,
+        description="env var holding the API key (must be set); None: $DSV3SERVE_API_KEY, "
+        "if set, else no authentication",
+    )
 
 
 class ServingConfig(BaseModel):

@@ -13,6 +13,8 @@ import yaml
 from router.config import ConfigError, ServingConfig
 
 APP_NAME = "dsv3serve"
+GRPC_SERVICER = "router.proto.generate_pb2_grpc.add_GenerationServicer_to_server"
+DEFAULT_GRPC_PORT = 9000
 
 
 def local_pd_config() -> dict[str, Any]:
@@ -20,6 +22,7 @@ def local_pd_config() -> dict[str, Any]:
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": 8000},
+        "grpc_options": {"port": DEFAULT_GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]},
         "applications": [
             {
                 "name": APP_NAME,
@@ -71,8 +74,24 @@ def load_deploy_file(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def start(data: dict[str, Any], port: int | None = None) -> str:
-    """Start a local Ray cluster (loopback only, no dashboard) and every app; returns URL."""
+def grpc_options(data: dict[str, Any], grpc_port: int | None = None) -> dict[str, Any] | None:
+    """The deploy file's ``grpc_options`` (``grpc_port`` replacing its port); None: no gRPC.
+
+    Serve starts its gRPC proxy only when servicer functions are listed; it listens on
+    every interface (Ray has no host option for it), so set an API key where that matters.
+    """
+    options = dict(data.get("grpc_options") or {})
+    if not options.get("grpc_servicer_functions"):
+        return None
+    options.setdefault("port", DEFAULT_GRPC_PORT)
+    if grpc_port is not None:
+        options["port"] = grpc_port
+    return options
+
+
+def start(data: dict[str, Any], port: int | None = None, grpc_port: int | None = None) -> str:
+    """Start a local Ray cluster (HTTP on loopback, no dashboard), gRPC when the file has
+    ``grpc_options``, and every app; returns the HTTP URL."""
     import ray
     from ray import serve
 
@@ -88,7 +107,8 @@ def start(data: dict[str, Any], port: int | None = None) -> str:
         ignore_reinit_error=True,
     )
     serve.start(
-        http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)}
+        http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)},
+        grpc_options=grpc_options(data, grpc_port),
     )
     for app in data["applications"]:
         serve.run(
@@ -99,13 +119,13 @@ def start(data: dict[str, Any], port: int | None = None) -> str:
     return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
 
 
-def usage_text(url: str, model: str) -> str:
-    """What to print once the app is up: the URL and example calls."""
+def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = APP_NAME) -> str:
+    """What to print once the app is up: the URLs and example calls."""
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
         '"max_tokens": 32}'
     )
-    return (
+    text = (
         f"dsv3serve is up at {url}\n\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{body}'\n\n"
@@ -113,15 +133,39 @@ def usage_text(url: str, model: str) -> str:
         "api_key='none'); print(c.chat.completions.create(model='" + model + "', "
         "messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32)"
         '.choices[0].message.content)"\n\n'
-        "Ctrl-C stops it."
     )
+    if grpc_port is not None:
+        grpc_body = (
+            '{"messages": [{"role": "user", "content": "Hello!"}], "sampling": {"max_tokens": 32}}'
+        )
+        text += (
+            f"gRPC (dsv3serve.v1.Generation, router/proto/generate.proto) on port {grpc_port}:\n\n"
+            f"  grpcurl -plaintext -H 'application: {app}' -d '{grpc_body}' \\\n"
+            f"    127.0.0.1:{grpc_port} dsv3serve.v1.Generation/ChatCompleteStream\n\n"
+            "With an API key set, add -H 'Authorization: Bearer <key>' (curl, grpcurl) or\n"
+            "api_key='<key>' (openai).\n\n"
+        )
+    return text + "Ctrl-C stops it."
 
 
-def check(url: str, model: str) -> str:
+def check_grpc(port: int, app: str, api_key: str) -> str:
+    """The gRPC Health of the app on ``127.0.0.1:port``: its ``status`` ("ok")."""
+    import grpc
+
+    from router.proto import generate_pb2, generate_pb2_grpc
+
+    metadata = [("application", app), ("authorization", f"Bearer {api_key}")]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        reply = stub.Health(generate_pb2.HealthRequest(), metadata=metadata, timeout=30)
+    return reply.status
+
+
+def check(url: str, model: str, api_key: str) -> str:
     """One chat completion through the app with the openai client; returns its text."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{url}/v1", api_key=api_key)
     reply = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Hello, who are you?"}],
@@ -131,19 +175,39 @@ def check(url: str, model: str) -> str:
     return reply.choices[0].message.content or ""
 
 
-def run(path: Path | None, port: int | None, check_only: bool) -> int:
+def check_line(url: str, data: dict[str, Any], grpc_port: int | None) -> str:
+    """``--check``: one chat completion over HTTP, and the gRPC Health when gRPC is on."""
+    from router.auth import APIKeyAuth
+
+    first = data["applications"][0]
+    settings = ServingConfig.parse(first["args"]).router
+    key = APIKeyAuth.from_env(settings.api_key_env, os.environ).key
+    api_key = key.decode() if key else "none"
+    line = f"dsv3serve is up at {url}; one chat completion: "
+    line += repr(check(url, settings.served_model_name, api_key))
+    grpc = grpc_options(data, grpc_port)
+    if grpc is not None:
+        status = check_grpc(grpc["port"], first.get("name", APP_NAME), api_key)
+        line += f"; gRPC Health on port {grpc['port']}: {status!r}"
+    return line
+
+
+def run(path: Path | None, port: int | None, check_only: bool, grpc_port: int | None = None) -> int:
     """Serve until interrupted (or, with ``check_only``, answer one request and stop)."""
     import ray
     from ray import serve
 
     data = load_deploy_file(path)
-    model = ServingConfig.parse(data["applications"][0]["args"]).router.served_model_name
-    url = start(data, port)
+    first = data["applications"][0]
+    model = ServingConfig.parse(first["args"]).router.served_model_name
+    grpc = grpc_options(data, grpc_port)
+    url = start(data, port, grpc_port)
     try:
         if check_only:
-            print(f"dsv3serve is up at {url}; one chat completion: {check(url, model)!r}")
+            print(check_line(url, data, grpc_port))
             return 0
-        print(usage_text(url, model), flush=True)
+        app = first.get("name", APP_NAME)
+        print(usage_text(url, model, grpc["port"] if grpc else None, app), flush=True)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         while True:
             time.sleep(3600)

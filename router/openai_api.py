@@ -263,7 +263,7 @@ class OpenAIServer:
     async def _handle(self, request: Request, kind: Kind) -> Response:
         try:
             body = await read_json_object(request, self.config.max_body_bytes)
-            prepared = self._prepare(body, kind)
+            prepared = self.prepare(body, kind)
             return await run_until_disconnect(request, self._run(prepared))
         except APIError as err:
             return self._error(err)
@@ -273,7 +273,9 @@ class OpenAIServer:
             logger.exception("%s request failed", kind)
             return self._error(internal_error(exc))
 
-    def _prepare(self, body: dict[str, Any], kind: Kind) -> Prepared:
+    def prepare(self, body: dict[str, Any], kind: Kind) -> Prepared:
+        """Validate ``body`` into a GenerateRequest with a router-assigned id: the one
+        validation path of HTTP and gRPC. Raises APIError (400; 404 for the model)."""
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             req = model.model_validate(body)
@@ -349,18 +351,25 @@ class OpenAIServer:
                 await close_quietly(chunks)
             raise
 
-    async def _run(self, prepared: Prepared) -> Response:
+    async def open(self, prepared: Prepared) -> tuple[StreamGuard, TokenChunk]:
+        """Admit ``prepared`` and start it on the backend: its guard and first chunk.
+
+        Raises APIError: 429 over ``max_in_flight``, or the backend's refusal. The caller
+        must ``close`` the guard (it frees the slot and aborts the request if unfinished).
+        """
         slot = self._admit()
         chunks, first = await self._start(slot, prepared.request)
+        return StreamGuard(slot, chunks), first
+
+    async def _run(self, prepared: Prepared) -> Response:
+        guard, first = await self.open(prepared)
         builder = ResponseBuilder(prepared.meta)
         if prepared.stream:
-            guard = StreamGuard(slot, chunks)
             return SSEResponse(stream_events(builder, first, guard, prepared.include_usage), guard)
         try:
-            return JSONResponse(await collect(builder, first, chunks))
+            return JSONResponse(await collect(builder, first, guard.chunks))
         finally:
-            slot.release()
-            await close_quietly(chunks)
+            await guard.close()
 
 
 def install_error_handlers(app: FastAPI) -> None:

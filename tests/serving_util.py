@@ -11,8 +11,9 @@ import ray
 from http_util import free_socket
 from ray import serve
 
-from router.app import build_app
+from router.app import bind_app
 from router.config import ServingConfig
+from router.launch import GRPC_SERVICER
 from workers.protocol import WorkerStats, decode
 
 TINY_ENGINE = {
@@ -38,13 +39,25 @@ def serving_config(**fields: Any) -> ServingConfig:
     return ServingConfig.parse(base | fields)
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (closed again: a tiny race, fine for tests)."""
+    with free_socket() as sock:
+        return sock.getsockname()[1]
+
+
 @contextmanager
-def local_serve() -> Iterator[str]:
-    """Start Ray (loopback, no dashboard) and Serve's HTTP proxy; yields the base URL."""
+def local_serve(grpc_port: int | None = None) -> Iterator[str]:
+    """Start Ray (loopback, no dashboard) and Serve's HTTP proxy; yields the base URL.
+
+    With ``grpc_port``, Serve's gRPC proxy serves dsv3serve.v1.Generation there too.
+    """
     port = free_socket().getsockname()[1]
+    grpc = None
+    if grpc_port is not None:
+        grpc = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -52,9 +65,14 @@ def local_serve() -> Iterator[str]:
 
 
 @contextmanager
-def running_app(base_url: str, name: str, cfg: ServingConfig) -> Iterator[str]:
-    """Deploy ``cfg`` as app ``name`` at ``/name``; yields its URL; deletes it after."""
-    serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+def running_app(
+    base_url: str, name: str, cfg: ServingConfig, router_options: dict[str, Any] | None = None
+) -> Iterator[str]:
+    """Deploy ``cfg`` as app ``name`` at ``/name``; yields its URL; deletes it after.
+
+    ``router_options``: Serve deployment options of the router (``router.app.bind_app``).
+    """
+    serve.run(bind_app(cfg, router_options), name=name, route_prefix=f"/{name}")
     try:
         yield f"{base_url}/{name}"
     finally:

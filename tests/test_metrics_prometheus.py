@@ -117,9 +117,7 @@ def scraped(stack: dict[str, str]) -> dict[str, str]:
     return stack
 
 
-@pytest.mark.parametrize(
-    ("dashboard", "title", "expr"), panel_queries(), ids=lambda v: str(v)[:60]
-)
+@pytest.mark.parametrize(("dashboard", "title", "expr"), panel_queries(), ids=lambda v: str(v)[:60])
 def test_every_dashboard_query_returns_data(
     scraped: dict[str, str], dashboard: str, title: str, expr: str
 ) -> None:
@@ -147,9 +145,7 @@ def test_exposition_passes_promtool(scraped: dict[str, str]) -> None:
     done = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
     )
-    problems = [
-        line for line in (done.stdout + done.stderr).splitlines() if COLON_LINT not in line
-    ]
+    problems = [line for line in (done.stdout + done.stderr).splitlines() if COLON_LINT not in line]
     # Exit 1 is a parse error; 3 is lint only. Our only lint finding may be the colon of
     # the vLLM-style "dsv3serve:" namespace, which promtool reserves for recording rules.
     assert done.returncode in (0, 3) and not problems, problems

@@ -38,6 +38,11 @@ applications:
   - name: dsv3serve
     route_prefix: /
     import_path: router.app:build_app
+    deployments:
+      # The router runs on the head pod: it holds the API key and the metrics port.
+      - name: router
+        ray_actor_options:
+          resources: {"node:__internal_head__": 0.001}
     args:
       {{- include "dsv3serve.servingArgs" . | nindent 6 }}
 {{- end -}}

@@ -1,0 +1,263 @@
+"""dsv3serve.v1.Generation through Ray Serve's gRPC proxy, beside HTTP, on a real cluster.
+
+One PD app (router, prefill and decode replicas, KV through shared memory) answers both
+the official ``openai`` client over HTTP and a ``grpcio`` client over gRPC. The router
+admits at most two requests, so two held streams overload it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving_util import (
+    TINY_ENGINE,
+    free_port,
+    holds_nothing,
+    local_serve,
+    running_app,
+    serving_config,
+    wait_until,
+    worker_stats,
+)
+
+from router.grpc_api import grpc_code
+from router.proto import generate_pb2 as pb
+from router.proto.generate_pb2_grpc import GenerationStub
+
+APP = "grpcpd"
+META = [("application", APP)]
+MAX_IN_FLIGHT = 2
+MAX_MODEL_LEN = 8192
+PROMPT = "The sea is"
+MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
+PD_WORKERS = ("prefill-0", "decode-0")
+Code = grpc.StatusCode
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    stub: GenerationStub
+    metrics_url: str
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    grpc_port, metrics_port = free_port(), free_port()
+    cfg = serving_config(
+        engine=TINY_ENGINE | {"max_model_len": MAX_MODEL_LEN},
+        router={
+            "served_model_name": "tiny",
+            "max_in_flight": MAX_IN_FLIGHT,
+            "metrics_port": metrics_port,
+        },
+    )
+    with (
+        local_serve(grpc_port) as base,
+        running_app(base, APP, cfg) as url,
+        grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+    ):
+        yield Served(url, GenerationStub(channel), f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def http_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def greedy(max_tokens: int, **fields: object) -> pb.SamplingOptions:
+    return pb.SamplingOptions(max_tokens=max_tokens, temperature=0, **fields)
+
+
+def long_stream(stub: GenerationStub, **kwargs: object) -> grpc.Future:
+    """A stream that would run for thousands of tokens."""
+    request = pb.GenerateRequest(
+        text=PROMPT, sampling=pb.SamplingOptions(max_tokens=4000, ignore_eos=True)
+    )
+    return stub.GenerateStream(request, metadata=META, **kwargs)
+
+
+def pages_return(timeout_s: float = 10) -> bool:
+    return all(
+        wait_until(lambda w=w: holds_nothing(worker_stats(APP, w)), timeout_s) for w in PD_WORKERS
+    )
+
+
+def grpc_answers(metrics_url: str, status: str) -> float:
+    """The router's ``requests_total`` for gRPC answers with ``status``."""
+    text = httpx.get(metrics_url, timeout=30).text
+    wanted = {"protocol": "grpc", "status": status, "role": "router"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("requests_total") and wanted.items() <= sample.labels.items():
+                return sample.value
+    return 0.0
+
+
+def test_health(served: Served) -> None:
+    reply = served.stub.Health(pb.HealthRequest(), metadata=META, timeout=30)
+    assert (reply.status, reply.model, reply.max_model_len) == ("ok", "tiny", MAX_MODEL_LEN)
+
+
+def test_streamed_greedy_completion_equals_http(served: Served) -> None:
+    http = http_client(served.url).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0
+    )
+    request = pb.GenerateRequest(text=PROMPT, sampling=greedy(16), model="tiny")
+    messages = list(served.stub.GenerateStream(request, metadata=META, timeout=60))
+    *pieces, last = messages
+    assert "".join(m.choice.text for m in pieces) == http.choices[0].text
+    assert pieces[-1].choice.finish_reason == http.choices[0].finish_reason
+    assert last.usage.prompt_tokens == http.usage.prompt_tokens
+    assert last.usage.completion_tokens == http.usage.completion_tokens == 16
+    assert {m.request_id for m in messages} == {messages[0].request_id}
+    assert messages[0].request_id.startswith("cmpl-")
+
+
+def test_streamed_greedy_chat_equals_http(served: Served) -> None:
+    http = http_client(served.url).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    request = pb.ChatRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy(12))
+    stream = served.stub.ChatCompleteStream(request, metadata=META, timeout=60)
+    text = "".join(m.choice.text for m in stream)
+    assert text == http.choices[0].message.content
+    whole = served.stub.ChatComplete(request, metadata=META, timeout=60)
+    assert whole.choices[0].text == text and whole.request_id.startswith("chatcmpl-")
+
+
+def test_unary_n2_logprobs_and_token_prompt(served: Served) -> None:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[0, 100, 200, 300]), sampling=greedy(6, n=2, logprobs=2)
+    )
+    reply = served.stub.Generate(request, metadata=META, timeout=60)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].text == reply.choices[1].text  # greedy: both the same
+    for choice in reply.choices:
+        assert len(choice.token_ids) == len(choice.logprobs) == 6
+        first = choice.logprobs[0]
+        assert first.token_id == choice.token_ids[0] and first.logprob <= 0
+        assert len(first.top_logprobs) == 2
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (4, 12)
+
+
+def bad(name: str, mentions: str, request: object) -> object:
+    return pytest.param(mentions, request, id=name)
+
+
+def sampling(**fields: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingOptions(**fields))
+
+
+BAD_REQUESTS = [
+    bad("temperature", "temperature: must be >= 0", sampling(temperature=-1)),
+    bad("empty-prompt", "prompt must not be empty", pb.GenerateRequest(text="")),
+    bad("no-prompt", "prompt: Field required", pb.GenerateRequest(sampling=greedy(4))),
+    bad("negative-id", "must be >= 0", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, -1]))),
+    bad("long-prompt", "context length", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 8192))),
+    bad("long-completion", "context length", sampling(max_tokens=MAX_MODEL_LEN)),
+    bad("n-0", "n: must be >= 1", sampling(n=0)),
+    bad("n-17", "n must be <= 16", sampling(n=17)),
+    bad("top-p", "top_p", sampling(top_p=0)),
+    bad("logprobs", "logprobs", sampling(logprobs=21)),
+    bad("no-messages", "messages", pb.ChatRequest()),
+    bad("role", "role", pb.ChatRequest(messages=[pb.ChatMessage(role="robot", content="hi")])),
+]
+
+
+def call(stub: GenerationStub, request: object, stream: bool) -> object:
+    """The RPC for ``request``'s type, read to the end."""
+    name = "ChatComplete" if isinstance(request, pb.ChatRequest) else "Generate"
+    if stream:
+        return list(getattr(stub, name + "Stream")(request, metadata=META, timeout=30))
+    return getattr(stub, name)(request, metadata=META, timeout=30)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize(("mentions", "request_"), BAD_REQUESTS)
+def test_invalid_arguments(served: Served, mentions: str, request_: object, stream: bool) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call(served.stub, request_, stream)
+    assert info.value.code() == Code.INVALID_ARGUMENT, info.value.details()
+    assert mentions in info.value.details()
+
+
+def test_unknown_model_is_not_found(served: Served) -> None:
+    request = pb.GenerateRequest(text=PROMPT, sampling=greedy(2), model="gpt-4")
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.Generate(request, metadata=META, timeout=30)
+    assert info.value.code() == Code.NOT_FOUND
+
+
+def test_overload_is_resource_exhausted(served: Served) -> None:
+    held = [long_stream(served.stub) for _ in range(MAX_IN_FLIGHT)]
+    try:
+        for stream in held:
+            next(stream)  # admitted and generating
+        with pytest.raises(grpc.RpcError) as info:
+            served.stub.Generate(pb.GenerateRequest(text=PROMPT), metadata=META, timeout=30)
+        assert info.value.code() == Code.RESOURCE_EXHAUSTED
+        assert "capacity" in info.value.details()
+    finally:
+        for stream in held:
+            stream.cancel()
+    assert pages_return()
+    assert (
+        served.stub.Generate(
+            pb.GenerateRequest(text=PROMPT, sampling=greedy(2)), metadata=META, timeout=60
+        )
+        .choices[0]
+        .token_ids
+    )  # the slots came back
+
+
+def test_cancel_mid_stream_aborts_on_both_workers(served: Served) -> None:
+    cancelled_before = grpc_answers(served.metrics_url, "CANCELLED")
+    stream = long_stream(served.stub)
+    for _ in range(3):
+        next(stream)
+    busy = worker_stats(APP, "decode-0")
+    assert busy.live_requests == 1 and busy.free_pages < busy.num_pages
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        next(stream)
+    assert info.value.code() == Code.CANCELLED
+    assert pages_return()
+    assert wait_until(
+        lambda: grpc_answers(served.metrics_url, "CANCELLED") > cancelled_before, 10
+    )  # the router saw the cancellation, not a failure
+
+
+def test_client_deadline_is_deadline_exceeded_and_frees_pages(served: Served) -> None:
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in long_stream(served.stub, timeout=2.0):
+            pass
+    assert info.value.code() == Code.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 10
+    assert pages_return()
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        (400, Code.INVALID_ARGUMENT),
+        (401, Code.UNAUTHENTICATED),
+        (404, Code.NOT_FOUND),
+        (413, Code.INVALID_ARGUMENT),
+        (422, Code.INVALID_ARGUMENT),
+        (429, Code.RESOURCE_EXHAUSTED),
+        (499, Code.CANCELLED),
+        (500, Code.INTERNAL),
+        (503, Code.UNAVAILABLE),
+        (504, Code.DEADLINE_EXCEEDED),
+    ],
+)
+def test_http_status_to_grpc_code(status: int, code: grpc.StatusCode) -> None:
+    assert grpc_code(status) == code
