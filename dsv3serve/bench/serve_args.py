@@ -7,7 +7,7 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,32 +107,12 @@ def _path(text: str | None) -> Path | None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
-    """The validated config of parsed ``bench serve`` flags."""
-    return BenchServeConfig(
-        base_url=args.base_url.rstrip("/"),
-        endpoint=args.endpoint,
-        model=args.model,
-        dataset_name=args.dataset_name,
-        dataset_path=_path(args.dataset_path),
-        num_prompts=args.num_prompts,
-        random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio,
-        sharegpt_output_len=args.sharegpt_output_len,
-        sharegpt_context_len=args.sharegpt_context_len,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        tokenizer=_path(args.tokenizer),
-        output_file=_path(args.output_file),
-        disable_tqdm=args.disable_tqdm,
-        ignore_eos=args.ignore_eos,
-        warmup_requests=args.warmup_requests,
-        extra_request_body=args.extra_request_body,
-        plot=_path(args.plot),
-        request_rate_sweep=args.request_rate_sweep,
-        concurrency_sweep=args.concurrency_sweep,
-    )
+    """The validated config of parsed ``bench serve`` flags (one flag per field)."""
+    values = {f.name: getattr(args, f.name) for f in fields(BenchServeConfig)}
+    for name in ("dataset_path", "tokenizer", "output_file", "plot"):
+        values[name] = _path(values[name])
+    values["base_url"] = values["base_url"].rstrip("/")
+    return BenchServeConfig(**values)
 
 
 def _json_object(text: str) -> dict[str, Any]:

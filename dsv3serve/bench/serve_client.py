@@ -110,26 +110,29 @@ class _Timer:
         if not self.parts:  # nothing visible came: the first token is the end
             result.ttft_s = result.e2e_s
         counted = usage.get("completion_tokens")
-        result.output_tokens = (
-            counted if isinstance(counted, int) else len(tokenizer.encode(result.text, False))
-        )
+        if not isinstance(counted, int):  # the server sent no usage: count the text
+            counted = len(tokenizer.encode(result.text, add_bos=False))
+        result.output_tokens = counted
         result.server_prompt_tokens = usage.get("prompt_tokens")
         result.success = True
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], timer: _Timer) -> None:
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], timer: _Timer
+) -> float:
+    """Feed the response's events to ``timer``; returns when the stream ended ([DONE])."""
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode("utf-8", "replace")[:300]
             raise BenchServeError(f"HTTP {resp.status_code}: {detail}")
         async for line in resp.aiter_lines():
             now = time.perf_counter()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
+            data = line[len("data:") :].strip() if line.startswith("data:") else ""
             if data == "[DONE]":
-                return
-            timer.event(json.loads(data), now)
+                return now
+            if data:
+                timer.event(json.loads(data), now)
+    return time.perf_counter()
 
 
 async def send_request(
@@ -144,8 +147,8 @@ async def send_request(
     url = config.base_url + PATHS[config.endpoint]
     timer = _Timer(result, time.perf_counter())
     try:
-        await _stream(client, url, request_body(config, model, req), timer)
-        timer.finish(time.perf_counter(), tokenizer)
+        end = await _stream(client, url, request_body(config, model, req), timer)
+        timer.finish(end, tokenizer)
     except (BenchServeError, httpx.HTTPError, ValueError) as exc:
         result.error = str(exc) or type(exc).__name__
     return result

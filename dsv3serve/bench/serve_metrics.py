@@ -86,14 +86,17 @@ def per_request(results: list[RequestResult]) -> dict[str, list[Any]]:
         "ttfts_s": [r.ttft_s for r in results],
         "itls_s": [r.itl_s for r in results],
         "e2e_latencies_s": [r.e2e_s for r in results],
+        "success": [r.success for r in results],
         "errors": [r.error for r in results],
     }
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with NaN and infinities as None (strict JSON has neither)."""
-    if isinstance(value, float) and not math.isfinite(value):
+    """``value`` with NaN as None and infinities as "inf" / "-inf" (strict JSON has neither)."""
+    if isinstance(value, float) and math.isnan(value):
         return None
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -22,9 +22,10 @@ def _panel(
 ) -> None:
     xs = [r["output_throughput"] for r in records]
     for stat, style in (("median", "o-"), ("p99", "s--")):
-        ax.plot(xs, [r[f"{stat}_{metric}_ms"] for r in records], style, label=stat.upper())
+        ax.plot(xs, [r[f"{stat}_{metric}_ms"] for r in records], style, label=stat)
     for x, y, text in zip(xs, [r[f"p99_{metric}_ms"] for r in records], labels, strict=True):
         ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.margins(x=0.15, y=0.15)  # room for the point labels
     ax.set_title(title)
     ax.set_xlabel("output throughput (tok/s)")
     ax.set_ylabel(f"{title} (ms)")
