@@ -1,4 +1,4 @@
-"""``dsv3serve serve``, ``dsv3serve generate`` and ``dsv3serve bench one-batch``."""
+"""``dsv3serve serve``, ``dsv3serve generate`` and ``dsv3serve bench {one-batch,serve,kernels}``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsv3serve.bench.kernels import add_kernels_parser
 from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
 
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--json", default="bench_one_batch.json", help="where to write results")
     one.set_defaults(func=_cmd_bench_one_batch)
     add_serve_parser(bench)
+    add_kernels_parser(bench)
     return parser
 
 

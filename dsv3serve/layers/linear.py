@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3serve.config import ModelConfig
+from dsv3serve.kernels.fp8_gemm import fp8_block_gemm
+from dsv3serve.kernels.fp8_quant import HAS_TRITON
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, dequant_weight_block, fp8_block_linear_ref
 
 # Suffixes of modules that stay in bf16 in DeepSeek's FP8 checkpoints.
@@ -21,11 +23,22 @@ def is_fp8_layer(cfg: ModelConfig, prefix: str) -> bool:
     return cfg.quant_method == "fp8" and not prefix.endswith(_BF16_SUFFIXES)
 
 
+def fp8_kernels_apply(x: torch.Tensor, act_quant: bool) -> bool:
+    """The switch between the FP8 kernels and the torch reference: kernels only for bf16
+    activations on CUDA with Triton installed, quantised per 1x128 group. Everything else
+    (CPU, float32 compute, ``act_quant=False``) keeps the reference."""
+    return HAS_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and act_quant
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, act_quant: bool = True
 ) -> torch.Tensor:
     """FP8 block-scaled linear: x [.., K] (bf16/fp32), weight e4m3 [N, K], scales [N/128, K/128]."""
-    return fp8_block_linear_ref(x, weight, weight_scale_inv, act_quant)
+    if not fp8_kernels_apply(x, act_quant):
+        return fp8_block_linear_ref(x, weight, weight_scale_inv, act_quant)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fp8_block_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, weight_scale_inv)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Module):
