@@ -125,7 +125,9 @@ class SpecDecoder:
             starts.append(offset)
             offset += len(tokens)
         model, device = self.runner.model, self.runner.device
-        hidden = model(ForwardBatch.build(spans, device), self.runner.attn)
+        verify_only = all(item.is_decode for item in items)  # the decode (absorbed) MLA form
+        batch = ForwardBatch.build(spans, device, decode=verify_only)
+        hidden = model(batch, self.runner.attn)
         logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
         return TargetPass(hidden, starts, logits)
 
