@@ -10,6 +10,7 @@ sampling: see ``test_sampled_outputs_keep_the_target_distribution``.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import pytest
@@ -19,8 +20,9 @@ from spec_util import TargetOracleDraft, scratch_drafts
 from test_engine import drain, make_engine, prompts
 
 from dsv3serve.cli import build_parser, engine_config
+from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.spec.stats import SpecStats
@@ -214,28 +216,29 @@ def test_sampled_outputs_keep_the_target_distribution(tmp_path_factory) -> None:
 
 
 def test_pd_handoff_carries_the_draft_state(fresh, reference) -> None:
-    """Prefill-only export, then import (on the same engine, as another request): the
-    first decode step drafts at once, exactly as a colocated sequence would."""
-    ids = MIXED[3]
-    fresh.add_request(Request("pre", GREEDY, prompt_ids=ids), prefill_only=True)
-    first = drain(fresh)["pre"]
-    export = fresh.export_kv("pre")
-    assert export.draft is not None and export.draft.num_tokens == len(ids) + 1
-    pages = fresh.reserve_kv(len(ids))
-    fresh.runner.write_pages(pages[: len(export.pages)], fresh.runner.read_pages(export.pages))
-    fresh.release_export("pre")
-    fresh.import_kv(
-        Request("dec", GREEDY, prompt_ids=ids),
-        export.first_token,
-        pages,
-        draft_token=export.draft.token,
-        draft_hidden=export.draft.hidden,
-    )
+    """Prefill-only export, then import (on the same engine, as another request, through
+    AsyncEngine): the first decode step drafts at once, as a colocated sequence would."""
+    ids, aeng = MIXED[3], AsyncEngine(fresh)
     chain, proposed = fresh.spec.propose, []
     fresh.spec.propose = lambda items: proposed.append(chain(items)) or proposed[-1]
-    streamed = drain(fresh)["dec"]
-    assert streamed == first + reference[tuple(ids)][1:] and first == reference[tuple(ids)][:1]
-    assert proposed[0]["dec#0"] == scratch_drafts(fresh.runner.model, ids + first, STEPS)
+
+    async def prefill_then_decode() -> tuple[list[int], KVExport | None, list[int]]:
+        first, export = await aeng.prefill(Request("pre", GREEDY, prompt_ids=ids))
+        assert export is not None
+        pages = aeng.call(lambda e: e.reserve_kv(len(ids)))
+        kv = aeng.call(lambda e: e.runner.read_pages(export.pages))
+        aeng.call(lambda e: e.runner.write_pages(pages[: len(export.pages)], kv))
+        aeng.call(lambda e: e.release_export("pre"))
+        req = Request("dec", GREEDY, prompt_ids=ids)
+        stream = aeng.generate_imported(req, export.first_token, pages, draft=export.draft)
+        return first.token_ids, export, [t async for out in stream for t in out.token_ids]
+
+    first, export, streamed = asyncio.run(prefill_then_decode())
+    assert export is not None and export.draft is not None
+    assert export.draft.num_tokens == len(ids) + 1
+    assert first + streamed[1:] == streamed == reference[tuple(ids)]
+    first_round = next(p for p in proposed if "dec#0" in p)["dec#0"]
+    assert first_round == scratch_drafts(fresh.runner.model, ids + first, STEPS)
     assert_no_leaks(fresh)
 
 
