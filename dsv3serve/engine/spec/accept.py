@@ -89,9 +89,12 @@ class SpecVerifier:
         index = _padded_index(lengths, logits.device)
         drafts, num_drafts = _padded_drafts(reqs, index.shape[1] - 1, logits.device)
         num_accepted, tokens = self._accept(logits, batch, reqs, index, drafts, num_drafts)
-        logprobs = (logits - torch.logsumexp(logits, dim=-1, keepdim=True))[index]
-        chosen = logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2)
-        tops = logprobs.topk(batch.num_top_logprobs, dim=-1) if batch.num_top_logprobs else None
+        log_norm = torch.logsumexp(logits, dim=-1)
+        chosen = logits[index, tokens] - log_norm[index]  # [B, L], no [B, L, V] copy
+        tops = None
+        if batch.num_top_logprobs:
+            values, ids = logits.topk(batch.num_top_logprobs, dim=-1)
+            tops = ((values - log_norm.unsqueeze(1))[index], ids[index])
         return self._results(reqs, num_accepted, tokens, chosen, tops)
 
     def _process(
@@ -157,14 +160,14 @@ class SpecVerifier:
         num_accepted: Tensor,
         tokens: Tensor,
         chosen: Tensor,
-        tops: torch.return_types.topk | None,
+        tops: tuple[Tensor, Tensor] | None,
     ) -> list[Verified]:
         accepted, token_rows, logprob_rows = (
             num_accepted.tolist(),
             tokens.tolist(),
             chosen.tolist(),
         )
-        top_rows = None if tops is None else (tops.values.tolist(), tops.indices.tolist())
+        top_rows = None if tops is None else (tops[0].tolist(), tops[1].tolist())
         out = []
         for b, r in enumerate(reqs):
             n = self._kept(r, token_rows[b][: accepted[b] + 1])
