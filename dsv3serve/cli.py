@@ -26,12 +26,37 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--disable-prefix-caching", action="store_true")
+    _speculative_args(p)
     p.add_argument(
         "--hf-overrides",
         type=json.loads,
         default=None,
         help="JSON, e.g. '{\"num_hidden_layers\": 4}'",
     )
+
+
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative-algorithm",
+        choices=["NEXTN", "EAGLE"],
+        default=None,
+        help="draft with the checkpoint's NextN (MTP) layer (EAGLE: same thing)",
+    )
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="draft steps (3)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="only 1")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="steps + 1")
+    p.add_argument(
+        "--speculative-draft-model-quantization", choices=["fp8", "unquant"], default=None
+    )
+
+
+SPECULATIVE_FIELDS = (
+    "speculative_algorithm",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_draft_model_quantization",
+)
 
 
 def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
@@ -50,7 +75,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.disable_prefix_caching,
         "hf_overrides": args.hf_overrides,
-    }
+    } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
     return EngineConfig(**(fields | extra))
 
 

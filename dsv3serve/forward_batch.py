@@ -43,8 +43,14 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def build(cls, spans: list[SeqSpan], device: torch.device | str) -> ForwardBatch:
-        """Flatten ``spans`` into device tensors (one host-to-device copy per field)."""
+    def build(
+        cls, spans: list[SeqSpan], device: torch.device | str, decode: bool | None = None
+    ) -> ForwardBatch:
+        """Flatten ``spans`` into device tensors (one host-to-device copy per field).
+
+        ``is_decode`` is ``decode``, or when None whether every span has one token. A
+        speculative verify (a few tokens per sequence over its cache) passes True.
+        """
         ids: list[int] = []
         pos: list[int] = []
         out: list[int] = []
@@ -75,5 +81,5 @@ class ForwardBatch:
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
             logits_indices=t(logits_rows),
-            is_decode=all(len(s.token_ids) == 1 for s in spans),
+            is_decode=all(len(s.token_ids) == 1 for s in spans) if decode is None else decode,
         )

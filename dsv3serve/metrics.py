@@ -31,6 +31,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKENS_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
 BYTES_BUCKETS = tuple(float(4**i) * 1024 for i in range(1, 12))
 FINISH_REASONS = ("stop", "length", "abort", "error")
+ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 SPEED_BUCKETS = tuple(gb * 1e9 for gb in (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400))
 
 
@@ -119,11 +120,21 @@ class Metrics:
         self.handoff_time = hist(
             "pd_handoff_seconds", "Prefill result to first decode output.", LATENCY_BUCKETS
         )
-        # speculative decoding (filled when it lands)
+        # speculative decoding (a round: one sequence's verify with at least one draft)
         self.spec_drafts = counter("spec_decode_num_drafts_total", "Draft rounds.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens_total", "Draft tokens.")
         self.spec_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens_total", "Accepted draft tokens."
+        )
+        self._spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted draft tokens by draft position (0 = first draft).",
+            ("position",),
+        )
+        self.spec_accept_length = hist(
+            "spec_decode_accept_length",
+            "Tokens committed per round: accepted drafts + 1.",
+            ACCEPT_LENGTH_BUCKETS,
         )
 
         self._warm_up()
@@ -146,6 +157,16 @@ class Metrics:
         """Count one answered request (``http`` status code or ``grpc`` status name)."""
         labels = self.identity.labels()
         self._status.labels(**labels, protocol=protocol, status=str(status)).inc()
+
+    def spec_observe(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one speculative round of ``num_drafts`` drafts, the first ``num_accepted`` kept."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(num_drafts)
+        self.spec_accepted_tokens.inc(num_accepted)
+        self.spec_accept_length.observe(num_accepted + 1)
+        labels = self.identity.labels()
+        for position in range(num_accepted):
+            self._spec_accepted_per_pos.labels(**labels, position=str(position)).inc()
 
     def transfer_failed(self, reason: str) -> None:
         """Count one failed transfer (``error`` or ``timeout``)."""

@@ -1,15 +1,28 @@
-"""Property test: random requests, random aborts, a small pool — pages always come back."""
+"""Property test: random requests, random aborts, a small pool — pages always come back.
+
+Also with speculative decoding, whose decodes hold lookahead pages and roll back
+rejected draft slots every round.
+"""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine import make_engine
 
+from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 
-ENGINE = make_engine(num_kv_tokens=160, chunked_prefill_size=8, max_num_batched_tokens=16)
+SMALL = {"num_kv_tokens": 160, "chunked_prefill_size": 8, "max_num_batched_tokens": 16}
+
+
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+    return make_engine(**SMALL, **(spec if request.param == "speculative" else {}))
+
 
 request_st = st.tuples(
     st.lists(st.integers(2, 127999), min_size=1, max_size=30),  # prompt
@@ -20,9 +33,8 @@ request_st = st.tuples(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(request_st, min_size=1, max_size=12))
-def test_random_requests_and_aborts_return_every_page(reqs) -> None:
-    engine = ENGINE
+@given(reqs=st.lists(request_st, min_size=1, max_size=12))
+def test_random_requests_and_aborts_return_every_page(engine: Engine, reqs) -> None:
     kv = engine.scheduler.kv
     prefix = list(range(1000, 1016))
     aborts: dict[int, list[str]] = {}

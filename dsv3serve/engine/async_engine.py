@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.engine.request import Request, TokenOutput
+from dsv3serve.engine.spec.loop import DraftState
 
 T = TypeVar("T")
 
@@ -43,11 +44,16 @@ class AsyncEngine:
         pages: list[int],
         first_logprob: float = 0.0,
         first_top: dict[int, float] | None = None,
+        draft: DraftState | None = None,
     ) -> AsyncIterator[TokenOutput]:
-        """Decode side of PD: stream ``req`` on from KV already in reserved ``pages``."""
+        """Decode side of PD: stream ``req`` on from KV already in reserved ``pages``.
+
+        ``draft``: the prefill side's ``KVExport.draft``, when both run speculative decoding.
+        """
+        token, hidden = (None, None) if draft is None else (draft.token, draft.hidden)
 
         def admit(engine: Engine) -> None:
-            engine.import_kv(req, first_token, pages, first_logprob, first_top)
+            engine.import_kv(req, first_token, pages, first_logprob, first_top, token, hidden)
 
         async for out in self._stream(req, admit, 1):
             yield out

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DTypeName = Literal["auto", "bfloat16", "float32"]
+DEFAULT_SPEC_STEPS = 3  # DeepSeek-V3 MTP: 3 chained steps, 4 draft tokens (as SGLang)
 
 
 class EngineConfig(BaseModel):
@@ -37,6 +38,26 @@ class EngineConfig(BaseModel):
     moe_backend: Literal["torch"] = "torch"
     attn_impl: Literal["auto", "mha", "absorb"] = "auto"
     fp8_act_quant: bool = True
+    # speculative decoding with the checkpoint's NextN (MTP) layer as the draft
+    speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None  # EAGLE: alias of NEXTN
+    speculative_num_steps: int | None = Field(None, ge=1, description="draft steps per round")
+    speculative_eagle_topk: int | None = Field(None, description="draft branching; only 1")
+    speculative_num_draft_tokens: int | None = Field(None, description="num_steps + 1")
+    speculative_draft_model_quantization: Literal["fp8", "unquant"] | None = None
+
+    @property
+    def spec_num_steps(self) -> int:
+        """Draft steps per round; 0 when speculative decoding is off.
+
+        Unset, it follows ``speculative_num_draft_tokens - 1``, else the default 3.
+        """
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return max(1, self.speculative_num_draft_tokens - 1)
+        return DEFAULT_SPEC_STEPS
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -47,4 +68,30 @@ class EngineConfig(BaseModel):
                 f"chunked_prefill_size: found {self.chunked_prefill_size}, "
                 f"expected <= 0 (off) or >= page_size {self.page_size}"
             )
+        self._check_speculative()
         return self
+
+    def _check_speculative(self) -> None:
+        spec_fields = (
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "speculative_draft_model_quantization",
+        )
+        if self.speculative_algorithm is None:
+            given = [name for name in spec_fields if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: set speculative_algorithm (NEXTN) to use it")
+            return
+        topk = self.speculative_eagle_topk
+        if topk is not None and topk != 1:
+            raise ValueError(
+                f"speculative_eagle_topk: found {topk}, expected 1 (only chain drafts, "
+                f"topk=1, are supported)"
+            )
+        draft_tokens, steps = self.speculative_num_draft_tokens, self.spec_num_steps
+        if draft_tokens is not None and draft_tokens != steps + 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens: found {draft_tokens}, expected "
+                f"speculative_num_steps + 1 = {steps + 1} for a chain draft (topk=1)"
+            )

@@ -22,7 +22,10 @@ from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.scheduler import Scheduler
-from dsv3serve.engine.sequence import ScheduledItem, SchedulerConfig, Sequence
+from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SchedulerConfig, Sequence
+from dsv3serve.engine.spec.accept import SpecVerifier, VerifyRequest, mask_early_stop
+from dsv3serve.engine.spec.loop import DraftState, SpecDecoder
+from dsv3serve.engine.spec.stats import SpecStats
 from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
 from dsv3serve.metrics import EngineState, Metrics
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -48,13 +51,18 @@ class _SeqState:
 
 @dataclass(frozen=True)
 class KVExport:
-    """What a prefill-only request hands to the decode side."""
+    """What a prefill-only request hands to the decode side.
+
+    With speculative decoding the pages also hold the draft layer's KV, and ``draft``
+    is where the decode side's first draft chain starts (see ``import_kv``).
+    """
 
     request_id: str
     prompt_ids: list[int]
     first_token: int
     pages: list[int]
     page_size: int
+    draft: DraftState | None = None
 
 
 def resolve_model_dir(cfg: EngineConfig) -> Path:
@@ -91,9 +99,17 @@ class Engine:
                 max_context_len=max_len,
                 policy=cfg.schedule_policy,
                 enable_prefix_cache=cfg.enable_prefix_caching,
+                num_lookahead_tokens=cfg.spec_num_steps,
             )
         )
         self.sampler = Sampler(make_generator(cfg.seed, self.runner.device))
+        self.spec: SpecDecoder | None = None
+        self.spec_stats = SpecStats(cfg.spec_num_steps)
+        if cfg.spec_num_steps:
+            quant = cfg.speculative_draft_model_quantization
+            self.spec = SpecDecoder(self.runner, cfg.spec_num_steps, quant)
+        eos = self.tokenizer.eos_token_id
+        self._verifier = SpecVerifier(self.model_cfg.vocab_size, eos, self.sampler.generator)
         self._states: dict[str, _SeqState] = {}
         self._pending: list[TokenOutput] = []
         self._exports: dict[str, KVExport] = {}
@@ -101,6 +117,11 @@ class Engine:
 
     def use_runner(self, runner: Any) -> None:
         """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``)."""
+        if self.spec is not None:
+            raise ValueError(
+                "speculative_algorithm: speculative decoding runs on one rank only; a "
+                "multi-rank group does not replicate the draft steps yet"
+            )
         self.runner = runner
 
     # ---- requests -------------------------------------------------------------------
@@ -183,7 +204,10 @@ class Engine:
         """Run one scheduler iteration; returns the new outputs of every sequence."""
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        if batch is not None:
+        if batch is not None and self.spec is not None:
+            self._observe(batch.items)
+            outputs += self._spec_step(self.spec, batch)
+        elif batch is not None:
             self._observe(batch.items)
             result = self.runner.run(batch.items)
             sampled = self._sample(result)
@@ -198,7 +222,32 @@ class Engine:
             )
             outputs += self._process(result, sampled)
         outputs += self._scheduler_finished()
+        if self.spec is not None:
+            self.spec.retain(self._states)
         return outputs
+
+    def _spec_step(self, spec: SpecDecoder, batch: ScheduledBatch) -> list[TokenOutput]:
+        """Draft, verify and commit: a decode item gains 1 to 1 + lookahead tokens."""
+        drafts = spec.propose(batch.items)
+        target = spec.verify_forward(batch.items, drafts)
+        sampled = [item for item in batch.items if item.sample]
+        requests = [self._verify_request(item, drafts.get(item.seq_id, [])) for item in sampled]
+        verified = self._verifier.verify(target.logits, requests)
+        committed = {item.seq_id: v.tokens for item, v in zip(sampled, verified, strict=True)}
+        self.scheduler.on_step_done(batch, committed)
+        spec.extend(batch.items, target)
+        outputs = []
+        for item, v in zip(sampled, verified, strict=True):
+            self.spec_stats.record(v.num_drafts, v.num_accepted, self.metrics)
+            state = self._states.get(item.seq_id)
+            if state is not None:
+                outputs.append(self._emit(state, v.logprobs, v.top_logprobs))
+        return outputs
+
+    def _verify_request(self, item: ScheduledItem, drafts: list[int]) -> VerifyRequest:
+        state = self._states[item.seq_id]
+        seq = state.seq
+        return VerifyRequest(state.params, state.generator, seq.prompt_ids, seq.output_ids, drafts)
 
     def _observe(self, items: list[ScheduledItem]) -> None:
         """Step metrics: batch size, tokens, and queue time of first-scheduled sequences."""
@@ -239,18 +288,9 @@ class Engine:
 
     def _mask_early_stop(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
         """Before ``min_new_tokens`` a row may not sample EOS or its stop tokens."""
-        rows = [
-            (i, s) for i, s in enumerate(states) if len(s.seq.output_ids) < s.params.min_new_tokens
-        ]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        for i, s in rows:
-            banned = list(s.params.stop_token_ids)
-            if not s.params.ignore_eos:
-                banned.append(self.tokenizer.eos_token_id)
-            logits[i, banned] = float("-inf")
-        return logits
+        params = [s.params for s in states]
+        num_outputs = [len(s.seq.output_ids) for s in states]
+        return mask_early_stop(logits, params, num_outputs, self.tokenizer.eos_token_id)
 
     def _process(self, result: StepResult, out: SampleOutput) -> list[TokenOutput]:
         outputs = []
@@ -263,7 +303,7 @@ class Engine:
             if state is None or not item.seq.output_ids:
                 continue
             top = {} if tops is None else self._top_dict(state, tops, row)
-            outputs.append(self._emit(state, logprobs[row], top))
+            outputs.append(self._emit(state, [logprobs[row]], [top]))
         return outputs
 
     @staticmethod
@@ -271,36 +311,51 @@ class Engine:
         k = state.params.logprobs or 0
         return dict(zip(tops[1][row][:k], tops[0][row][:k], strict=True))
 
-    def _emit(self, state: _SeqState, logprob: float, top: dict[int, float]) -> TokenOutput:
+    def _emit(
+        self, state: _SeqState, logprobs: list[float], tops: list[dict[int, float]]
+    ) -> TokenOutput:
+        """Report the last ``len(logprobs)`` output tokens, up to the first that stops."""
         seq, params = state.seq, state.params
-        token = seq.output_ids[-1]
-        reason = check_stop_token(token, len(seq.output_ids), params, self.tokenizer.eos_token_id)
-        text = ""
-        if reason != "stop":
-            text, hit = state.stop.feed(state.detok.add(token))
-            reason = "stop" if hit else reason
+        done = len(seq.output_ids) - len(logprobs)
+        text, reason, kept = "", None, 0
+        while reason is None and done + kept < len(seq.output_ids):
+            token = seq.output_ids[done + kept]
+            kept += 1
+            reason = check_stop_token(token, done + kept, params, self.tokenizer.eos_token_id)
+            if reason != "stop":
+                piece, hit = state.stop.feed(state.detok.add(token))
+                text, reason = text + piece, "stop" if hit else reason
         if reason is not None and not state.stop.stopped:
             text += state.stop.feed(state.detok.flush())[0] + state.stop.flush()
         out = TokenOutput(
             seq.request_id,
             state.index,
-            [token],
+            seq.output_ids[done : done + kept],
             text,
             reason is not None,
             reason,
-            [logprob] if params.logprobs is not None else [],
-            [top] if params.logprobs else [],
+            logprobs[:kept] if params.logprobs is not None else [],
+            tops[:kept] if params.logprobs else [],
             len(seq.prompt_ids),
-            len(seq.output_ids),
+            done + kept,
             seq.num_cached_tokens,
         )
         if reason is not None:
             self._finish(state, reason)
         elif seq.prefill_only:
-            self._exports[seq.request_id] = KVExport(
-                seq.request_id, seq.prompt_ids, token, list(seq.page_table), self.cfg.page_size
-            )
+            self._export(seq)
         return out
+
+    def _export(self, seq: Sequence) -> None:
+        draft = None if self.spec is None else self.spec.state(seq.seq_id)
+        self._exports[seq.request_id] = KVExport(
+            seq.request_id,
+            seq.prompt_ids,
+            seq.output_ids[-1],
+            list(seq.page_table),
+            self.cfg.page_size,
+            draft,
+        )
 
     def _finish(self, state: _SeqState, reason: str) -> None:
         seq = state.seq
@@ -364,17 +419,25 @@ class Engine:
         pages: list[int],
         first_logprob: float = 0.0,
         first_top: dict[int, float] | None = None,
+        draft_token: int | None = None,
+        draft_hidden: torch.Tensor | None = None,
     ) -> None:
         """Decode side: continue ``req`` from KV already written into reserved ``pages``.
 
         The first token (sampled by the prefill side, with its logprobs) is emitted here
         as the request's first output, through this engine's detokenizer and stop-string
         matcher, so the decode stream carries every output token and no text is lost at
-        the handoff.
+        the handoff. With speculative decoding, ``draft_token`` and ``draft_hidden`` [H]
+        (the prefill side's ``KVExport.draft``) let the first decode step draft at once;
+        without them it verifies no drafts and the drafting starts one step later.
         """
         self._check_new_id(req.request_id)
         prompt = self._prompt_ids(req)
         seq = self._new_sequence(req, 0, prompt, output_ids=[first_token])
         self.scheduler.add_prefilled(seq, pages)
         self._track(seq, 0, req.params, prompt)
-        self._pending.append(self._emit(self._states[seq.seq_id], first_logprob, first_top or {}))
+        if self.spec is not None and draft_token is not None and draft_hidden is not None:
+            hidden = draft_hidden.to(self.runner.device)
+            self.spec.set_state(seq.seq_id, DraftState(seq.num_tokens, draft_token, hidden))
+        state = self._states[seq.seq_id]
+        self._pending.append(self._emit(state, [first_logprob], [first_top or {}]))

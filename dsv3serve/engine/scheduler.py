@@ -11,6 +11,8 @@ at the front of the queue to recompute its prompt and output so far.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import replace
 
 from dsv3serve.engine.sequence import (
     ContextLengthError,
@@ -97,18 +99,25 @@ class Scheduler:
         for seq in running:
             if seq.num_computed_tokens == seq.num_tokens - 1:
                 self._schedule_decode(seq, plan)
+        if self.config.num_lookahead_tokens:
+            self._grant_lookahead(plan)
         for seq in running:
             if seq.num_computed_tokens < seq.num_tokens - 1:
                 self._schedule_prefill(seq, plan)
         self._admit_waiting(plan)
         return plan.to_batch()
 
-    def on_step_done(self, batch: ScheduledBatch, sampled: dict[str, int]) -> None:
+    def on_step_done(self, batch: ScheduledBatch, sampled: Mapping[str, int | list[int]]) -> None:
         """Record that ``batch`` ran: advance KV progress, append ``sampled[seq_id]`` tokens.
 
-        Items of sequences finished or aborted since ``schedule()`` are skipped. A finished
-        prefill is inserted into the prefix cache; a prefill-only sequence then finishes
-        (reason ``"prefilled"``) and keeps its pages until ``release_exported``.
+        ``sampled[seq_id]`` is one token, or for a decode item with lookahead the tokens
+        the step commits: 1 to ``1 + num_lookahead`` of them, the accepted draft tokens
+        then the target's own. The KV of the decode token and of the accepted drafts is
+        kept; the rest of the lookahead slots are free to be overwritten (their pages stay
+        with the sequence for its next steps). Items of sequences finished or aborted
+        since ``schedule()`` are skipped. A finished prefill is inserted into the prefix
+        cache; a prefill-only sequence then finishes (reason ``"prefilled"``) and keeps
+        its pages until ``release_exported``.
         """
         for item in batch.items:
             seq = item.seq
@@ -119,9 +128,10 @@ class Scheduler:
                     f"sequence {seq.seq_id}: item starts at {item.start} but "
                     f"{seq.num_computed_tokens} tokens are computed (step reported twice?)"
                 )
-            seq.num_computed_tokens = item.start + item.num_tokens
+            tokens = self._sampled_tokens(item, sampled) if item.sample else []
+            seq.num_computed_tokens = item.start + item.num_tokens + max(0, len(tokens) - 1)
             if item.sample:
-                self._on_sampled(item, sampled)
+                self._on_sampled(item, tokens)
 
     def finish(self, seq: Sequence, reason: str) -> bool:
         """End ``seq`` in any state, caching its full pages and freeing the rest.
@@ -261,6 +271,29 @@ class Scheduler:
         elif self._grow(seq, 1, plan, preempt=True):
             self._emit(seq, 1, plan, is_decode=True)
 
+    def _grant_lookahead(self, plan: StepPlan) -> None:
+        """Give decode items slots for draft tokens, as far as pages fit without preempting.
+
+        A decode never drafts past its ``max_new_tokens``: a step commits at most
+        ``1 + num_lookahead`` tokens.
+        """
+        for seq_id, item in list(plan.items.items()):
+            seq = item.seq
+            wanted = min(
+                self.config.num_lookahead_tokens,
+                plan.tokens_left,
+                seq.max_new_tokens - len(seq.output_ids) - 1,
+            )
+            if not item.is_decode or wanted <= 0:
+                continue
+            extra = self._tokens_that_fit(seq, 1 + wanted) - 1
+            if extra <= 0:
+                continue
+            self._take_pages(seq, seq.num_computed_tokens + 1 + extra)
+            slots = self._slots(seq, item.start, item.start + 1 + extra)
+            plan.items[seq_id] = replace(item, slots=slots, num_lookahead=extra)
+            plan.tokens_left -= extra
+
     def _schedule_prefill(self, seq: Sequence, plan: StepPlan) -> None:
         if seq.status is not SequenceStatus.RUNNING:
             return
@@ -325,12 +358,16 @@ class Scheduler:
             self._preempt_latest(plan)
             if seq.status is not SequenceStatus.RUNNING:
                 return 0
-        needed = self.kv.pages_for_tokens(seq.num_computed_tokens + fit) - len(seq.page_table)
+        self._take_pages(seq, seq.num_computed_tokens + fit)
+        return fit
+
+    def _take_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend ``seq.page_table`` to hold ``num_tokens`` tokens (the pages must fit)."""
+        needed = self.kv.pages_for_tokens(num_tokens) - len(seq.page_table)
         if needed > 0:
             pages = self.kv.allocate(needed)
             assert pages is not None, "available_pages promised more than allocate gave"
             seq.page_table.extend(pages)
-        return fit
 
     def _tokens_that_fit(self, seq: Sequence, num_tokens: int) -> int:
         capacity = (len(seq.page_table) + self.kv.available_pages) * self.config.page_size
@@ -349,8 +386,7 @@ class Scheduler:
 
     def _emit(self, seq: Sequence, num_tokens: int, plan: StepPlan, is_decode: bool) -> None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
-        page_size, table = self.config.page_size, seq.page_table
-        slots = [table[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
+        slots = self._slots(seq, start, end)
         sample = end == seq.num_tokens
         plan.add(
             ScheduledItem(
@@ -358,11 +394,28 @@ class Scheduler:
             )
         )
 
-    def _on_sampled(self, item: ScheduledItem, sampled: dict[str, int]) -> None:
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        page_size, table = self.config.page_size, seq.page_table
+        return [table[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
+
+    @staticmethod
+    def _sampled_tokens(item: ScheduledItem, sampled: Mapping[str, int | list[int]]) -> list[int]:
+        seq_id = item.seq.seq_id
+        if seq_id not in sampled:
+            raise KeyError(f"no sampled token for sequence {seq_id} (item has sample=True)")
+        value = sampled[seq_id]
+        tokens = [value] if isinstance(value, int) else list(value)
+        if not 1 <= len(tokens) <= 1 + item.num_lookahead:
+            raise ValueError(
+                f"sequence {seq_id}: expected 1 to {1 + item.num_lookahead} sampled tokens "
+                f"(1 + lookahead), got {len(tokens)}"
+            )
+        return tokens
+
+    def _on_sampled(self, item: ScheduledItem, tokens: list[int]) -> None:
         seq = item.seq
-        if seq.seq_id not in sampled:
-            raise KeyError(f"no sampled token for sequence {seq.seq_id} (item has sample=True)")
-        seq.append_token(sampled[seq.seq_id])
+        for token in tokens:
+            seq.append_token(token)
         if not item.is_decode:
             self._commit_prefix(seq)
         if seq.prefill_only:

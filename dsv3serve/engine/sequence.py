@@ -22,7 +22,8 @@ class SchedulerConfig:
     a prompt runs whole in one step (then ``max_num_batched_tokens`` must cover
     ``max_context_len``). ``max_num_batched_tokens`` caps all tokens of a step, decodes
     included. ``policy`` orders the waiting queue: ``fcfs`` by arrival, ``lpm`` longest
-    cached prefix first.
+    cached prefix first. ``num_lookahead_tokens`` (speculative decoding: the draft steps
+    per round) extra slots are given to each decode, when they fit, for draft tokens.
     """
 
     page_size: int
@@ -33,12 +34,15 @@ class SchedulerConfig:
     max_context_len: int = 163840
     policy: Literal["fcfs", "lpm"] = "fcfs"
     enable_prefix_cache: bool = True
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         positive = ("page_size", "num_pages", "max_running_requests")
         for name in (*positive, "max_num_batched_tokens", "max_context_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
         if self.policy not in ("fcfs", "lpm"):
             raise ValueError(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}")
         if self.chunked_prefill_size <= 0 and self.max_num_batched_tokens < self.max_context_len:
@@ -140,6 +144,11 @@ class ScheduledItem:
     ``slots[i]`` is the KV-cache slot where token ``start+i`` is written. When ``sample``
     is True the item ends at the last token of the sequence and the logits of its last
     token are sampled. ``is_decode`` marks the one-token steps of the decode phase.
+
+    A decode item may also own ``num_lookahead`` slots after its token (``slots`` then
+    holds ``num_tokens + num_lookahead`` entries): speculative decoding writes draft
+    tokens there and verifies them with the decode token in one forward, so the step
+    commits between 1 and ``1 + num_lookahead`` tokens.
     """
 
     seq: Sequence
@@ -149,6 +158,7 @@ class ScheduledItem:
     slots: list[int]
     sample: bool
     is_decode: bool
+    num_lookahead: int = 0
 
     @property
     def seq_id(self) -> str:
@@ -169,7 +179,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Total tokens in the step."""
+        """Total tokens in the step (without lookahead slots)."""
         return sum(item.num_tokens for item in self.items)
 
     @property
@@ -212,9 +222,9 @@ class StepPlan:
         return limit if self.chunking else 0
 
     def add(self, item: ScheduledItem) -> None:
-        """Append ``item`` and charge its tokens to the budget."""
+        """Append ``item`` and charge its tokens (lookahead included) to the budget."""
         self.items[item.seq_id] = item
-        self.tokens_left -= item.num_tokens
+        self.tokens_left -= item.num_tokens + item.num_lookahead
         if not item.is_decode:
             self.prefill_tokens_left -= item.num_tokens
 

@@ -1,0 +1,171 @@
+"""The device side of a speculative step: draft chain, target verify forward, draft extend.
+
+Per sequence, with committed tokens ``t[0..n]`` and target KV for ``0..n-1``, a step:
+
+1. ``propose``: from the :class:`DraftState` the previous step left (``d1``, the draft's
+   guess for ``t[n+1]``, and its hidden state at ``n-1``), chain ``k - 1`` more draft
+   steps at positions ``n .. n+k-2``: ``d2 .. dk`` (argmax each: a deterministic draft).
+   ``k`` is the item's ``num_lookahead``, so every slot written is the item's own.
+2. ``verify_forward``: one target forward over ``[t[n], d1 .. dk]`` at ``n .. n+k`` for
+   every decode item, batched with the step's prefill chunks; logits at every verified
+   position, and the hidden states of every new token.
+3. (the engine accepts, commits through the scheduler, which keeps the target KV of the
+   accepted positions and leaves the rest of the lookahead to be overwritten.)
+4. ``extend``: one draft forward over every position the step committed, each ``p`` with
+   the target's ``h[p]`` and the now-known ``t[p+1]``. It rewrites the draft KV there
+   (the chain's rows were written from draft hidden states) and, for sequences ready to
+   decode, leaves the next round's :class:`DraftState`.
+
+So a position's draft KV always comes from the target's hidden state once committed, as
+if the draft had run over the whole sequence, and pages reach the prefix cache (and PD
+export) with both the target's and the draft's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from dsv3serve.engine.model_runner import ModelRunner, kv_slots
+from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
+from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """Where a sequence's next draft chain starts; valid while it has ``num_tokens`` tokens.
+
+    ``token`` is the draft's guess for the token after the last one, ``hidden`` [H] the
+    draft's hidden state at the position of the last-but-one token (what the second
+    chained step consumes). This pair is also what PD hands from prefill to decode.
+    """
+
+    num_tokens: int
+    token: int
+    hidden: torch.Tensor
+
+
+@dataclass
+class TargetPass:
+    """One verify forward: ``hidden`` [T, H] of every new token, ``row_starts[i]`` the
+    first row of item ``i``; ``logits`` [N, V] of every verified position of the sampled
+    items, in item order (``1 + drafts`` rows per decode item, 1 per finishing prefill)."""
+
+    hidden: torch.Tensor
+    row_starts: list[int]
+    logits: torch.Tensor
+
+
+class SpecDecoder:
+    """Speculative decoding's model work for one engine; the engine does the accepting."""
+
+    def __init__(
+        self, runner: ModelRunner, num_steps: int, draft_quant: DraftQuant | None = None
+    ) -> None:
+        self.runner = runner
+        self.num_steps = num_steps
+        self.draft = NextNDraft(runner.model)
+        if draft_quant is not None:
+            requantize_draft(self.draft.layer, draft_quant, runner.dtype)
+        self._states: dict[str, DraftState] = {}
+
+    # ---- per-sequence draft state ------------------------------------------------------
+    def state(self, seq_id: str) -> DraftState | None:
+        """The sequence's saved draft state, if any."""
+        return self._states.get(seq_id)
+
+    def set_state(self, seq_id: str, state: DraftState) -> None:
+        """Install a draft state (PD decode side: handed over with the KV)."""
+        self._states[seq_id] = state
+
+    def retain(self, seq_ids: Iterable[str]) -> None:
+        """Forget the states of sequences not in ``seq_ids`` (finished, aborted)."""
+        keep = set(seq_ids)
+        self._states = {k: v for k, v in self._states.items() if k in keep}
+
+    # ---- the three forwards ------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledItem]) -> dict[str, list[int]]:
+        """Draft tokens for each decode item with lookahead and a current draft state."""
+        rows = [(item, self._fresh_state(item)) for item in items if item.num_lookahead]
+        rows = [(item, st) for item, st in rows if st is not None]
+        drafts = {item.seq_id: [st.token] for item, st in rows}
+        if not rows:
+            return drafts
+        hidden = torch.stack([st.hidden for _, st in rows])
+        for step in range(1, max(item.num_lookahead for item, _ in rows)):
+            active = [i for i, (item, _) in enumerate(rows) if item.num_lookahead > step]
+            spans = [self._chain_span(rows[i][0], drafts, step) for i in active]
+            batch = ForwardBatch.build(spans, self.runner.device)
+            index = torch.tensor(active, dtype=torch.long, device=hidden.device)
+            out = self.draft.forward(batch, hidden[index], self.runner.attn)
+            hidden[index] = out.to(hidden.dtype)
+            tokens = self.draft.compute_logits(out).argmax(-1).tolist()
+            for i, token in zip(active, tokens, strict=True):
+                drafts[rows[i][0].seq_id].append(token)
+        return drafts
+
+    @torch.inference_mode()
+    def verify_forward(
+        self, items: list[ScheduledItem], drafts: dict[str, list[int]]
+    ) -> TargetPass:
+        """The target over every item's new tokens, decode items with their drafts."""
+        spans, rows, starts, offset = [], [], [], 0
+        for item in items:
+            tokens = item.token_ids + drafts.get(item.seq_id, [])
+            end = item.start + len(tokens)
+            spans.append(SeqSpan(tokens, item.start, self._slots(item, end), item.sample))
+            if item.sample:
+                verified = len(tokens) if item.is_decode else 1
+                rows.extend(range(offset + len(tokens) - verified, offset + len(tokens)))
+            starts.append(offset)
+            offset += len(tokens)
+        model, device = self.runner.model, self.runner.device
+        verify_only = all(item.is_decode for item in items)  # the decode (absorbed) MLA form
+        batch = ForwardBatch.build(spans, device, decode=verify_only)
+        hidden = model(batch, self.runner.attn)
+        logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
+        return TargetPass(hidden, starts, logits)
+
+    @torch.inference_mode()
+    def extend(self, items: list[ScheduledItem], target: TargetPass) -> None:
+        """Draft KV for every position the step committed; next states for decode-ready."""
+        spans, rows, ready = [], [], []
+        for item, first_row in zip(items, target.row_starts, strict=True):
+            seq = item.seq
+            new = seq.num_computed_tokens - item.start
+            if new <= 0 or not seq.page_table:
+                continue  # finished or aborted before its tokens were committed
+            end = item.start + new
+            decode_ready = end == seq.num_tokens - 1
+            next_tokens = seq.token_ids(item.start + 1, end + 1)
+            spans.append(SeqSpan(next_tokens, item.start, self._slots(item, end), decode_ready))
+            rows.extend(range(first_row, first_row + new))
+            if decode_ready:
+                ready.append(seq)
+        if not spans:
+            return
+        batch = ForwardBatch.build(spans, self.runner.device)
+        index = torch.tensor(rows, dtype=torch.long, device=target.hidden.device)
+        out = self.draft.forward(batch, target.hidden[index], self.runner.attn)
+        last = out[batch.logits_indices]
+        tokens = self.draft.compute_logits(last).argmax(-1).tolist()
+        for seq, token, hidden in zip(ready, tokens, last, strict=True):
+            self._states[seq.seq_id] = DraftState(seq.num_tokens, token, hidden.clone())
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _fresh_state(self, item: ScheduledItem) -> DraftState | None:
+        state = self._states.get(item.seq_id)
+        return state if state is not None and state.num_tokens == item.seq.num_tokens else None
+
+    def _slots(self, item: ScheduledItem, end: int) -> list[int]:
+        return kv_slots(item.seq.page_table, self.runner.cfg.page_size, end)
+
+    def _chain_span(self, item: ScheduledItem, drafts: dict[str, list[int]], step: int) -> SeqSpan:
+        """Chained draft step ``step`` (1-based after d1): input ``d[step]`` at ``n+step-1``."""
+        position = item.start + step - 1
+        return SeqSpan([drafts[item.seq_id][-1]], position, self._slots(item, position + 1))
