@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from router.pd import any_alive
 from router.policy import ReplicaSet
@@ -23,8 +24,9 @@ class ColocatedBackend:
         self.replicas.acquire(r, tokens)
         stream = self.replicas.handles[r].options(stream=True).generate.remote(encode(req))
         try:
-            async for chunk in relay(stream, req.request_id, "replica"):
-                yield chunk
+            async with aclosing(relay(stream, req.request_id, "replica")) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self.replicas.release(r, tokens)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from dsv3serve.metrics import Metrics
@@ -21,9 +22,10 @@ class MeteredBackend:
         start = time.monotonic()
         last: dict[int, float] = {}  # per sequence index: when its last token arrived
         try:
-            async for chunk in self.backend.generate(req):
-                self._observe(chunk, start, last)
-                yield chunk
+            async with aclosing(self.backend.generate(req)) as chunks:
+                async for chunk in chunks:
+                    self._observe(chunk, start, last)
+                    yield chunk
         finally:
             self.m.e2e.observe(time.monotonic() - start)
 

@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 from dsv3serve.metrics import Identity, Metrics
@@ -94,11 +95,13 @@ class PDBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Stream every sequence of ``req``; n > 1 runs n PD requests side by side."""
         if req.params.n == 1:
-            async for chunk in self._one(req):
-                yield chunk
+            async with aclosing(self._one(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
-        async for chunk in fan_out(req, self._one):
-            yield chunk
+        async with aclosing(fan_out(req, self._one)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def is_healthy(self) -> bool:
         """At least one prefill and one decode replica answer within two seconds."""
@@ -122,8 +125,9 @@ class PDBackend:
                     raise error_from_chunk(result.first)
                 yield result.first
                 return
-            async for chunk in self._decode(d, p, req, result):
-                yield chunk
+            async with aclosing(self._decode(d, p, req, result)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self.decode.release(d, tokens)
 
@@ -216,8 +220,9 @@ class PDBackend:
             self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
 
         try:
-            async for chunk in relay(stream, req.request_id, "decode replica", release):
-                yield chunk
+            async with aclosing(relay(stream, req.request_id, "decode replica", release)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             if not released:
                 self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
@@ -259,8 +264,9 @@ async def fan_out(req: GenerateRequest, one: Any) -> AsyncIterator[TokenChunk]:
 
     async def pump(i: int) -> None:
         try:
-            async for chunk in one(sub_request(req, i)):
-                await queue.put((i, chunk))
+            async with aclosing(one(sub_request(req, i))) as chunks:
+                async for chunk in chunks:
+                    await queue.put((i, chunk))
             await queue.put((i, None))
         except Exception as exc:
             await queue.put((i, exc))

@@ -83,10 +83,11 @@ def long_stream(stub: GenerationStub, **kwargs: object) -> grpc.Future:
     return stub.GenerateStream(request, metadata=META, **kwargs)
 
 
-def pages_return(timeout_s: float = 10) -> bool:
-    return all(
-        wait_until(lambda w=w: holds_nothing(worker_stats(APP, w)), timeout_s) for w in PD_WORKERS
-    )
+def assert_pages_return(timeout_s: float = 10) -> None:
+    """Every PD worker ends up holding nothing; the failure names what is still held."""
+    for w in PD_WORKERS:
+        if not wait_until(lambda w=w: holds_nothing(worker_stats(APP, w)), timeout_s):
+            raise AssertionError(f"{w} still holds: {worker_stats(APP, w)}")
 
 
 def grpc_answers(metrics_url: str, status: str) -> float:
@@ -207,7 +208,7 @@ def test_overload_is_resource_exhausted(served: Served) -> None:
     finally:
         for stream in held:
             stream.cancel()
-    assert pages_return()
+    assert_pages_return()
     assert (
         served.stub.Generate(
             pb.GenerateRequest(text=PROMPT, sampling=greedy(2)), metadata=META, timeout=60
@@ -220,15 +221,17 @@ def test_overload_is_resource_exhausted(served: Served) -> None:
 def test_cancel_mid_stream_aborts_on_both_workers(served: Served) -> None:
     cancelled_before = grpc_answers(served.metrics_url, "CANCELLED")
     stream = long_stream(served.stub)
-    for _ in range(3):
-        next(stream)
-    busy = worker_stats(APP, "decode-0")
-    assert busy.live_requests == 1 and busy.free_pages < busy.num_pages
-    stream.cancel()
+    try:
+        for _ in range(3):
+            next(stream)
+        busy = worker_stats(APP, "decode-0")
+        assert busy.live_requests == 1 and busy.free_pages < busy.num_pages, busy
+    finally:
+        stream.cancel()  # also when an assertion failed: later tests need the pages
     with pytest.raises(grpc.RpcError) as info:
         next(stream)
     assert info.value.code() == Code.CANCELLED
-    assert pages_return()
+    assert_pages_return()
     assert wait_until(
         lambda: grpc_answers(served.metrics_url, "CANCELLED") > cancelled_before, 10
     )  # the router saw the cancellation, not a failure
@@ -241,7 +244,7 @@ def test_client_deadline_is_deadline_exceeded_and_frees_pages(served: Served) ->
             pass
     assert info.value.code() == Code.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 10
-    assert pages_return()
+    assert_pages_return()
 
 
 @pytest.mark.parametrize(

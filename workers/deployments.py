@@ -9,6 +9,7 @@ are imported inside the replica only, so the router process never loads them.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from ray import serve
 
@@ -54,8 +55,9 @@ class EngineWorker:
 
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
         """Colocated: stream TokenChunks of the whole request."""
-        async for chunk in self.host.generate(parse(GenerateRequest, data)):
-            yield encode(chunk)
+        async with aclosing(self.host.generate(parse(GenerateRequest, data))) as chunks:
+            async for chunk in chunks:
+                yield encode(chunk)
 
     async def prefill(self, data: bytes) -> bytes:
         """Prefill role: PrefillRequest in, PrefillResult out."""
@@ -73,8 +75,9 @@ class EngineWorker:
 
     async def decode(self, data: bytes) -> AsyncIterator[bytes]:
         """Decode role: pull the KV, then stream TokenChunks."""
-        async for chunk in self.host.decode(parse(DecodeRequest, data)):
-            yield encode(chunk)
+        async with aclosing(self.host.decode(parse(DecodeRequest, data))) as chunks:
+            async for chunk in chunks:
+                yield encode(chunk)
 
 
 def resolve_host(cfg: WorkerConfig) -> WorkerConfig:

@@ -171,8 +171,10 @@ class EngineHost:
         """Colocated serving: the whole request here; closing the stream aborts it."""
         self._require("colocated")
         try:
-            async with aclosing(self.aengine.generate(_engine_request(req))) as stream:
-                async for chunk in self.metrics.stream(_chunks(stream), count_prompt=True):
+            stream = self.aengine.generate(_engine_request(req))
+            metered = self.metrics.stream(_chunks(stream), True)
+            async with aclosing(stream), aclosing(metered) as chunks:
+                async for chunk in chunks:
                     yield chunk
         except _REFUSED as exc:
             yield _error_chunk(req.request_id, str(exc), 400)
@@ -251,8 +253,9 @@ class EngineHost:
             _engine_request(msg.request), msg.first_token, pages, msg.first_logprob, top
         )
         try:
-            async with aclosing(stream):
-                async for chunk in self.metrics.stream(_chunks(stream), count_prompt=False):
+            metered = self.metrics.stream(_chunks(stream), False)
+            async with aclosing(stream), aclosing(metered) as chunks:
+                async for chunk in chunks:
                     yield chunk
         except _REFUSED as exc:
             self._unreserve(rid, pages)
