@@ -18,7 +18,8 @@ from torch import nn
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.config import ModelConfig
 from dsv3serve.forward_batch import ForwardBatch
-from dsv3serve.layers.linear import make_linear
+from dsv3serve.layers.fused import can_pack, pack_rows
+from dsv3serve.layers.linear import Linear, make_linear
 from dsv3serve.layers.norm import RMSNorm
 from dsv3serve.layers.rotary import RotaryEmbedding
 from dsv3serve.model.load_target import LoadTarget
@@ -129,19 +130,32 @@ class MLAttention(nn.Module):
         self.o_proj = make_linear(cfg, f"{prefix}.o_proj", heads * cfg.v_head_dim, h, dt, aq)
         self.w_uk: torch.Tensor | None = None  # [H, nope, R], set by post_load()
         self.w_uv: torch.Tensor | None = None  # [H, v, R]
+        self.qkv_a_proj: Linear | None = None  # q_a_proj + kv_a_proj_with_mqa, by post_load()
 
     def post_load(self) -> None:
-        """Split the (dequantised) kv_b_proj into the absorbed W_UK and W_UV."""
+        """Pack q_a_proj with kv_a_proj_with_mqa (one GEMM over x, N = 1536 + 576 in
+        DeepSeek-V3) and split the (dequantised) kv_b_proj into W_UK and W_UV."""
         c = self.cfg
+        parts = [self.q_a_proj, self.kv_a_proj_with_mqa] if c.q_lora_rank else []
+        packed = pack_rows(parts) if parts and can_pack(parts) else None
+        # Not registered as a submodule: its storage is the parts' (views), and the
+        # checkpoint names, state dict and draft requantisation keep seeing the parts.
+        object.__setattr__(self, "qkv_a_proj", packed)
         w = self.kv_b_proj.dequantized_weight(self.dtype)
         w = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return self.q_proj(x)
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query [T, H*192] and the compressed KV [T, 576] of the new tokens."""
+        c = self.cfg
+        if self.qkv_a_proj is not None:
+            q_a, kv_a = self.qkv_a_proj(x).split([c.q_lora_rank, c.kv_cache_dim], dim=-1)
+            return self.q_b_proj(self.q_a_layernorm(q_a)), kv_a
+        kv_a = self.kv_a_proj_with_mqa(x)
+        if c.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))), kv_a
+        return self.q_proj(x), kv_a
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [S, 576] -> keys [S, H, 192] and values [S, H, 128]."""
@@ -155,10 +169,12 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.cfg
         t, heads = x.shape[0], c.num_attention_heads
-        q = self._query(x).view(t, heads, c.qk_head_dim)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q, kv_a = self._project(x)
+        q_nope, q_pe = q.view(t, heads, c.qk_head_dim).split(
+            [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1
+        )
         q_pe = RotaryEmbedding.rotate(q_pe, ctx.cos, ctx.sin)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        kv_c, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         k_pe = RotaryEmbedding.rotate(k_pe, ctx.cos, ctx.sin)
         ctx.attn.save_latent(self.layer_id, torch.cat([self.kv_a_layernorm(kv_c), k_pe], -1))
         if ctx.absorbed:
