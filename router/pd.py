@@ -208,6 +208,7 @@ class PDBackend:
             first_logprob=first.logprobs[0] if first.logprobs else 0.0,
             first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
             kv=result.kv,
+            draft=result.draft,
         )
         stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
         handoff_start = time.monotonic()
