@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
 from dsv3serve.engine.spec.loop import DraftState
 from workers.protocol import DraftHandoff
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+)
+_NAMES: Mapping[torch.dtype, str] = MappingProxyType({d: name for name, d in _DTYPES.items()})
 
 
 class DraftMismatchError(ValueError):

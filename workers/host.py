@@ -203,6 +203,7 @@ class EngineHost:
             return PrefillResult(first=chunk_from_output(first), kv=None)
         num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
         try:
+            draft = None if export.draft is None else draft_to_wire(export.draft)
             handle = self.connector.publish(
                 req.request_id, export.pages[:num_pages], len(req.prompt_ids)
             )
@@ -210,7 +211,6 @@ class EngineHost:
             self._unstage(req.request_id)
             raise
         self._staged.add(req.request_id, None, self.cfg.kv_lease_s)
-        draft = None if export.draft is None else draft_to_wire(export.draft)
         return PrefillResult(first=chunk_from_output(first), kv=handle, draft=draft)
 
     def release_kv(self, request_id: str) -> None:

@@ -8,6 +8,8 @@ router imports none of the engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,7 +20,7 @@ from kv_transfer.handle import KVHandle
 Role = Literal["prefill", "decode", "colocated"]
 M = TypeVar("M", bound=BaseModel)
 WireDType = Literal["bfloat16", "float16", "float32"]
-WIRE_DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+WIRE_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
 
 
 class _Msg(BaseModel):
