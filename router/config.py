@@ -78,7 +78,17 @@ class ServingConfig(BaseModel):
         for role in roles:
             if getattr(self, role).num_replicas < 1:
                 raise ValueError(f"{role}.num_replicas: mode {self.mode} needs at least 1")
+        workers = {role: self._checked_worker_config(role) for role in roles}
+        if self.mode == "pd":
+            _check_same_speculation(workers["prefill"], workers["decode"])
         return self
+
+    def _checked_worker_config(self, role: Role) -> WorkerConfig:
+        """``worker_config(role)``; its errors become one ValueError naming ``role``'s fields."""
+        try:
+            return self.worker_config(role)
+        except ValidationError as exc:
+            raise ValueError(_problems(role, exc)) from None
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> ServingConfig:
@@ -92,6 +102,7 @@ class ServingConfig(BaseModel):
             raise ConfigError("invalid serving config: " + "; ".join(problems)) from None
 
     def roles(self) -> tuple[Role, ...]:
+        """The worker roles this mode runs."""
         return ("prefill", "decode") if self.mode == "pd" else ("colocated",)
 
     def worker_config(self, role: Role) -> WorkerConfig:
@@ -108,3 +119,26 @@ class ServingConfig(BaseModel):
             group_size=group.group_size,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
         )
+
+
+def _check_same_speculation(prefill: WorkerConfig, decode: WorkerConfig) -> None:
+    """Prefill and decode agree on speculative decoding: a speculative decode needs the
+    draft layer's KV and draft state that only a speculative prefill produces."""
+    p_algo = prefill.engine.speculative_algorithm
+    d_algo = decode.engine.speculative_algorithm
+    if (p_algo is None) != (d_algo is None):
+        raise ValueError(
+            f"prefill.engine.speculative_algorithm ({p_algo}) and "
+            f"decode.engine.speculative_algorithm ({d_algo}): expected both set or both "
+            "unset; the decode side's draft starts from the prefill side's draft state"
+        )
+
+
+def _problems(role: Role, exc: ValidationError) -> str:
+    """``exc``'s errors, each prefixed with where it is in the serving config."""
+    where = f"{role}.engine" if exc.title == "EngineConfig" else role
+    problems = []
+    for e in exc.errors():
+        loc, msg = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}.{loc}: {msg}" if loc else f"{where}: {msg}")
+    return "; ".join(problems)

@@ -7,8 +7,9 @@ Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 2. prefill on a prefill replica chosen by policy; a replica that dies or times out is
    retried on the next, up to ``max_prefill_attempts``, else 503;
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
-   output token, the first included; the prefill side's staging is released as soon as
-   decode answers, or by its lease.
+   output token, the first included; with MTP the prefill side's draft state rides along
+   (opaque bytes here: the router imports no torch); the prefill side's staging is
+   released as soon as decode answers, or by its lease.
 
 Every exit path (finish, error, client disconnect) gives back the reservation, the staged
 KV and the router's own load accounting.
@@ -208,6 +209,7 @@ class PDBackend:
             first_logprob=first.logprobs[0] if first.logprobs else 0.0,
             first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
             kv=result.kv,
+            draft=result.draft,
         )
         stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
         handoff_start = time.monotonic()

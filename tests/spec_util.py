@@ -1,14 +1,17 @@
-"""Test helpers for speculative decoding: a target oracle draft and from-scratch drafts.
+"""Test helpers for speculative decoding: a target oracle draft, from-scratch drafts, and
+a checkpoint whose NextN layer is an oracle.
 
-Both run the engine's own weights in a scratch KV pool (never the engine's pool), one
-fresh prefill per call: slow, simple, and independent of the engine's KV bookkeeping.
+The first two run the engine's own weights in a scratch KV pool (never the engine's pool),
+one fresh prefill per call: slow, simple, and independent of the engine's KV bookkeeping.
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from dsv3serve.attention.ref import TorchRefAttention
 from dsv3serve.engine.engine import Engine
@@ -17,6 +20,7 @@ from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from dsv3serve.model.tiny import TINY_CONFIG, make_tiny_checkpoint
 
 
 class ScratchModel:
@@ -98,3 +102,27 @@ def scratch_drafts(model: DeepseekV3ForCausalLM, context: list[int], steps: int)
         drafts.append(int(draft.compute_logits(hidden).argmax()))
         span = scratch.span(0, drafts[-1:], len(context) - 2 + len(drafts))
     return drafts
+
+
+def make_oracle_draft_checkpoint(out_dir: Path) -> Path:
+    """TEST CHECKPOINT, not a model: a tiny FP8 checkpoint whose NextN draft is always right.
+
+    Every ``o_proj`` and ``down_proj`` is zero, so each block adds nothing to the residual:
+    the target's next token is a fixed function ``f`` of the current one,
+    ``argmax lm_head(norm(embed(t)))``. The NextN layer keeps only ``enorm(embed(t[p+1]))``
+    (``eh_proj = [I 0]``, ``enorm`` = 1) and shares the final norm's weight, so it guesses
+    ``f(t[p+1])``: the target's own next token. Speculation then accepts every draft
+    (up to float ties), and each step commits ``num_steps + 1`` tokens.
+    """
+    path = make_tiny_checkpoint(out_dir, fp8=True, num_shards=1)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(t)
+    h, mtp = TINY_CONFIG["hidden_size"], f"model.layers.{TINY_CONFIG['num_hidden_layers']}"
+    eh = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors[f"{mtp}.eh_proj.weight"] = eh.to(tensors[f"{mtp}.eh_proj.weight"].dtype)
+    tensors[f"{mtp}.enorm.weight"] = torch.ones_like(tensors[f"{mtp}.enorm.weight"])
+    tensors[f"{mtp}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

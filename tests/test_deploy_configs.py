@@ -61,6 +61,58 @@ def test_config_errors_name_the_field(change: dict, field: str) -> None:
         ServingConfig.parse(args)
 
 
+def test_mtp_example_turns_speculation_on_for_both_roles() -> None:
+    args = yaml.safe_load((DEPLOY / "local-pd-mtp.yaml").read_text())["applications"][0]["args"]
+    cfg = ServingConfig.parse(args)
+    for role in ("prefill", "decode"):
+        engine = cfg.worker_config(role).engine
+        assert (engine.speculative_algorithm, engine.spec_num_steps) == ("NEXTN", 2)
+
+
+SPEC = {"model": "tiny", "speculative_algorithm": "NEXTN"}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"engine": SPEC, "decode": {"group_size": 2}},
+            r"decode\.group_size: found 2 with engine\.speculative_algorithm NEXTN, expected "
+            "group_size 1",
+        ),
+        (
+            {"prefill": {"group_size": 4, "engine": {"speculative_algorithm": "EAGLE"}}},
+            r"prefill\.group_size: found 4 with engine\.speculative_algorithm EAGLE",
+        ),
+        (
+            {"decode": {"engine": {"speculative_algorithm": "NEXTN"}}},
+            r"prefill\.engine\.speculative_algorithm \(None\) and "
+            r"decode\.engine\.speculative_algorithm \(NEXTN\): expected both set or both unset",
+        ),
+        (
+            {"engine": SPEC, "prefill": {"engine": {"speculative_algorithm": None}}},
+            r"prefill\.engine\.speculative_algorithm \(None\) and decode",
+        ),
+        ({"decode": {"engine": {"page_size": 0}}}, r"decode\.engine\.page_size"),
+        (
+            {"decode": {"engine": {"speculative_num_steps": 2}}},
+            r"decode\.engine: speculative_num_steps: set speculative_algorithm",
+        ),
+    ],
+)
+def test_speculation_and_role_engines_are_checked_naming_the_fields(
+    change: dict, message: str
+) -> None:
+    args = {**local_pd_config()["applications"][0]["args"], **change}
+    with pytest.raises(ConfigError, match=message):
+        ServingConfig.parse(args)
+
+
+def test_colocated_speculation_on_one_rank_is_accepted() -> None:
+    args = {**local_pd_config()["applications"][0]["args"], "mode": "colocated", "engine": SPEC}
+    assert ServingConfig.parse(args).worker_config("colocated").engine.spec_num_steps == 3
+
+
 def test_deploy_file_errors_name_the_file_and_field(tmp_path: Path) -> None:
     data = local_pd_config()
     data["applications"][0]["args"]["decode"] = {"num_cpus": -1}

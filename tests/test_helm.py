@@ -411,6 +411,11 @@ def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message
         ),
         ("rayVersion", "2.50.0", r"rayVersion: found 2\.50\.0, expected >= 2\.52\.0"),
         ("metrics.rayPort", 8001, r"metrics\.routerPort: found 8001, the same as metrics\.rayPort"),
+        (
+            "engine.speculative_algorithm",
+            "NEXTN",
+            r"prefill\.groupSize: found 8 with engine\.speculative_algorithm NEXTN, expected 1",
+        ),
     ],
 )
 def test_layouts_ray_cannot_place_fail_naming_the_field(
@@ -418,6 +423,28 @@ def test_layouts_ray_cannot_place_fail_naming_the_field(
 ) -> None:
     with pytest.raises(helm.HelmRenderError, match=message):
         render(changed(path, value))
+
+
+def one_rank_groups(prefill_engine: dict[str, Any], decode_engine: dict[str, Any]) -> dict:
+    """The multi-node values with one rank per replica and these role engine overrides."""
+    values = copy.deepcopy(LAYOUTS["multi-node"])
+    for role, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
+        values[role] |= {"groupSize": 1, "engine": engine}
+    return values
+
+
+def test_speculation_on_one_rank_groups_reaches_the_serving_config() -> None:
+    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+    args = serve_config(one_rank_groups(spec, spec))["applications"][0]["args"]
+    cfg = ServingConfig.parse(args)
+    for role in ("prefill", "decode"):
+        assert cfg.worker_config(role).engine.spec_num_steps == 2
+
+
+def test_speculation_on_one_role_only_fails_naming_both() -> None:
+    values = one_rank_groups({}, {"speculative_algorithm": "NEXTN"})
+    with pytest.raises(helm.HelmRenderError, match=r'found "" and "NEXTN", expected both set'):
+        render(values)
 
 
 # --- Grafana dashboards ---------------------------------------------------------------

@@ -6,13 +6,16 @@ import asyncio
 
 import pytest
 from serving_util import TINY_ENGINE, holds_nothing
+from spec_util import scratch_drafts
 
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.sampling_params import SamplingParams
 from workers.config import WorkerConfig
 from workers.host import EngineHost, WrongRoleError
 from workers.protocol import (
     DecodeRequest,
+    DraftHandoff,
     GenerateRequest,
     PrefillRequest,
     ReserveRequest,
@@ -21,10 +24,11 @@ from workers.protocol import (
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs=1)
 PROMPT = list(range(1000, 1037))
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
 
 
-def host(role: str, **extra: object) -> EngineHost:
-    engine = EngineConfig(**{**TINY_ENGINE, "num_kv_tokens": 1024})
+def host(role: str, engine_extra: dict | None = None, **extra: object) -> EngineHost:
+    engine = EngineConfig(**{**TINY_ENGINE, "num_kv_tokens": 1024, **(engine_extra or {})})
     return EngineHost(WorkerConfig(role=role, engine=engine, **extra))
 
 
@@ -37,6 +41,12 @@ def hosts() -> dict[str, EngineHost]:
     }
 
 
+@pytest.fixture(scope="module")
+def spec_hosts() -> dict[str, EngineHost]:
+    """A prefill and a decode host with MTP speculative decoding (NextN, 2 steps)."""
+    return {"prefill": host("prefill", SPEC), "decode": host("decode", SPEC)}
+
+
 async def collect(stream) -> list[TokenChunk]:  # noqa: ANN001 - any async iterator
     return [chunk async for chunk in stream]
 
@@ -45,26 +55,36 @@ def request(rid: str, params: SamplingParams = GREEDY) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_ids=PROMPT, params=params)
 
 
-async def pd_generate(hosts: dict[str, EngineHost], rid: str) -> list[TokenChunk]:
-    prefill, decode = hosts["prefill"], hosts["decode"]
-    reserved = decode.reserve(ReserveRequest(request_id=rid, num_tokens=len(PROMPT), lease_s=5))
-    assert reserved.ok
-    result = await prefill.prefill(PrefillRequest(request=request(rid)))
-    assert result.kv is not None and result.kv.num_tokens == len(PROMPT)
+async def handoff(
+    prefill: EngineHost, decode: EngineHost, req: GenerateRequest, draft: object = "sent"
+) -> list[TokenChunk]:
+    """Reserve, prefill, decode and release as the router does; ``draft`` replaces the
+    prefill side's draft state unless it is ``"sent"``."""
+    num_tokens = len(req.prompt_ids)
+    rid = req.request_id
+    assert decode.reserve(ReserveRequest(request_id=rid, num_tokens=num_tokens, lease_s=5)).ok
+    result = await prefill.prefill(PrefillRequest(request=req))
+    assert result.kv is not None and result.kv.num_tokens == num_tokens
     first = result.first
-    chunks = await collect(
-        decode.decode(
-            DecodeRequest(
-                request=request(rid),
-                first_token=first.token_ids[0],
-                first_logprob=first.logprobs[0],
-                first_top_logprobs=first.top_logprobs[0],
-                kv=result.kv,
-            )
-        )
+    msg = DecodeRequest(
+        request=req,
+        first_token=first.token_ids[0],
+        first_logprob=first.logprobs[0] if first.logprobs else 0.0,
+        first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
+        kv=result.kv,
+        draft=result.draft if draft == "sent" else draft,
     )
+    chunks = await collect(decode.decode(msg))
     prefill.release_kv(rid)
     return chunks
+
+
+async def pd_generate(hosts: dict[str, EngineHost], rid: str) -> list[TokenChunk]:
+    return await handoff(hosts["prefill"], hosts["decode"], request(rid))
+
+
+def flat(chunks: list[TokenChunk], key: str) -> list[object]:
+    return [x for c in chunks for x in getattr(c, key)]
 
 
 def test_pd_stream_equals_colocated_tokens_text_and_logprobs(hosts: dict[str, EngineHost]) -> None:
@@ -74,10 +94,6 @@ def test_pd_stream_equals_colocated_tokens_text_and_logprobs(hosts: dict[str, En
         return pd, colo
 
     pd, colo = asyncio.run(run())
-
-    def flat(chunks: list[TokenChunk], key: str) -> list[object]:
-        return [x for c in chunks for x in getattr(c, key)]
-
     assert flat(pd, "token_ids") == flat(colo, "token_ids")
     assert "".join(c.text for c in pd) == "".join(c.text for c in colo)
     assert flat(pd, "logprobs") == pytest.approx(flat(colo, "logprobs"), abs=1e-4)
@@ -152,3 +168,95 @@ def test_calls_for_another_role_are_refused(hosts: dict[str, EngineHost]) -> Non
         hosts["prefill"].reserve(ReserveRequest(request_id="y", num_tokens=4, lease_s=1))
     with pytest.raises(WrongRoleError):
         asyncio.run(collect(hosts["decode"].generate(request("y"))))
+
+
+# ---- speculative decoding (MTP) across the handoff ----------------------------------
+
+
+def record_first_drafts(engine: Engine) -> dict[str, tuple[list[int], list[int]]]:
+    """Wrap ``engine``'s draft chain: each sequence's first (context, drafts) is kept."""
+    chain, first = engine.spec.propose, {}
+
+    def recording(items):  # noqa: ANN001, ANN202 - the wrapped method's own signature
+        drafts = chain(items)
+        for item in items:
+            if item.seq_id in drafts:
+                first.setdefault(item.seq_id, (item.seq.all_token_ids, drafts[item.seq_id]))
+        return drafts
+
+    engine.spec.propose = recording
+    return first
+
+
+def test_speculative_pd_equals_plain_colocated_and_drafts_at_once(
+    hosts: dict[str, EngineHost], spec_hosts: dict[str, EngineHost]
+) -> None:
+    """The draft state crosses the wire bit-exact: the first decode step drafts at once,
+    what the NextN layer recomputed from scratch would draft; outputs stay lossless."""
+    decode = spec_hosts["decode"]
+    first_drafts = record_first_drafts(decode.engine)
+    drafted = decode.engine.spec_stats.draft_tokens
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=1)
+    reqs = [
+        GenerateRequest(request_id=f"s{i}", prompt_ids=ids, params=params)
+        for i, ids in enumerate([PROMPT, list(range(3000, 3005)), list(range(4000, 4070))])
+    ]
+
+    async def run() -> list[tuple[list[TokenChunk], list[TokenChunk]]]:
+        spec_prefill, colocated = spec_hosts["prefill"], hosts["colocated"]
+        return [
+            (await handoff(spec_prefill, decode, r), await collect(colocated.generate(r)))
+            for r in reqs
+        ]
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        del decode.engine.spec.propose
+    for req, (pd, colo) in zip(reqs, results, strict=True):
+        assert flat(pd, "token_ids") == flat(colo, "token_ids")
+        assert flat(pd, "logprobs") == pytest.approx(flat(colo, "logprobs"), abs=1e-4)
+        context, drafts = first_drafts[f"{req.request_id}#0"]
+        assert context == req.prompt_ids + pd[0].token_ids  # the step after the handoff
+        assert drafts == scratch_drafts(decode.engine.runner.model, context, len(drafts))
+    assert decode.engine.spec_stats.draft_tokens > drafted
+    assert all(holds_nothing(h.stats()) for h in spec_hosts.values())
+
+
+def test_decode_without_speculation_ignores_a_draft_state(
+    hosts: dict[str, EngineHost], spec_hosts: dict[str, EngineHost]
+) -> None:
+    async def run() -> tuple[list[TokenChunk], list[TokenChunk]]:
+        pd = await handoff(spec_hosts["prefill"], hosts["decode"], request("i"))
+        return pd, await collect(hosts["colocated"].generate(request("i")))
+
+    pd, colo = asyncio.run(run())
+    assert flat(pd, "token_ids") == flat(colo, "token_ids")
+    assert holds_nothing(hosts["decode"].stats()) and holds_nothing(spec_hosts["prefill"].stats())
+
+
+FOREIGN_DRAFT = DraftHandoff(token=1, dtype="float32", shape=[3], hidden=bytes(12))
+
+
+@pytest.mark.parametrize(
+    ("prefill_role", "draft", "message"),
+    [
+        ("plain", "sent", "the prefill side sent no draft state"),
+        ("spec", None, "the prefill side sent no draft state"),
+        ("spec", FOREIGN_DRAFT, "found shape [3], expected ["),
+    ],
+)
+def test_speculative_decode_refuses_a_missing_or_foreign_draft_state(
+    hosts: dict[str, EngineHost],
+    spec_hosts: dict[str, EngineHost],
+    prefill_role: str,
+    draft: object,
+    message: str,
+) -> None:
+    """Without the prefill side's draft state the draft layer's KV of the prompt was
+    never written: a 503 chunk, and neither side keeps anything."""
+    prefill = hosts["prefill"] if prefill_role == "plain" else spec_hosts["prefill"]
+    chunks = asyncio.run(handoff(prefill, spec_hosts["decode"], request("m"), draft))
+    assert len(chunks) == 1 and chunks[0].finished and chunks[0].error_status == 503
+    assert message in (chunks[0].error or "")
+    assert holds_nothing(prefill.stats()) and holds_nothing(spec_hosts["decode"].stats())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from dsv3serve.engine.config import EngineConfig
 from workers.protocol import Role
@@ -26,3 +26,18 @@ class WorkerConfig(BaseModel):
     group_size: int = Field(1, ge=1)
     # Fault injection for tests only: sleep this long before each prefill.
     test_prefill_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("group_size")
+    @classmethod
+    def _one_rank_with_speculation(cls, group_size: int, info: ValidationInfo) -> int:
+        """Speculative decoding runs on one rank: a lockstep group of N ranks broadcasts
+        each step's spans and imported pages, not the draft chain or its state."""
+        engine = info.data.get("engine")
+        algorithm = None if engine is None else engine.speculative_algorithm
+        if algorithm is not None and group_size > 1:
+            raise ValueError(
+                f"found {group_size} with engine.speculative_algorithm {algorithm}, expected "
+                "group_size 1 (a multi-rank group does not broadcast the draft state yet); "
+                "use group_size 1 or unset engine.speculative_algorithm"
+            )
+        return group_size

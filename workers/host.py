@@ -18,11 +18,13 @@ from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine, InvalidRequestError
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
+from dsv3serve.engine.spec.loop import DraftState
 from dsv3serve.kvcache.allocator import pages_for_tokens
 from dsv3serve.metrics import Identity
 from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
+from workers.draft_wire import DraftMismatchError, draft_from_wire, draft_to_wire
 from workers.leases import LeaseTable
 from workers.protocol import (
     DecodeRequest,
@@ -46,6 +48,10 @@ _REFUSED = (InvalidRequestError, ContextLengthError)
 
 class WrongRoleError(RuntimeError):
     """A call meant for another role (e.g. ``prefill`` on a decode replica)."""
+
+
+class HandoffError(RuntimeError):
+    """The decode side could not take over a prefilled request (answered with a 503)."""
 
 
 def _error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
@@ -197,6 +203,7 @@ class EngineHost:
             return PrefillResult(first=chunk_from_output(first), kv=None)
         num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
         try:
+            draft = None if export.draft is None else draft_to_wire(export.draft)
             handle = self.connector.publish(
                 req.request_id, export.pages[:num_pages], len(req.prompt_ids)
             )
@@ -204,7 +211,7 @@ class EngineHost:
             self._unstage(req.request_id)
             raise
         self._staged.add(req.request_id, None, self.cfg.kv_lease_s)
-        return PrefillResult(first=chunk_from_output(first), kv=handle)
+        return PrefillResult(first=chunk_from_output(first), kv=handle, draft=draft)
 
     def release_kv(self, request_id: str) -> None:
         """The decode side has the KV (or gave up): free the staged pages. Idempotent."""
@@ -240,17 +247,19 @@ class EngineHost:
         self._require("decode")
         self._start_reaper()
         rid = msg.request.request_id
-        pages = self._reserved.take(rid)
-        if pages is None:
-            yield _error_chunk(rid, "the KV reservation expired before the transfer", 503)
-            return
-        error = await self._receive(msg.kv, pages)
-        if error is not None:
-            yield _error_chunk(rid, error, 503)
+        try:
+            pages, draft = await self._take_over(msg)
+        except HandoffError as exc:
+            yield _error_chunk(rid, str(exc), 503)
             return
         top = dict(msg.first_top_logprobs)
         stream = self.aengine.generate_imported(
-            _engine_request(msg.request), msg.first_token, pages, msg.first_logprob, top
+            _engine_request(msg.request),
+            msg.first_token,
+            pages,
+            msg.first_logprob,
+            top,
+            draft=draft,
         )
         try:
             metered = self.metrics.stream(_chunks(stream), False)
@@ -260,6 +269,46 @@ class EngineHost:
         except _REFUSED as exc:
             self._unreserve(rid, pages)
             yield _error_chunk(rid, str(exc), 400)
+
+    async def _take_over(self, msg: DecodeRequest) -> tuple[list[int], DraftState | None]:
+        """The reserved pages, filled with the prefill side's KV, and the draft state.
+
+        Raises HandoffError, the reservation freed, when the reservation expired, the
+        draft state is missing or does not fit, or the transfer failed.
+        """
+        rid = msg.request.request_id
+        pages = self._reserved.take(rid)
+        if pages is None:
+            raise HandoffError("the KV reservation expired before the transfer")
+        try:
+            draft = self._draft_state(msg)
+        except DraftMismatchError as exc:
+            self._unreserve(rid, pages)
+            raise HandoffError(str(exc)) from None
+        error = await self._receive(msg.kv, pages)
+        if error is not None:
+            raise HandoffError(error)
+        return pages, draft
+
+    def _draft_state(self, msg: DecodeRequest) -> DraftState | None:
+        """Where this engine's first draft chain starts; None without speculation here.
+
+        The draft layer's KV of the prompt comes only from a speculative prefill: a
+        missing draft state means the prefill side ran without speculation, and this
+        engine cannot rebuild that KV, so the request is refused rather than drafted
+        from rows nobody wrote.
+        """
+        if self.engine.spec is None:
+            return None
+        if msg.draft is None:
+            raise DraftMismatchError(
+                "this decode replica runs speculative decoding (engine.speculative_algorithm "
+                f"{self.cfg.engine.speculative_algorithm}) but the prefill side sent no draft "
+                "state: set the same speculative_algorithm on prefill and decode"
+            )
+        runner, size = self.engine.runner, self.engine.model_cfg.hidden_size
+        num_tokens = len(msg.request.prompt_ids) + 1
+        return draft_from_wire(msg.draft, num_tokens, size, runner.dtype, runner.device)
 
     async def _receive(self, handle: KVHandle, pages: list[int]) -> str | None:
         """Pull ``handle`` into ``pages``; on failure free them and return the reason.

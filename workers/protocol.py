@@ -7,15 +7,20 @@ router imports none of the engine.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsv3serve.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 
 Role = Literal["prefill", "decode", "colocated"]
 M = TypeVar("M", bound=BaseModel)
+WireDType = Literal["bfloat16", "float16", "float32"]
+WIRE_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
 
 
 class _Msg(BaseModel):
@@ -68,15 +73,48 @@ class PrefillRequest(_Msg):
     request: GenerateRequest
 
 
+class DraftHandoff(_Msg):
+    """The MTP draft state a speculative prefill hands to a speculative decode.
+
+    ``token``: the draft's guess for the token after the first output token. ``hidden``:
+    the draft's hidden state at the last prompt position, ``shape`` (``[hidden_size]``)
+    elements of ``dtype`` in C order, little-endian, as raw bytes (base64 in the JSON).
+    ``workers.draft_wire`` converts it to and from tensors.
+    """
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    token: int = Field(ge=0)
+    dtype: WireDType
+    shape: list[int] = Field(min_length=1, max_length=4)
+    hidden: bytes
+
+    @model_validator(mode="after")
+    def _check_size(self) -> DraftHandoff:
+        if any(n < 1 for n in self.shape):
+            raise ValueError(f"shape: found {self.shape}, expected positive sizes")
+        expected = math.prod(self.shape) * WIRE_DTYPE_BYTES[self.dtype]
+        if len(self.hidden) != expected:
+            raise ValueError(
+                f"hidden: found {len(self.hidden)} bytes, expected {expected} for "
+                f"{self.dtype} of shape {self.shape}"
+            )
+        return self
+
+
 class PrefillResult(_Msg):
-    """The first token (as a chunk) and the handle of the staged KV pages.
+    """The first token (as a chunk), the handle of the staged KV pages, the draft state.
 
     ``kv`` is None when the first token already finished the request (EOS, a stop token,
-    max_tokens=1): nothing is left for the decode side.
+    max_tokens=1): nothing is left for the decode side. ``draft`` is set when the prefill
+    engine runs speculative decoding (its pages then hold the draft layer's KV too).
     """
 
     first: TokenChunk
     kv: KVHandle | None
+    draft: DraftHandoff | None = None
 
 
 class ReserveRequest(_Msg):
@@ -93,13 +131,18 @@ class ReserveResult(_Msg):
 
 
 class DecodeRequest(_Msg):
-    """Pull ``kv`` into the reservation of ``request.request_id``, then decode on."""
+    """Pull ``kv`` into the reservation of ``request.request_id``, then decode on.
+
+    ``draft``: the prefill side's :class:`DraftHandoff`, passed on unchanged; a decode
+    replica with speculative decoding needs it (it cannot rebuild the draft's KV).
+    """
 
     request: GenerateRequest
     first_token: int
     first_logprob: float = 0.0
     first_top_logprobs: list[tuple[int, float]] = []
     kv: KVHandle
+    draft: DraftHandoff | None = None
 
 
 class WorkerLoad(_Msg):

@@ -68,13 +68,32 @@ upgrades keep it), else a new random one. Args: (list ctx secretName key given).
 {{- define "dsv3serve.nodeResource" -}}{{ . }}_node{{- end -}}
 
 {{/*
-Fail early, with the field names, on layouts Ray could never place. Args: (list ctx role).
+A role's engine.speculative_algorithm ("" when off): its own engine override, else the
+shared engine's. Args: (list ctx role).
+*/}}
+{{- define "dsv3serve.specAlgorithm" -}}
+{{- $ctx := index . 0 -}}
+{{- $own := (index $ctx.Values (index . 1)).engine | default dict -}}
+{{- if hasKey $own "speculative_algorithm" -}}
+{{- $own.speculative_algorithm | default "" -}}
+{{- else -}}
+{{- $ctx.Values.engine.speculative_algorithm | default "" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Fail early, with the field names, on layouts Ray could never place or the engine refuses.
+Args: (list ctx role).
 */}}
 {{- define "dsv3serve.checkRole" -}}
 {{- $ctx := index . 0 -}}
 {{- $role := index . 1 -}}
 {{- $g := index $ctx.Values $role -}}
 {{- $w := $g.workers -}}
+{{- $spec := include "dsv3serve.specAlgorithm" (list $ctx $role) -}}
+{{- if and $spec (gt (int $g.groupSize) 1) -}}
+{{- fail (printf "%s.groupSize: found %d with engine.speculative_algorithm %s, expected 1: a multi-rank group does not broadcast the draft state yet" $role (int $g.groupSize) $spec) -}}
+{{- end -}}
 {{- if gt (int $g.groupSize) (int $w.gpus) -}}
 {{- fail (printf "%s.groupSize: found %d, expected <= %s.workers.gpus (%d): one replica's ranks must fit in one pod" $role (int $g.groupSize) $role (int $w.gpus)) -}}
 {{- end -}}
@@ -88,6 +107,11 @@ Fail early, with the field names, on layouts Ray could never place. Args: (list 
 {{- define "dsv3serve.checkValues" -}}
 {{- include "dsv3serve.checkRole" (list . "prefill") -}}
 {{- include "dsv3serve.checkRole" (list . "decode") -}}
+{{- $pSpec := include "dsv3serve.specAlgorithm" (list . "prefill") -}}
+{{- $dSpec := include "dsv3serve.specAlgorithm" (list . "decode") -}}
+{{- if ne (empty $pSpec) (empty $dSpec) -}}
+{{- fail (printf "prefill and decode engine.speculative_algorithm: found %q and %q, expected both set or both unset (decode drafts from the prefill side's draft state)" $pSpec $dSpec) -}}
+{{- end -}}
 {{- if eq (int .Values.metrics.routerPort) (int .Values.metrics.rayPort) -}}
 {{- fail (printf "metrics.routerPort: found %d, the same as metrics.rayPort" (int .Values.metrics.routerPort)) -}}
 {{- end -}}
