@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from dsv3serve.bench.model import guarded
 from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
 from dsv3serve.bench.model_mtp import SpecCosts, speedup_rows
 from dsv3serve.bench.model_projection import project_full_depth
@@ -40,11 +41,25 @@ def _positive(x: Any) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """Tiny ops run faster on one thread than on two OpenMP threads sharing a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench_model") / "bench_model.json"
     assert main([*TINY_RUN, "--out", str(out)]) == 0
     return json.loads(out.read_text())
+
+
+def test_no_point_failed(tiny_result: dict[str, Any]) -> None:
+    rows = [*tiny_result["prefill"], *tiny_result["decode"], *tiny_result["mtp"]["rows"]]
+    assert [r["error"] for r in rows if "error" in r] == []
 
 
 def test_records_environment_ceilings_and_config(tiny_result: dict[str, Any]) -> None:
@@ -174,6 +189,25 @@ def test_context_batches_own_page_aligned_slots() -> None:
     assert batch.kv_indptr == [0, 24, 48, 72]
     assert batch.kv_slots[24].item() == 32  # sequence 1 starts on its own page
     assert batch.positions[:4].tolist() == [20, 21, 22, 23]
+
+
+def test_a_failing_point_is_recorded_and_the_run_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def fails() -> dict[str, Any]:
+        raise RuntimeError("backend rejected the shape")
+
+    row = guarded({"batch_size": 4}, fails)
+    assert row == {"batch_size": 4, "error": "RuntimeError: backend rejected the shape"}
+    assert guarded({"batch_size": 1}, lambda: {"ms": 2.0}) == {"batch_size": 1, "ms": 2.0}
+    assert '"batch_size": 1, "ms": 2.0' in capsys.readouterr().out  # progress line
+
+
+@pytest.mark.parametrize("flag", ["--attention-backend", "--moe-backend"])
+def test_backend_names_reach_the_runner(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*TINY_RUN, "--no-mtp", "--prefill-lens", "--decode-batch-sizes", "1"]
+    assert main([*args, flag, "no-such-backend", "--out", "/dev/null"]) == 2
+    assert "'no-such-backend' unknown; supported: ['torch']" in capsys.readouterr().err
 
 
 def test_cli_lists_the_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,11 +10,14 @@ from typing import Any
 import torch
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+def _version(*dists: str) -> str | None:
+    """The installed version of the first of ``dists`` found (a package's wheel names vary)."""
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -29,9 +32,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "sms": sms,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "flashinfer": _version("flashinfer-python"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "triton": _version("triton", "pytorch-triton"),
+        "flashinfer": _version("flashinfer-python", "flashinfer"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
@@ -51,7 +54,7 @@ def print_header(result: dict[str, Any]) -> None:
     print(f"ceilings (this run): copy {ceil['copy_TBps']:.3f} TB/s{gemm}")
     print(
         f"model: preset {cfg['preset']}, {cfg['num_dense_layers']} dense + "
-        f"{cfg['num_moe_layers']} MoE layers{' + NextN' if cfg['mtp'] else ''}; attention "
+        f"{cfg['num_moe_layers']} MoE{' + NextN' if cfg['mtp'] else ''} layers; attention "
         f"{cfg['attention_backend']}, moe {cfg['moe_backend']}, kv {cfg['kv_cache_dtype']}, "
         f"page {cfg['page_size']}; weights {result['memory']['weights_GB']:.1f} GB, "
         f"kv {result['memory']['kv_cache_GB']:.1f} GB"
@@ -60,10 +63,19 @@ def print_header(result: dict[str, Any]) -> None:
     print(f"projection: {cfg['projection']}")
 
 
+def _print_errors(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Print the failed rows; return the others."""
+    for r in rows:
+        if "error" in r:
+            point = {k: v for k, v in r.items() if k != "error"}
+            print(f"  failed {point}: {r['error']}")
+    return [r for r in rows if "error" not in r]
+
+
 def print_prefill(rows: list[dict[str, Any]]) -> None:
     print("\nprefill (one sequence)")
     print(f"{'len':>6} {'ms':>9} {'tok/s':>10} | {'61-layer ms':>11} {'tok/s':>10}")
-    for r in rows:
+    for r in _print_errors(rows):
         p = r["projected_61"]
         print(
             f"{r['input_len']:>6} {r['ms']:>9.2f} {r['tokens_per_s']:>10.0f} | "
@@ -78,7 +90,7 @@ def print_decode(rows: list[dict[str, Any]]) -> None:
         f"{'ratio':>6} {'MoE ms':>8} {'ratio':>6} {'head ms':>8} | {'61-layer ms':>11} "
         f"{'tok/s':>8} {'ratio':>6}"
     )
-    for r in rows:
+    for r in _print_errors(rows):
         dense = next(x for x in r["layers"] if x["kind"] == "dense")
         moe = [x for x in r["layers"] if x["kind"] == "moe"]
         moe_ms = sum(x["ms"] for x in moe) / len(moe)
@@ -98,7 +110,7 @@ def print_mtp(mtp: dict[str, Any]) -> None:
     head = " ".join(f"{'verify k=' + str(k):>11}" for k in steps)
     print(f"{'bs':>4} {'decode ms':>10} {'draft ms':>9} {head} | {'61: decode':>10} "
           + " ".join(f"{'verify k=' + str(k):>11}" for k in steps))  # fmt: skip
-    for r in mtp["rows"]:
+    for r in _print_errors(mtp["rows"]):
         p = r["projected_61"]
         verify = " ".join(f"{r['verify_ms'][str(k)]:>11.3f}" for k in steps)
         verify_p = " ".join(f"{p['verify_ms'][str(k)]:>11.2f}" for k in steps)

@@ -80,9 +80,13 @@ class Roofline:
     bytes: dict[str, float]
     copy_TBps: float
 
+    def bytes_ms(self, nbytes: float) -> float:
+        """Milliseconds to read ``nbytes`` at the copy bandwidth."""
+        return nbytes / (self.copy_TBps * 1e9)
+
     def ms(self, part: str) -> float:
         """Time to read ``part``'s bytes at the copy bandwidth."""
-        return self.bytes[part] / (self.copy_TBps * 1e9)
+        return self.bytes_ms(self.bytes[part])
 
     @property
     def total_bytes(self) -> float:

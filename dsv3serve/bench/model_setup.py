@@ -7,6 +7,10 @@ is read. The KV pool is filled with random latents so decode steps read a real c
 
 from __future__ import annotations
 
+import gc
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +38,7 @@ SMALL_OVERRIDES: dict[str, Any] = {
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "full": DEEPSEEK_V3_CONFIG,
     "small": {**DEEPSEEK_V3_CONFIG, **SMALL_OVERRIDES},
-    "tiny": {**TINY_CONFIG, "quantization_config": FP8_QUANT_CONFIG},
+    "tiny": {**TINY_CONFIG, "vocab_size": 8192, "quantization_config": FP8_QUANT_CONFIG},
 }
 MAX_MOE_LAYERS = 58  # DeepSeek-V3's own count: no point in more
 BASE_RESERVE_BYTES = 8 << 30  # workspaces, allocator slack, MoE / MLP intermediates
@@ -119,17 +123,60 @@ def build_runner(
     cfg: ModelConfig, device: str, attention_backend: str, moe_backend: str, kv: dict[str, Any]
 ) -> ModelRunner:
     """A model runner with dummy weights; ``kv`` holds ``page_size``, ``num_kv_tokens``
-    and ``kv_cache_dtype``. Backend names are passed through as given."""
+    and ``kv_cache_dtype``.
+
+    The backend names go to the runner as given, unchecked by the config's list of names
+    (backends are being added on other branches); the runner's ``create_*`` functions
+    reject unknown names with the list they support.
+    """
     engine_cfg = EngineConfig(
         model="bench-model",
         load_format="dummy",
         device=device,
-        attention_backend=attention_backend,
-        moe_backend=moe_backend,
         enable_prefix_caching=False,
         **kv,
-    )
+    ).model_copy(update={"attention_backend": attention_backend, "moe_backend": moe_backend})
     return ModelRunner(engine_cfg, None, cfg)
+
+
+def build_fitting_runner(
+    make: Callable[[int], ModelRunner], num_moe_layers: int, shrink_on_oom: bool
+) -> ModelRunner:
+    """``make(num_moe_layers)``; on a CUDA out-of-memory with ``shrink_on_oom``, one MoE
+    layer fewer until it fits (the layer count was an estimate)."""
+    while True:
+        try:
+            return make(num_moe_layers)
+        except torch.cuda.OutOfMemoryError:
+            if not shrink_on_oom or num_moe_layers == 1:
+                raise
+        gc.collect()  # outside the handler: the traceback no longer pins the partial model
+        torch.cuda.empty_cache()
+        print(f"out of memory with {num_moe_layers} MoE layers; trying {num_moe_layers - 1}")
+        num_moe_layers -= 1
+
+
+def _host_copy_TBps(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times) / 1e12
+
+
+def run_ceilings(device: torch.device, replays: int) -> dict[str, float]:
+    """``bench kernels``' ceilings on a GPU (copy, bf16 and fp8 GEMM); on the CPU only a
+    host copy bandwidth, so the roofline ratios stay defined."""
+    if device.type != "cuda":
+        return {"copy_TBps": _host_copy_TBps()}
+    from dsv3serve.bench.kernels import measure_ceilings
+
+    ceilings = measure_ceilings(replays)
+    torch.cuda.empty_cache()
+    return ceilings
 
 
 @torch.no_grad()
