@@ -207,7 +207,7 @@ def test_a_failing_point_is_recorded_and_the_run_goes_on(
 def test_backend_names_reach_the_runner(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     args = [*TINY_RUN, "--no-mtp", "--prefill-lens", "--decode-batch-sizes", "1"]
     assert main([*args, flag, "no-such-backend", "--out", "/dev/null"]) == 2
-    assert "'no-such-backend' unknown; supported: ['torch']" in capsys.readouterr().err
+    assert "'no-such-backend' unknown; supported: [" in capsys.readouterr().err
 
 
 def test_cli_lists_the_command(capsys: pytest.CaptureFixture[str]) -> None:

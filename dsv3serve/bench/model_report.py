@@ -56,8 +56,8 @@ def print_header(result: dict[str, Any]) -> None:
         f"model: preset {cfg['preset']}, {cfg['num_dense_layers']} dense + "
         f"{cfg['num_moe_layers']} MoE{' + NextN' if cfg['mtp'] else ''} layers; attention "
         f"{cfg['attention_backend']}, moe {cfg['moe_backend']}, kv {cfg['kv_cache_dtype']}, "
-        f"page {cfg['page_size']}; weights {result['memory']['weights_GB']:.1f} GB, "
-        f"kv {result['memory']['kv_cache_GB']:.1f} GB"
+        f"page {cfg['page_size']}; weights {result['memory']['weights_GB']:.2f} GB, "
+        f"kv {result['memory']['kv_cache_GB']:.2f} GB"
     )
     print(f"timing: {cfg['timing']}")
     print(f"projection: {cfg['projection']}")
