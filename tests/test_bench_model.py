@@ -23,6 +23,7 @@ from dsv3serve.bench.model_setup import (
     Footprint,
     auto_num_moe_layers,
     bench_model_config,
+    build_fitting_runner,
     footprint,
 )
 from dsv3serve.cli import main
@@ -224,3 +225,18 @@ def test_json_written_where_asked(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["mtp"] is None and result["prefill"] == []
     assert [r["batch_size"] for r in result["decode"]] == [2]
+
+
+def test_build_retries_with_one_moe_layer_fewer_on_oom() -> None:
+    tried: list[int] = []
+
+    def fake_make_fits_two(n: int) -> Any:  # stands in for a GPU that holds 2 MoE layers
+        tried.append(n)
+        if n > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return f"runner with {n}"
+
+    assert build_fitting_runner(fake_make_fits_two, 4, shrink_on_oom=True) == "runner with 2"
+    assert tried == [4, 3, 2]
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # an explicit --num-moe-layers is kept
+        build_fitting_runner(fake_make_fits_two, 3, shrink_on_oom=False)
