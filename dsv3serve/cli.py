@@ -1,4 +1,4 @@
-"""``dsv3serve serve``, ``dsv3serve generate`` and ``dsv3serve bench {one-batch,serve,kernels}``."""
+"""``dsv3serve serve``, ``generate`` and ``bench {one-batch,serve,kernels,model}``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv3serve.bench.kernels import add_kernels_parser
+from dsv3serve.bench.model_args import add_model_parser
 from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
 
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.set_defaults(func=_cmd_bench_one_batch)
     add_serve_parser(bench)
     add_kernels_parser(bench)
+    add_model_parser(bench)
     return parser
 
 

@@ -11,6 +11,7 @@ from model_utils import load_ours, make_attn, prefill_logits
 from safetensors.torch import load_file, save_file
 
 from dsv3serve.config import ModelConfig
+from dsv3serve.model import weights
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.tiny import FP8_QUANT_CONFIG, TINY_CONFIG, make_tiny_checkpoint
 from dsv3serve.model.weights import WeightLoadError, load_checkpoint, load_weights
@@ -95,3 +96,13 @@ def test_model_dir_required_for_real_loads() -> None:
         load_weights(model, None)
     with pytest.raises(WeightLoadError, match="no \\*.safetensors"):
         load_checkpoint(model, Path("/nonexistent-dir-for-test"))
+
+
+def test_fill_randn_fills_fp8_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weights, "DUMMY_CHUNK_ELEMENTS", 7)  # many chunks, one partial
+    t = torch.zeros(5, 200, dtype=torch.float8_e4m3fn)
+    weights.fill_randn_(t, torch.Generator().manual_seed(0))
+    values = t.float()
+    assert torch.isfinite(values).all()
+    assert (values != 0).float().mean() > 0.9  # every chunk written, the last one too
+    assert 0.8 < values.std() < 1.2

@@ -81,6 +81,25 @@ def load_checkpoint(model: DeepseekV3ForCausalLM, model_dir: str | Path) -> None
     model.post_load()
 
 
+DUMMY_CHUNK_ELEMENTS = 1 << 26  # 256 MiB of float32 scratch per chunk
+
+
+@torch.no_grad()
+def fill_randn_(t: torch.Tensor, generator: torch.Generator, std: float = 1.0) -> torch.Tensor:
+    """Fill ``t`` in place with N(0, std) values on its own device, any float dtype.
+
+    e4m3 has no in-place normal, so values are drawn in float32 a chunk at a time and
+    cast: the scratch stays at ``DUMMY_CHUNK_ELEMENTS`` however large ``t`` is (a full
+    DeepSeek-V3 expert stack is 7.5e9 values). ``t`` must be contiguous.
+    """
+    if t.dtype != FP8_DTYPE:
+        return t.normal_(0.0, std, generator=generator)
+    for chunk in t.view(-1).split(DUMMY_CHUNK_ELEMENTS):
+        values = torch.randn(chunk.shape, generator=generator, device=t.device)
+        chunk.copy_(values.mul_(std) if std != 1.0 else values)
+    return t
+
+
 @torch.no_grad()
 def init_dummy(model: DeepseekV3ForCausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights of the right dtypes, generated directly on the model's device."""
@@ -93,10 +112,8 @@ def init_dummy(model: DeepseekV3ForCausalLM, seed: int = 0, std: float = 0.02) -
             p.normal_(0.0, 0.01, generator=g)
         elif name.endswith("scale_inv"):
             p.fill_(std)  # fp8 values ~N(0, 1) times std give weights ~N(0, std)
-        elif p.dtype == FP8_DTYPE:
-            p.copy_(torch.randn(p.shape, generator=g, device=gen_device).to(FP8_DTYPE))
         else:
-            p.normal_(0.0, std, generator=g)
+            fill_randn_(p, g, 1.0 if p.dtype == FP8_DTYPE else std)
     model.post_load()
 
 

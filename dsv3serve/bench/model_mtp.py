@@ -1,0 +1,58 @@
+"""MTP speculative decoding's break-even from measured step costs (issue 7).
+
+A round with ``k`` draft steps costs ``k`` NextN steps (the ``k - 1`` chained proposals plus
+the extend over the committed tokens, which leaves the next round's first draft) and one
+target verify over ``k + 1`` tokens per sequence. It commits ``a`` tokens per sequence on
+average (the accept length, ``1 <= a <= k + 1``), where plain decoding commits one per step:
+
+    speedup(a) = a * t_decode / (k * t_draft + t_verify(k)),   break-even a = cost / t_decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ACCEPT_LENGTHS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    """Milliseconds of one decode step, one draft step and verify by draft steps ``k``."""
+
+    decode_ms: float
+    draft_ms: float
+    verify_ms: dict[int, float]
+
+    def round_ms(self, k: int) -> float:
+        """One speculative round with ``k`` draft steps."""
+        return k * self.draft_ms + self.verify_ms[k]
+
+    def break_even(self, k: int) -> float:
+        """The accept length at which the round is as fast as plain decoding."""
+        return self.round_ms(k) / self.decode_ms
+
+    def speedup(self, k: int, accept_length: float) -> float | None:
+        """Tokens per ms against plain decoding; None past the ``k + 1`` a round can commit."""
+        if accept_length > k + 1:
+            return None
+        return accept_length * self.decode_ms / self.round_ms(k)
+
+
+def speedup_rows(
+    costs: dict[int, SpecCosts], accept_lengths: tuple[float, ...] = ACCEPT_LENGTHS
+) -> list[dict[str, Any]]:
+    """One row per (batch size, k): round cost, break-even and speedup per accept length."""
+    rows = []
+    for bs, c in sorted(costs.items()):
+        for k in sorted(c.verify_ms):
+            rows.append(
+                {
+                    "batch_size": bs,
+                    "num_steps": k,
+                    "round_ms": c.round_ms(k),
+                    "break_even_accept_length": c.break_even(k),
+                    "speedup": {f"{a:.1f}": c.speedup(k, a) for a in accept_lengths},
+                }
+            )
+    return rows

@@ -1,0 +1,132 @@
+"""The points ``bench model`` measures on a built model: prefill, decode, draft, verify."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsv3serve.bench.model_batches import context_batch, prefill_batch
+from dsv3serve.bench.model_mtp import ACCEPT_LENGTHS, SpecCosts, speedup_rows
+from dsv3serve.bench.model_plan import Plan
+from dsv3serve.bench.model_projection import project_full_depth
+from dsv3serve.bench.model_roofline import Roofline, decode_roofline
+from dsv3serve.bench.model_steps import draft_step, forward_step
+from dsv3serve.bench.model_timing import Marks, StepTime, layer_marks, time_step
+from dsv3serve.engine.model_runner import ModelRunner
+from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.forward_batch import ForwardBatch
+
+
+class ModelBench:
+    """A built model runner and the plan; each method measures one point."""
+
+    def __init__(self, runner: ModelRunner, plan: Plan, copy_TBps: float) -> None:
+        self.runner, self.plan, self.copy_TBps = runner, plan, copy_TBps
+        self.model, self.cfg = runner.model, runner.model_cfg
+        self.marks = Marks(runner.device)
+
+    def _batch(self, batch_size: int, context: int, new_tokens: int) -> ForwardBatch:
+        page, vocab = self.runner.cfg.page_size, self.cfg.vocab_size
+        return context_batch(batch_size, context, new_tokens, page, vocab, self.runner.device)
+
+    def _time_forward(
+        self, batch: ForwardBatch, rows: torch.Tensor, warmup: int, iters: int
+    ) -> StepTime:
+        step = forward_step(self.model, self.runner.attn, batch, rows)
+        with layer_marks(self.model, self.marks):
+            return time_step(step, self.marks, warmup, iters)
+
+    def prefill(self, length: int) -> dict[str, Any]:
+        """One sequence of ``length`` tokens, logits at the last."""
+        batch = prefill_batch(length, self.cfg.vocab_size, self.runner.device)
+        t = self._time_forward(batch, batch.logits_indices, 1, self.plan.prefill_iters)
+        full_ms = project_full_depth(t.parts_ms, self.cfg)
+        return {
+            "ms": t.ms,
+            "tokens_per_s": length / t.ms * 1e3,
+            "parts_ms": t.parts_ms,
+            "projected_61": {"ms": full_ms, "tokens_per_s": length / full_ms * 1e3},
+        }
+
+    def decode(self, batch_size: int, context: int) -> dict[str, Any]:
+        """One decode step (logits of every sequence) against its per-layer roofline."""
+        batch = self._batch(batch_size, context, 1)
+        t = self._time_forward(batch, batch.logits_indices, self.plan.warmup, self.plan.iters)
+        roof = decode_roofline(self.model, self.runner.pool, batch_size, context, self.copy_TBps)
+        roof_ms = roof.bytes_ms(roof.total_bytes)
+        full_ms = project_full_depth(t.parts_ms, self.cfg)
+        full_roof_ms = roof.bytes_ms(project_full_depth(roof.bytes, self.cfg))
+        return {
+            "ms": t.ms,
+            "tokens_per_s": batch_size / t.ms * 1e3,
+            "roofline_ms": roof_ms,
+            "ratio": t.ms / roof_ms,
+            "parts_ms": t.parts_ms,
+            "layers": [self._part(name, t, roof) for name in roof.bytes if name != "head"],
+            "head": self._part("head", t, roof),
+            "projected_61": {
+                "ms": full_ms,
+                "tokens_per_s": batch_size / full_ms * 1e3,
+                "roofline_ms": full_roof_ms,
+                "ratio": full_ms / full_roof_ms,
+            },
+        }
+
+    def _part(self, name: str, t: StepTime, roof: Roofline) -> dict[str, Any]:
+        index = int(name[len("layer") :]) if name.startswith("layer") else None
+        kind = "head" if index is None else "moe" if self.cfg.is_moe_layer(index) else "dense"
+        ms, roof_ms = t.parts_ms[name], roof.ms(name)
+        return {"part": name, "kind": kind, "ms": ms, "bytes": roof.bytes[name],
+                "roofline_ms": roof_ms, "ratio": ms / roof_ms}  # fmt: skip
+
+    def draft(self, batch_size: int, context: int) -> StepTime:
+        """One chained draft step: NextN layer + shared head over one token per sequence."""
+        batch = self._batch(batch_size, context, 1)
+        device, dtype = self.runner.device, self.runner.dtype
+        g = torch.Generator(device=device).manual_seed(2)
+        hidden = torch.randn(batch_size, self.cfg.hidden_size, generator=g, device=device)
+        step = draft_step(NextNDraft(self.model), self.runner.attn, batch, hidden.to(dtype))
+        return time_step(step, self.marks, self.plan.warmup, self.plan.iters)
+
+    def verify(self, batch_size: int, context: int, num_steps: int) -> StepTime:
+        """The target over ``num_steps + 1`` tokens per sequence, logits at every one."""
+        batch = self._batch(batch_size, context, num_steps + 1)
+        rows = torch.arange(batch.num_tokens, device=self.runner.device)
+        return self._time_forward(batch, rows, self.plan.warmup, self.plan.iters)
+
+    def spec_costs(self, batch_size: int, decode: dict[str, Any]) -> dict[str, Any]:
+        """Draft and verify steps of ``batch_size`` sequences beside the decode step
+        ``decode`` (a :meth:`decode` result at the MTP context), measured and projected."""
+        context = self.plan.mtp_context
+        draft = self.draft(batch_size, context)
+        verify = {k: self.verify(batch_size, context, k) for k in self.plan.mtp_steps}
+        full = {str(k): project_full_depth(v.parts_ms, self.cfg) for k, v in verify.items()}
+        return {
+            "decode_ms": decode["ms"],
+            "draft_ms": draft.ms,
+            "verify_ms": {str(k): v.ms for k, v in verify.items()},
+            "projected_61": {"decode_ms": decode["projected_61"]["ms"], "verify_ms": full},
+        }
+
+
+def spec_summary(rows: list[dict[str, Any]], context: int, steps: list[int]) -> dict[str, Any]:
+    """The MTP section: cost rows (failed ones kept, with their error) and the speedups."""
+    ok = [r for r in rows if "error" not in r]
+
+    def costs(projected: bool) -> dict[int, SpecCosts]:
+        out = {}
+        for r in ok:
+            src = r["projected_61"] if projected else r
+            verify = {int(k): v for k, v in src["verify_ms"].items()}
+            out[r["batch_size"]] = SpecCosts(src["decode_ms"], r["draft_ms"], verify)
+        return out
+
+    return {
+        "context": context,
+        "num_steps": steps,
+        "accept_lengths": [f"{a:.1f}" for a in ACCEPT_LENGTHS],
+        "rows": rows,
+        "speedup": speedup_rows(costs(False)),
+        "speedup_projected_61": speedup_rows(costs(True)),
+    }

@@ -1,0 +1,242 @@
+"""``dsv3serve bench model`` end to end at the tiny preset on CPU, and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsv3serve.bench.model import guarded
+from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
+from dsv3serve.bench.model_mtp import SpecCosts, speedup_rows
+from dsv3serve.bench.model_projection import project_full_depth
+from dsv3serve.bench.model_roofline import (
+    attention_decode_bytes,
+    expected_experts_hit,
+    mlp_decode_bytes,
+)
+from dsv3serve.bench.model_setup import (
+    Footprint,
+    auto_num_moe_layers,
+    bench_model_config,
+    build_fitting_runner,
+    footprint,
+)
+from dsv3serve.cli import main
+from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
+from dsv3serve.model.weights import init_dummy
+
+TINY_RUN = [
+    "bench", "model", "--preset", "tiny", "--device", "cpu", "--num-moe-layers", "2",
+    "--prefill-lens", "48", "--decode-batch-sizes", "1", "3", "--decode-contexts", "20", "40",
+    "--mtp-batch-sizes", "1", "2", "--mtp-context", "20", "--warmup", "1", "--iters", "2",
+    "--page-size", "16",
+]  # fmt: skip
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """Tiny ops run faster on one thread than on two OpenMP threads sharing a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench_model") / "bench_model.json"
+    assert main([*TINY_RUN, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_no_point_failed(tiny_result: dict[str, Any]) -> None:
+    rows = [*tiny_result["prefill"], *tiny_result["decode"], *tiny_result["mtp"]["rows"]]
+    assert [r["error"] for r in rows if "error" in r] == []
+
+
+def test_records_environment_ceilings_and_config(tiny_result: dict[str, Any]) -> None:
+    env, cfg = tiny_result["environment"], tiny_result["config"]
+    assert {"device", "torch", "triton", "flashinfer", "date"} <= env.keys()
+    assert _positive(tiny_result["ceilings"]["copy_TBps"])
+    assert (cfg["num_dense_layers"], cfg["num_moe_layers"], cfg["mtp"]) == (1, 2, True)
+    assert cfg["attention_backend"] == "torch" and cfg["cuda_graph"] is False
+    assert "eager" in cfg["timing"] and "61" in cfg["projection"]
+    assert _positive(tiny_result["memory"]["weights_GB"])
+
+
+def test_prefill_rows(tiny_result: dict[str, Any]) -> None:
+    (row,) = tiny_result["prefill"]
+    assert row["input_len"] == 48
+    assert _positive(row["ms"]) and _positive(row["tokens_per_s"])
+    assert set(row["parts_ms"]) == {"embed", "layer0", "layer1", "layer2", "head"}
+    assert row["projected_61"]["ms"] > row["ms"]  # 61 layers cost more than 3
+
+
+def test_decode_rows_have_per_layer_rooflines(tiny_result: dict[str, Any]) -> None:
+    rows = tiny_result["decode"]
+    assert [(r["batch_size"], r["context"]) for r in rows] == [(1, 20), (3, 20), (1, 40), (3, 40)]
+    for r in rows:
+        assert [x["kind"] for x in r["layers"]] == ["dense", "moe", "moe"]
+        for part in [*r["layers"], r["head"]]:
+            assert _positive(part["ms"]) and _positive(part["roofline_ms"])
+            assert part["ratio"] == pytest.approx(part["ms"] / part["roofline_ms"])
+        assert _positive(r["ratio"]) and _positive(r["projected_61"]["ratio"])
+        assert _positive(r["projected_61"]["tokens_per_s"])
+    # more context, more KV to read: every layer's roofline grows
+    short, long = rows[0]["layers"], rows[2]["layers"]
+    assert all(a["bytes"] < b["bytes"] for a, b in zip(short, long, strict=True))
+
+
+def test_mtp_costs_and_speedups(tiny_result: dict[str, Any]) -> None:
+    mtp = tiny_result["mtp"]
+    assert [r["batch_size"] for r in mtp["rows"]] == [1, 2]
+    for r in mtp["rows"]:
+        assert _positive(r["draft_ms"]) and _positive(r["decode_ms"])
+        assert all(_positive(r["verify_ms"][k]) for k in ("1", "2", "3"))
+        assert all(_positive(v) for v in r["projected_61"]["verify_ms"].values())
+    for key in ("speedup", "speedup_projected_61"):
+        rows = mtp[key]
+        assert len(rows) == 6  # 2 batch sizes x 3 draft step counts
+        for row in rows:
+            assert _positive(row["break_even_accept_length"])
+            k, speedups = row["num_steps"], row["speedup"]
+            assert list(speedups) == ["1.0", "1.5", "2.0", "2.5", "3.0", "3.5", "4.0"]
+            assert all((s is None) == (float(a) > k + 1) for a, s in speedups.items())
+
+
+def test_speedup_arithmetic() -> None:
+    costs = SpecCosts(decode_ms=10.0, draft_ms=2.0, verify_ms={1: 12.0, 3: 14.0})
+    assert costs.round_ms(3) == 20.0
+    assert costs.break_even(3) == 2.0
+    assert costs.speedup(3, 3.0) == pytest.approx(1.5)
+    assert costs.speedup(1, 2.5) is None  # one draft step commits at most 2 tokens
+    (row1, row3) = speedup_rows({8: costs}, (1.0, 2.0))
+    assert (row1["num_steps"], row1["round_ms"], row1["speedup"]["2.0"]) == (1, 14.0, 20 / 14)
+
+
+def test_expected_experts_hit() -> None:
+    assert expected_experts_hit(256, 8, 1) == pytest.approx(8.0)
+    assert expected_experts_hit(256, 8, 0) == 0.0
+    assert 255.0 < expected_experts_hit(256, 8, 512) <= 256.0
+    assert expected_experts_hit(256, 8, 32) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 32))
+
+
+def test_projection_to_61_layers() -> None:
+    cfg = bench_model_config("tiny", 2, mtp=False)  # layer0 dense, layers 1-2 MoE
+    parts = {"embed": 1.0, "layer0": 4.0, "layer1": 10.0, "layer2": 12.0, "head": 2.0}
+    assert project_full_depth(parts, cfg) == pytest.approx(3.0 + 3 * 4.0 + 58 * 11.0)
+    with pytest.raises(ValueError, match="expected dense and MoE layers"):
+        project_full_depth({"layer0": 1.0}, cfg)
+
+
+def _tiny_model(num_moe: int) -> DeepseekV3ForCausalLM:
+    model = DeepseekV3ForCausalLM(
+        bench_model_config("tiny", num_moe, mtp=True), ModelOptions(dtype=torch.float32)
+    )
+    init_dummy(model)
+    return model
+
+
+def test_decode_bytes_count_what_the_absorbed_step_reads() -> None:
+    model = _tiny_model(1)
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    all_attn = sum(p.nbytes for p in attn.parameters())
+    kv_b = sum(p.nbytes for p in attn.kv_b_proj.parameters())
+    absorbed = attn.w_uk.nbytes + attn.w_uv.nbytes
+    assert attention_decode_bytes(attn) == all_attn - kv_b + absorbed
+    ex = moe.experts
+    per_expert = sum(p.nbytes for p in ex.parameters()) / ex.num_experts
+    rest = sum(p.nbytes for p in moe.gate.parameters()) + sum(
+        p.nbytes for p in moe.shared_experts.parameters()
+    )
+    k = model.cfg.num_experts_per_tok
+    assert mlp_decode_bytes(moe, 1) == pytest.approx(rest + k * per_expert)
+    assert mlp_decode_bytes(moe, 10_000) == pytest.approx(rest + ex.num_experts * per_expert)
+
+
+def test_footprint_matches_the_built_model() -> None:
+    fp = footprint("tiny", True, torch.float32, kv_tokens=64, kv_dtype=torch.float32)
+    for num_moe in (1, 2):
+        model = _tiny_model(num_moe)
+        derived = sum(layer.self_attn.w_uk.nbytes * 2 for layer in model.layers)
+        derived += model.nextn.block.self_attn.w_uk.nbytes * 2
+        built = sum(p.nbytes for p in model.parameters()) + derived
+        assert fp.fixed_bytes + num_moe * fp.moe_layer_bytes == built
+
+
+def test_auto_num_moe_layers() -> None:
+    fp = Footprint(fixed_bytes=100, moe_layer_bytes=40, kv_layer_bytes=10, fixed_kv_layers=2)
+    # 1000 free - 200 reserve - (100 + 2 * 10) fixed = 680 room; 50 per MoE layer -> 13
+    assert auto_num_moe_layers(1000, fp, 200) == 13
+    assert auto_num_moe_layers(10**12, fp, 0) == 58
+    with pytest.raises(ValueError, match="at least .* GB with one MoE layer"):
+        auto_num_moe_layers(150, fp, 0)
+
+
+def test_context_batches_own_page_aligned_slots() -> None:
+    assert seq_stride(20, 4, 16) == 32
+    assert kv_tokens_needed([1, 3], 20, 4, 16) == 96
+    batch = context_batch(3, 20, 4, 16, 1000, torch.device("cpu"))
+    assert batch.is_decode and batch.num_tokens == 12
+    assert batch.kv_indptr == [0, 24, 48, 72]
+    assert batch.kv_slots[24].item() == 32  # sequence 1 starts on its own page
+    assert batch.positions[:4].tolist() == [20, 21, 22, 23]
+
+
+def test_a_failing_point_is_recorded_and_the_run_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def fails() -> dict[str, Any]:
+        raise RuntimeError("backend rejected the shape")
+
+    row = guarded({"batch_size": 4}, fails)
+    assert row == {"batch_size": 4, "error": "RuntimeError: backend rejected the shape"}
+    assert guarded({"batch_size": 1}, lambda: {"ms": 2.0}) == {"batch_size": 1, "ms": 2.0}
+    assert '"batch_size": 1, "ms": 2.0' in capsys.readouterr().out  # progress line
+
+
+@pytest.mark.parametrize("flag", ["--attention-backend", "--moe-backend"])
+def test_backend_names_reach_the_runner(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*TINY_RUN, "--no-mtp", "--prefill-lens", "--decode-batch-sizes", "1"]
+    assert main([*args, flag, "no-such-backend", "--out", "/dev/null"]) == 2
+    assert "'no-such-backend' unknown; supported: [" in capsys.readouterr().err
+
+
+def test_cli_lists_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "model", "--help"])
+    out = capsys.readouterr().out
+    assert "--num-moe-layers" in out and "--attention-backend" in out
+
+
+def test_json_written_where_asked(tmp_path: Path) -> None:
+    out = tmp_path / "quick.json"
+    args = [*TINY_RUN, "--no-mtp", "--prefill-lens", "--decode-batch-sizes", "2"]
+    assert main([*args, "--decode-contexts", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["mtp"] is None and result["prefill"] == []
+    assert [r["batch_size"] for r in result["decode"]] == [2]
+
+
+def test_build_retries_with_one_moe_layer_fewer_on_oom() -> None:
+    tried: list[int] = []
+
+    def fake_make_fits_two(n: int) -> Any:  # stands in for a GPU that holds 2 MoE layers
+        tried.append(n)
+        if n > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return f"runner with {n}"
+
+    assert build_fitting_runner(fake_make_fits_two, 4, shrink_on_oom=True) == "runner with 2"
+    assert tried == [4, 3, 2]
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # an explicit --num-moe-layers is kept
+        build_fitting_runner(fake_make_fits_two, 3, shrink_on_oom=False)
