@@ -10,6 +10,16 @@ from dsv3serve.moe.gate import grouped_topk
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
+
+
+def _sigmoid_body(x, LIBDEVICE_EXP: tl.constexpr):
+    """float32 sigmoid with an IEEE division (``tl`` division is approximate on CUDA)."""
+    if LIBDEVICE_EXP:  # noqa: SIM108 (a statement keeps the untaken branch uncompiled)
+        e = libdevice.exp(-x)
+    else:
+        e = tl.exp(-x)
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + e)
 
 
 def _grouped_topk_body(
@@ -17,7 +27,7 @@ def _grouped_topk_body(
     E: tl.constexpr, N_GROUP: tl.constexpr, GS: tl.constexpr, TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
-    RENORM: tl.constexpr,
+    RENORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
 ):  # fmt: skip
     """One token per program: biased grouped top-k over ``E`` experts in ``N_GROUP`` groups of
     ``GS`` (``*_PAD``: the next powers of two).
@@ -26,7 +36,10 @@ def _grouped_topk_body(
     float32 and ids [T, TOP_K] (the output's integer dtype), best biased score first. The group
     score is the sum of a group's two best biased scores; experts outside the ``TOPK_GROUP``
     best groups are excluded; the weights are the unbiased sigmoid scores, renormalised to sum 1
-    when ``RENORM``, times ``scaling``. Ties go to the lower index.
+    when ``RENORM``, times ``scaling``. Ties go to the lower index. The sigmoid is computed as
+    CUDA's torch does, ``1 / (1 + expf(-x))`` with an IEEE division, and with
+    ``LIBDEVICE_EXP`` the same ``expf`` (the interpreter has no libdevice), so the selection
+    matches the reference's bit for bit up to exact ties.
     """
     t = tl.program_id(0).to(tl.int64)
     row = logits_ptr + t * stride_lt
@@ -37,7 +50,7 @@ def _grouped_topk_body(
     e2 = g[:, None] * GS + j[None, :]
     x2 = tl.load(row + e2, mask=ok2, other=0.0).to(tl.float32)
     b2 = tl.load(bias_ptr + e2, mask=ok2, other=0.0).to(tl.float32)
-    biased2 = tl.where(ok2, 1.0 / (1.0 + tl.exp(-x2)) + b2, float("-inf"))
+    biased2 = tl.where(ok2, _sigmoid(x2, LIBDEVICE_EXP) + b2, float("-inf"))
     best = tl.argmax(biased2, axis=1)
     second = tl.max(tl.where(j[None, :] == best[:, None], float("-inf"), biased2), axis=1)
     group_score = tl.max(biased2, axis=1) + second
@@ -50,7 +63,7 @@ def _grouped_topk_body(
         group_score = tl.where(g == gi, float("-inf"), group_score)
     ok = offs < E
     x = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
-    scores = 1.0 / (1.0 + tl.exp(-x))
+    scores = _sigmoid(x, LIBDEVICE_EXP)
     bias = tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     cand = tl.where(keep & ok, scores + bias, float("-inf"))
     # TOP_K rounds of argmax
@@ -70,7 +83,9 @@ def _grouped_topk_body(
     tl.store(ids_ptr + t * stride_it + kk, ids.to(ids_ptr.dtype.element_ty), mask=out_ok)
 
 
-_grouped_topk_kernel = triton.jit(_grouped_topk_body) if HAS_TRITON else None
+if HAS_TRITON:
+    _sigmoid = triton.jit(_sigmoid_body)
+    _grouped_topk_kernel = triton.jit(_grouped_topk_body)
 
 
 def _pow2(n: int) -> int:
@@ -86,11 +101,13 @@ def grouped_topk_triton(
     routed_scaling_factor: float,
     renormalize: bool = True,
     ids_dtype: torch.dtype = torch.int64,
+    libdevice_exp: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel; same arguments and results as :func:`grouped_topk`.
 
     router_logits [T, E] (last dim contiguous), correction_bias [E]. Returns
-    ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] ids_dtype)``.
+    ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] ids_dtype)``. ``libdevice_exp``
+    (default: on CUDA tensors) uses CUDA's ``expf`` as torch does.
     """
     t, e = router_logits.shape
     assert router_logits.stride(1) == 1, "expected router logits with unit stride along experts"
@@ -102,12 +119,13 @@ def grouped_topk_triton(
     ids = torch.empty((t, top_k), dtype=ids_dtype, device=dev)
     if t == 0:
         return weights, ids
+    use_libdevice = router_logits.is_cuda if libdevice_exp is None else libdevice_exp
     _grouped_topk_kernel[(t,)](
         router_logits, correction_bias.contiguous(), weights, ids,
         router_logits.stride(0), weights.stride(0), ids.stride(0), float(routed_scaling_factor),
         E=e, N_GROUP=n_group, GS=e // n_group, TOPK_GROUP=topk_group, TOP_K=top_k, E_PAD=_pow2(e),
         G_PAD=_pow2(n_group), GS_PAD=_pow2(e // n_group), K_PAD=_pow2(top_k),
-        RENORM=renormalize, num_warps=1 if e <= 512 else 4,
+        RENORM=renormalize, LIBDEVICE_EXP=use_libdevice, num_warps=1 if e <= 512 else 4,
     )  # fmt: skip
     return weights, ids
 
