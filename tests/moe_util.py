@@ -1,35 +1,11 @@
-"""Shared pieces of the MoE tests: random experts and routing, and the spec of ExpertBlocks."""
+"""Shared pieces of the MoE tests: random routing, and the spec of ExpertBlocks."""
 
 from __future__ import annotations
 
 import torch
 
-from dsv3serve.kernels.fp8_ref import FP8_DTYPE
 from dsv3serve.moe.align import ExpertBlocks
-from dsv3serve.moe.experts import FusedExperts
 from dsv3serve.moe.gate import grouped_topk
-
-
-def random_experts(
-    e: int, hidden: int, inter: int, fp8: bool, dtype: torch.dtype, device: str
-) -> FusedExperts:
-    """Experts whose real weights have a std of about 0.02, so activations stay O(1).
-
-    e4m3 weights are rounded N(0, 1) samples with block scales drawn from [0.01, 0.03].
-    """
-    with torch.device(device):
-        ex = FusedExperts(e, hidden, inter, fp8, dtype)
-        if not fp8:
-            ex.w13.data.normal_(0.0, 0.02)
-            ex.w2.data.normal_(0.0, 0.02)
-            return ex
-        for w in (ex.w13, ex.w2):
-            for i in range(e):  # one expert at a time keeps the float32 temporaries small
-                w.data[i] = torch.randn(w.shape[1:]).clamp_(-448, 448).to(FP8_DTYPE)
-        for s in (ex.w13_scale_inv, ex.w2_scale_inv):
-            assert s is not None
-            s.data.uniform_(0.01, 0.03)
-    return ex
 
 
 def random_routing(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_util import random_experts, random_routing
+from moe_util import random_routing
 from pydantic import ValidationError
 
 from dsv3serve.cli import build_parser, engine_config
@@ -14,6 +14,7 @@ from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.moe import MOE_BACKENDS, create_moe_backend
+from dsv3serve.moe.experts import random_experts
 from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.gate_triton import grouped_topk_fused
 from dsv3serve.moe.ref import TorchRefMoE

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_util import check_blocks, random_experts, random_routing
+from moe_util import check_blocks, random_routing
 
 from dsv3serve.moe.align import moe_align_block_size
-from dsv3serve.moe.experts import FusedExperts
+from dsv3serve.moe.experts import FusedExperts, random_experts
 from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.gate_triton import grouped_topk_triton
 from dsv3serve.moe.moe_config import default_config

@@ -26,7 +26,7 @@ from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
 if not INTERPRETING:
     pytest.skip("needs TRITON_INTERPRET=1 set before pytest starts", allow_module_level=True)
 
-from moe_util import check_blocks, random_experts, random_routing  # noqa: E402
+from moe_util import check_blocks, random_routing  # noqa: E402
 
 from dsv3serve.kernels.fp8_ref import (  # noqa: E402
     FP8_DTYPE,
@@ -35,6 +35,7 @@ from dsv3serve.kernels.fp8_ref import (  # noqa: E402
     quant_per_token_group,
 )
 from dsv3serve.moe.align import moe_align_block_size  # noqa: E402
+from dsv3serve.moe.experts import random_experts  # noqa: E402
 from dsv3serve.moe.gate import grouped_topk  # noqa: E402
 from dsv3serve.moe.gate_triton import grouped_topk_triton  # noqa: E402
 from dsv3serve.moe.moe_config import GemmTile, MoEConfig, default_config  # noqa: E402

@@ -59,11 +59,12 @@ def test_default_configs_compile_for_sm90(t: int, fp8: bool, act_quant: bool) ->
     _compile_all(_launches(DEEPSEEK, t, fp8, act_quant, None))
 
 
-@pytest.mark.parametrize("hidden", [256, 200])
-def test_small_shapes_compile_for_sm90(hidden: int) -> None:
-    for t in (1, 64):
-        cfg = default_config(t, 16, 4, True)
-        _compile_all(_launches((16, hidden, 128, 4), t, True, True, cfg))
+@pytest.mark.parametrize("hidden", [256, 320, 200])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_small_shapes_compile_for_sm90(hidden: int, fp8: bool) -> None:
+    for t in (1, 128, 1024):  # the three default tiers with 16 experts, top-4
+        cfg = default_config(t, 16, 4, fp8)
+        _compile_all(_launches((16, hidden, 128, 4), t, fp8, True, cfg))
 
 
 def test_shipped_tables_compile_for_sm90() -> None:
