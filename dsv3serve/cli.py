@@ -27,6 +27,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--disable-prefix-caching", action="store_true")
+    p.add_argument(
+        "--moe-backend",
+        default="torch",
+        choices=["torch", "triton"],
+        help="routed experts: torch reference, or fused Triton kernels (CUDA)",
+    )
     _speculative_args(p)
     p.add_argument(
         "--hf-overrides",
@@ -75,6 +81,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "max_running_requests": args.max_running_requests,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.disable_prefix_caching,
+        "moe_backend": args.moe_backend,
         "hf_overrides": args.hf_overrides,
     } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
     return EngineConfig(**(fields | extra))

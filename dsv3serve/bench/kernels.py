@@ -1,5 +1,7 @@
-"""``dsv3serve bench kernels``: the FP8 kernels on DeepSeek-V3 shapes, against the same run's
-ceilings (device copy bandwidth, bf16 and per-tensor fp8 GEMM peaks at 8192^3).
+"""``dsv3serve bench kernels``: the FP8 kernels, the fused MoE and the router gate on DeepSeek-V3
+shapes, against the same run's ceilings (device copy bandwidth, bf16 and per-tensor fp8 GEMM
+peaks at 8192^3). ``--only fp8,moe,gate`` picks the sections (MoE and gate:
+:mod:`dsv3serve.bench.kernels_moe`).
 
 Timing: after a warm-up call (which also compiles), a CUDA graph captures a row of calls,
 call i using the i-th of several copies of the weights (together over 4x the L2 cache, so each
@@ -42,6 +44,7 @@ SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K)
 }
 DEFAULT_MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 SWEEP_MAX_M = 256
+SECTIONS = ("fp8", "moe", "gate")
 
 
 Call = Callable[[int], Any]  # call i uses weight copy i
@@ -241,23 +244,49 @@ def _weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(w, ws)] + [(w.clone(), ws.clone()) for _ in range(copies - 1)]
 
 
-def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure the ceilings, then every (shape, M); print a table and write JSON."""
-    if not (HAS_TRITON and torch.cuda.is_available()):
-        raise ValueError("bench kernels needs a CUDA GPU and Triton")
-    ceil = measure_ceilings(args.replays)
+def _run_fp8(ceil: dict, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for name in args.shapes:
         weights = _weight_copies(*SHAPES[name])
         for m in args.m:
             rows.append(bench_point(name, weights, m, ceil, args))
             print(json.dumps({k: rows[-1][k] for k in ("shape", "M", "dispatch")}), flush=True)
-    result = {"environment": _environment(), "ceilings": ceil, "rows": rows}
-    result["cublas_faster_from_m"] = _crossover(rows)
+    return rows
+
+
+def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure the ceilings, then the chosen sections; print tables and write JSON."""
+    from dsv3serve.bench import kernels_moe
+
+    if not (HAS_TRITON and torch.cuda.is_available()):
+        raise ValueError("bench kernels needs a CUDA GPU and Triton")
+    ceil = measure_ceilings(args.replays)
+    result: dict[str, Any] = {"environment": _environment(), "ceilings": ceil}
+    if "fp8" in args.only:
+        result["rows"] = _run_fp8(ceil, args)
+        result["cublas_faster_from_m"] = _crossover(result["rows"])
+    if "moe" in args.only:
+        result["moe"] = kernels_moe.run_moe(ceil, args)
+    if "gate" in args.only:
+        result["gate"] = kernels_moe.run_gate(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print_table(ceil, rows)
-    print("cuBLAS faster from M:", result["cublas_faster_from_m"])
+    if "fp8" in args.only:
+        print_table(ceil, result["rows"])
+        print("cuBLAS faster from M:", result["cublas_faster_from_m"])
+    if "moe" in args.only:
+        kernels_moe.print_moe(result["moe"])
+    if "gate" in args.only:
+        kernels_moe.print_gate(result["gate"])
     return result
+
+
+def parse_sections(text: str) -> list[str]:
+    """``"moe,gate"`` -> ``["moe", "gate"]``, each one of :data:`SECTIONS`."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {SECTIONS}, got {text!r}")
+    return names
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -267,11 +296,22 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     """Add ``kernels`` to the ``bench`` subparsers (``bench``: argparse's subparsers action)."""
-    p = bench.add_parser("kernels", help="FP8 quant and block GEMM vs the GPU's ceilings")
+    from dsv3serve.bench.kernels_moe import add_moe_args
+
+    p = bench.add_parser(
+        "kernels", help="FP8 quant and block GEMM, fused MoE, router gate vs the GPU's ceilings"
+    )
+    p.add_argument(
+        "--only",
+        type=parse_sections,
+        default=list(SECTIONS),
+        help="comma list of sections: fp8 (quant + GEMM), moe, gate (default: all)",
+    )
     p.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="batch rows")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--no-sweep", action="store_true", help="skip the Triton config sweep")
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per point")
     p.add_argument("--json", default="bench_kernels.json", help="where to write results")
+    add_moe_args(p)
     p.set_defaults(func=_run)
     return p

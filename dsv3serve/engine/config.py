@@ -35,7 +35,7 @@ class EngineConfig(BaseModel):
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     # backends
     attention_backend: Literal["torch"] = "torch"
-    moe_backend: Literal["torch"] = "torch"
+    moe_backend: Literal["torch", "triton"] = "torch"  # triton: fused kernels on CUDA
     attn_impl: Literal["auto", "mha", "absorb"] = "auto"
     fp8_act_quant: bool = True
     # speculative decoding with the checkpoint's NextN (MTP) layer as the draft

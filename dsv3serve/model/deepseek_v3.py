@@ -27,6 +27,7 @@ from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
 from dsv3serve.moe.gate import grouped_topk
+from dsv3serve.moe.gate_triton import grouped_topk_fused
 
 AttnImpl = Literal["auto", "mha", "absorb"]
 
@@ -91,11 +92,13 @@ class MoE(nn.Module):
         shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = DenseMLP(cfg, f"{prefix}.shared_experts", shared_inter, opts)
         self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
+        # the Triton backend also routes with the fused gate kernel (on CUDA)
+        self.route = grouped_topk_fused if opts.moe_backend == "triton" else grouped_topk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         logits = F.linear(x.float(), self.gate.weight.float())
-        weights, ids = grouped_topk(
+        weights, ids = self.route(
             logits,
             self.gate.e_score_correction_bias,
             c.num_experts_per_tok,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE
+from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX
 from dsv3serve.model.load_target import LoadTarget
 
 
@@ -61,3 +61,26 @@ class FusedExperts(nn.Module):
                 )
                 targets[f"{base}.down_proj.weight_scale_inv"] = LoadTarget(self.w2_scale_inv, (e,))
         return targets
+
+
+def random_experts(
+    num_experts: int, hidden: int, inter: int, fp8: bool, dtype: torch.dtype, device: str
+) -> FusedExperts:
+    """Random experts (tests, benchmarks) whose real weights have a std of about 0.02.
+
+    e4m3 weights are rounded N(0, 1) samples with block scales drawn from [0.01, 0.03], made
+    one expert at a time so the float32 temporaries stay small at DeepSeek-V3 sizes.
+    """
+    with torch.device(device):
+        ex = FusedExperts(num_experts, hidden, inter, fp8, dtype)
+        if not fp8:
+            ex.w13.data.normal_(0.0, 0.02)
+            ex.w2.data.normal_(0.0, 0.02)
+            return ex
+        for w in (ex.w13, ex.w2):
+            for i in range(num_experts):
+                w.data[i] = torch.randn(w.shape[1:]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        for s in (ex.w13_scale_inv, ex.w2_scale_inv):
+            assert s is not None
+            s.data.uniform_(0.01, 0.03)
+    return ex
