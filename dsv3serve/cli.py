@@ -26,6 +26,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--disable-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"])
     _speculative_args(p)
     p.add_argument(
         "--hf-overrides",
@@ -74,6 +75,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "max_running_requests": args.max_running_requests,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.disable_prefix_caching,
+        "attention_backend": args.attention_backend,
         "hf_overrides": args.hf_overrides,
     } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
     return EngineConfig(**(fields | extra))
