@@ -7,13 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_cases import DEEPSEEK_DIMS, SMALL_DIMS, compare_with_ref, make_case, make_pool
+from attention_e2e import DENSE, assert_logits_close, step_logits
 from fake_flashinfer import install
+from model_utils import load_ours
 
 from dsv3serve.attention import create_attention_backend
 from dsv3serve.attention.base import MLADims
 from dsv3serve.attention.flashinfer_backend import CudaGraphLimits, FlashInferMLAAttention
+from dsv3serve.attention.ref import TorchRefAttention
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.kvcache.pool import MLAKVPool
+from dsv3serve.model.tiny import make_tiny_checkpoint
 
 DIMS = [SMALL_DIMS, DEEPSEEK_DIMS]
 DIM_IDS = ["small", "deepseek"]
@@ -148,3 +152,14 @@ def test_engine_config_rejects_what_flashinfer_cannot_run(fields: dict, message:
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="tiny", attention_backend="flashinfer", **fields)
     assert EngineConfig(model="tiny", attention_backend="flashinfer", device="cuda:0")
+
+
+def test_tiny_model_logits_match_the_torch_backend(tmp_path) -> None:
+    """Prefill, extend, decode and verify steps of the dense tiny model (bf16, CPU)."""
+    ckpt = make_tiny_checkpoint(tmp_path, fp8=False, num_shards=1, overrides=DENSE)
+    model = load_ours(ckpt, dtype=torch.bfloat16, fp8_act_quant=False)
+    dims = MLADims.from_config(model.cfg)
+    lens = [5, 23, 40]
+    want = step_logits(model, lambda pool: TorchRefAttention(pool, dims.kv_lora_rank), lens, 4)
+    got = step_logits(model, lambda pool: FlashInferMLAAttention(pool, dims), lens, 4)
+    assert_logits_close(got, want, rel_tol=3e-2)
