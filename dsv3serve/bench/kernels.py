@@ -1,5 +1,6 @@
 """``dsv3serve bench kernels``: the FP8 kernels on DeepSeek-V3 shapes, against the same run's
-ceilings (device copy bandwidth, bf16 and per-tensor fp8 GEMM peaks at 8192^3).
+ceilings (device copy bandwidth, bf16 and per-tensor fp8 GEMM peaks at 8192^3), and MLA decode
+attention (``kernels_mla``; ``--only mla`` runs just that part).
 
 Timing: after a warm-up call (which also compiles), a CUDA graph captures a row of calls,
 call i using the i-th of several copies of the weights (together over 4x the L2 cache, so each
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dsv3serve.bench.kernels_mla import add_mla_args
 from dsv3serve.kernels.fp8_gemm import (
     GemmConfig,
     choose_backend,
@@ -242,21 +244,32 @@ def _weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure the ceilings, then every (shape, M); print a table and write JSON."""
-    if not (HAS_TRITON and torch.cuda.is_available()):
-        raise ValueError("bench kernels needs a CUDA GPU and Triton")
+    """Measure the ceilings, then the selected parts (``--only``); print tables, write JSON."""
+    gemm, mla = "gemm" in args.only, "mla" in args.only
+    if not torch.cuda.is_available() or (gemm and not HAS_TRITON):
+        raise ValueError("bench kernels needs a CUDA GPU (and Triton for the GEMMs)")
     ceil = measure_ceilings(args.replays)
     rows = []
-    for name in args.shapes:
+    for name in args.shapes if gemm else []:
         weights = _weight_copies(*SHAPES[name])
         for m in args.m:
             rows.append(bench_point(name, weights, m, ceil, args))
             print(json.dumps({k: rows[-1][k] for k in ("shape", "M", "dispatch")}), flush=True)
     result = {"environment": _environment(), "ceilings": ceil, "rows": rows}
-    result["cublas_faster_from_m"] = _crossover(rows)
+    if gemm:
+        result["cublas_faster_from_m"] = _crossover(rows)
+    if mla:
+        from dsv3serve.bench.kernels_mla import bench_mla
+
+        result["mla"] = bench_mla(args, ceil)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print_table(ceil, rows)
-    print("cuBLAS faster from M:", result["cublas_faster_from_m"])
+    if gemm:
+        print_table(ceil, rows)
+        print("cuBLAS faster from M:", result["cublas_faster_from_m"])
+    if mla:
+        from dsv3serve.bench.kernels_mla import print_mla_table
+
+        print_mla_table(ceil, result["mla"])
     return result
 
 
@@ -267,11 +280,15 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     """Add ``kernels`` to the ``bench`` subparsers (``bench``: argparse's subparsers action)."""
-    p = bench.add_parser("kernels", help="FP8 quant and block GEMM vs the GPU's ceilings")
+    p = bench.add_parser("kernels", help="FP8 GEMM and MLA decode vs the GPU's ceilings")
+    p.add_argument(
+        "--only", nargs="+", choices=["gemm", "mla"], default=["gemm", "mla"], help="parts to run"
+    )
     p.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="batch rows")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--no-sweep", action="store_true", help="skip the Triton config sweep")
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per point")
     p.add_argument("--json", default="bench_kernels.json", help="where to write results")
+    add_mla_args(p)
     p.set_defaults(func=_run)
     return p
