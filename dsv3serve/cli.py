@@ -33,6 +33,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=["torch", "triton"],
         help="routed experts: torch reference, or fused Triton kernels (CUDA)",
     )
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"])
     _speculative_args(p)
     p.add_argument(
         "--hf-overrides",
@@ -82,6 +83,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.disable_prefix_caching,
         "moe_backend": args.moe_backend,
+        "attention_backend": args.attention_backend,
         "hf_overrides": args.hf_overrides,
     } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
     return EngineConfig(**(fields | extra))

@@ -33,6 +33,7 @@ class ForwardBatch:
     kv_indptr: list[int]
     logits_indices: torch.Tensor  # [N] rows of T whose logits are computed
     is_decode: bool
+    kv_slots_host: torch.Tensor | None = None  # kv_slots on the CPU, for host-side planning
 
     @property
     def batch_size(self) -> int:
@@ -73,13 +74,15 @@ class ForwardBatch:
         def t(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        kv_host = torch.tensor(kv, dtype=torch.int64)
         return cls(
             input_ids=t(ids),
             positions=t(pos),
             out_slots=t(out),
-            kv_slots=t(kv),
+            kv_slots=kv_host.to(device),
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
             logits_indices=t(logits_rows),
             is_decode=all(len(s.token_ids) == 1 for s in spans) if decode is None else decode,
+            kv_slots_host=kv_host,
         )

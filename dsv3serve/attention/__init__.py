@@ -4,18 +4,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.attention.base import AttentionBackend, MLADims
 
 if TYPE_CHECKING:
     from dsv3serve.kvcache.pool import MLAKVPool
 
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "flashinfer")
 
 
-def create_attention_backend(name: str, pool: MLAKVPool, kv_lora_rank: int) -> AttentionBackend:
-    """Build the named backend; raises ValueError naming the supported ones."""
+def create_attention_backend(
+    name: str, pool: MLAKVPool, kv_lora_rank: int, dims: MLADims | None = None
+) -> AttentionBackend:
+    """Build the named backend; raises ValueError naming the supported ones.
+
+    ``flashinfer`` needs ``dims`` (it plans with the head shapes and softmax scale) and a
+    CUDA pool; flashinfer itself is imported only here, on first use.
+    """
     if name == "torch":
         from dsv3serve.attention.ref import TorchRefAttention
 
         return TorchRefAttention(pool, kv_lora_rank)
+    if name == "flashinfer":
+        if dims is None:
+            raise ValueError("attention backend 'flashinfer' needs the model's MLADims")
+        if pool.device.type != "cuda":
+            raise ValueError(
+                f"attention backend 'flashinfer' needs a CUDA device, got {pool.device}"
+            )
+        from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
+
+        return FlashInferMLAAttention(pool, dims)
     raise ValueError(f"attention backend {name!r} unknown; supported: {list(ATTENTION_BACKENDS)}")

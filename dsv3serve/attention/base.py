@@ -9,13 +9,50 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsv3serve.forward_batch import ForwardBatch
 
+if TYPE_CHECKING:
+    from dsv3serve.config import ModelConfig
+
 # Maps cached latents [S, 576] to per-head keys [S, H, 192] and values [S, H, 128].
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """The attention shapes a kernel backend plans with (DeepSeek-V3: 128 heads, latent
+    512 + rope 64, MHA q/k 192 = 128 + 64, v 128)."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MLADims:
+        return cls(
+            cfg.num_attention_heads,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.softmax_scale,
+        )
 
 
 class AttentionBackend(ABC):

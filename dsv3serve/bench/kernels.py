@@ -1,7 +1,7 @@
-"""``dsv3serve bench kernels``: the FP8 kernels, the fused MoE and the router gate on DeepSeek-V3
-shapes, against the same run's ceilings (device copy bandwidth, bf16 and per-tensor fp8 GEMM
-peaks at 8192^3). ``--only fp8,moe,gate`` picks the sections (MoE and gate:
-:mod:`dsv3serve.bench.kernels_moe`).
+"""``dsv3serve bench kernels``: the FP8 kernels, the fused MoE, the router gate and MLA decode
+attention on DeepSeek-V3 shapes, against the same run's ceilings (device copy bandwidth, bf16
+and per-tensor fp8 GEMM peaks at 8192^3). ``--only fp8,moe,gate,mla`` picks the sections (MoE
+and gate: :mod:`dsv3serve.bench.kernels_moe`; MLA: :mod:`dsv3serve.bench.kernels_mla`).
 
 Timing: after a warm-up call (which also compiles), a CUDA graph captures a row of calls,
 call i using the i-th of several copies of the weights (together over 4x the L2 cache, so each
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dsv3serve.bench.kernels_mla import add_mla_args
 from dsv3serve.kernels.fp8_gemm import (
     GemmConfig,
     choose_backend,
@@ -44,7 +45,7 @@ SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K)
 }
 DEFAULT_MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 SWEEP_MAX_M = 256
-SECTIONS = ("fp8", "moe", "gate")
+SECTIONS = ("fp8", "moe", "gate", "mla")
 
 
 Call = Callable[[int], Any]  # call i uses weight copy i
@@ -256,7 +257,7 @@ def _run_fp8(ceil: dict, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     """Measure the ceilings, then the chosen sections; print tables and write JSON."""
-    from dsv3serve.bench import kernels_moe
+    from dsv3serve.bench import kernels_mla, kernels_moe
 
     if not (HAS_TRITON and torch.cuda.is_available()):
         raise ValueError("bench kernels needs a CUDA GPU and Triton")
@@ -269,6 +270,8 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         result["moe"] = kernels_moe.run_moe(ceil, args)
     if "gate" in args.only:
         result["gate"] = kernels_moe.run_gate(args)
+    if "mla" in args.only:
+        result["mla"] = kernels_mla.bench_mla(args, ceil)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if "fp8" in args.only:
         print_table(ceil, result["rows"])
@@ -277,6 +280,8 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         kernels_moe.print_moe(result["moe"])
     if "gate" in args.only:
         kernels_moe.print_gate(result["gate"])
+    if "mla" in args.only:
+        kernels_mla.print_mla_table(ceil, result["mla"])
     return result
 
 
@@ -305,7 +310,7 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
         "--only",
         type=parse_sections,
         default=list(SECTIONS),
-        help="comma list of sections: fp8 (quant + GEMM), moe, gate (default: all)",
+        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla (default: all)",
     )
     p.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="batch rows")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -313,5 +318,6 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per point")
     p.add_argument("--json", default="bench_kernels.json", help="where to write results")
     add_moe_args(p)
+    add_mla_args(p)
     p.set_defaults(func=_run)
     return p

@@ -34,7 +34,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     # backends
-    attention_backend: Literal["torch"] = "torch"
+    attention_backend: Literal["torch", "flashinfer"] = "torch"
     moe_backend: Literal["torch", "triton"] = "torch"  # triton: fused kernels on CUDA
     attn_impl: Literal["auto", "mha", "absorb"] = "auto"
     fp8_act_quant: bool = True
@@ -68,8 +68,28 @@ class EngineConfig(BaseModel):
                 f"chunked_prefill_size: found {self.chunked_prefill_size}, "
                 f"expected <= 0 (off) or >= page_size {self.page_size}"
             )
+        self._check_attention()
         self._check_speculative()
         return self
+
+    def _check_attention(self) -> None:
+        if self.attention_backend != "flashinfer":
+            return
+        if not self.device.startswith("cuda"):
+            raise ValueError(
+                f"attention_backend 'flashinfer': found device {self.device!r}, "
+                "expected a CUDA device"
+            )
+        if self.dtype == "float32":
+            raise ValueError(
+                "attention_backend 'flashinfer': found dtype 'float32', "
+                "expected 'auto' or 'bfloat16'"
+            )
+        if self.kv_cache_dtype == "fp8_e4m3":
+            raise ValueError(
+                "attention_backend 'flashinfer': found kv_cache_dtype 'fp8_e4m3', "
+                "expected 'auto' (the fp8 pool layout is not supported yet)"
+            )
 
     def _check_speculative(self) -> None:
         spec_fields = (

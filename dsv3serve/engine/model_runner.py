@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dsv3serve.attention import create_attention_backend
+from dsv3serve.attention import MLADims, create_attention_backend
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.sequence import ScheduledItem
@@ -55,7 +55,7 @@ class ModelRunner:
         load_weights(self.model, model_dir, cfg.load_format)
         self.pool = self._make_pool()
         self.attn = create_attention_backend(
-            cfg.attention_backend, self.pool, model_cfg.kv_lora_rank
+            cfg.attention_backend, self.pool, model_cfg.kv_lora_rank, MLADims.from_config(model_cfg)
         )
 
     def _kv_dtype(self) -> torch.dtype:

@@ -1,0 +1,270 @@
+"""MLA attention on flashinfer (Hopper: its fa3 kernels), over the pool's paged latent cache.
+
+- Absorbed form (decode, speculative verify): ``BatchMLAPagedAttentionWrapper`` reads the
+  cache in place. Each layer's ``[num_pages, page_size, 576]`` buffer is passed as two
+  strided views, ``[..., :512]`` (c_kv) and ``[..., 512:]`` (k_pe); the kernel takes
+  page and row strides. With several new tokens per sequence (speculative verify) the
+  mask is causal, bottom-right aligned: each token sees the cache up to itself.
+- Pages: when every sequence's slots fill its pages in order (what the engine's page
+  tables give), the kernel gets page ids; otherwise it falls back, with one warning, to
+  token-granular indices (``page_size=1``: each slot is a page), which are always valid.
+- MHA form (prefill, extend): :class:`~dsv3serve.attention.flashinfer_mha.FlashInferExtend`.
+- ``plan()`` plans the form ``batch.is_decode`` implies (the model's ``attn_impl="auto"``
+  rule); a forced form (``attn_impl`` "mha" / "absorb") is planned at its first call.
+- CUDA graphs: with :class:`CudaGraphLimits`, batches of up to ``max_batch_size``
+  sequences use one wrapper per batch size over preallocated index buffers (flashinfer's
+  ``use_cuda_graph=True`` mode), so a graph captured after ``plan()`` replays correctly
+  after later ``plan()`` calls of the same batch size.
+
+Not supported: an fp8 KV cache (see :func:`check_pool`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
+from dsv3serve.attention.flashinfer_meta import (
+    KVIndex,
+    int32_host,
+    paged_kv_index,
+    seq_lens_list,
+    token_kv_index,
+)
+from dsv3serve.attention.flashinfer_mha import FlashInferExtend
+from dsv3serve.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from dsv3serve.kvcache.pool import MLAKVPool
+
+logger = logging.getLogger(__name__)
+
+FLASHINFER_VERSION = "0.6.18.post1"
+WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended float workspace
+DEFAULT_PREFIX_CHUNK_TOKENS = 8192
+
+
+def import_flashinfer() -> ModuleType:
+    """``import flashinfer``, or ImportError saying what to install."""
+    try:
+        import flashinfer
+    except ImportError as err:
+        raise ImportError(
+            f"attention backend 'flashinfer' needs flashinfer-python=={FLASHINFER_VERSION} "
+            f"and apache-tvm-ffi (pip install 'dsv3serve[gpu]'): {err}"
+        ) from err
+    version = getattr(flashinfer, "__version__", "?")
+    if version != FLASHINFER_VERSION:
+        logger.warning(
+            "flashinfer %s found; this backend is tested with %s", version, FLASHINFER_VERSION
+        )
+    return flashinfer
+
+
+def check_pool(pool: MLAKVPool, dims: MLADims) -> None:
+    """Raise unless flashinfer can read ``pool`` as it is laid out."""
+    if pool.is_fp8:
+        raise NotImplementedError(
+            "attention backend 'flashinfer' with an fp8 KV cache: the pool stores one "
+            "float32 scale per token for all 576 values, while flashinfer 0.6.18's fp8 MLA "
+            "takes c_kv scales per token per 128 channels and a single per-tensor k_pe "
+            "scale; use kv_cache_dtype='auto' (bf16) or the 'torch' backend"
+        )
+    if pool.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"flashinfer needs a bf16 or fp16 KV cache, got {pool.dtype}")
+    if pool.kv_dim != dims.kv_cache_dim:
+        raise ValueError(
+            f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + qk_rope_head_dim"
+            f" = {dims.kv_cache_dim}"
+        )
+
+
+@dataclass(frozen=True)
+class CudaGraphLimits:
+    """Sizes of the preallocated buffers of the CUDA-graph-safe absorbed path.
+
+    ``max_kv_indices``: the most page ids (or slots, in the token fallback) of one batch.
+    Each batch size used gets its own wrapper (8 MiB device + 8 MiB pinned host buffers).
+    """
+
+    max_batch_size: int
+    max_kv_indices: int
+
+
+class _MLAWrappers:
+    """The eager MLA wrapper, plus per-batch-size CUDA-graph wrappers over shared buffers."""
+
+    def __init__(
+        self, fi: ModuleType, workspace: torch.Tensor, graph: CudaGraphLimits | None
+    ) -> None:
+        self._fi, self._workspace, self._graph = fi, workspace, graph
+        self._eager = fi.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+        self._by_size: dict[int, Any] = {}
+        if graph is not None:
+            dev, i32 = workspace.device, torch.int32
+            self._qo = torch.zeros(graph.max_batch_size + 1, dtype=i32, device=dev)
+            self._kv_indptr = torch.zeros(graph.max_batch_size + 1, dtype=i32, device=dev)
+            self._kv_lens = torch.zeros(graph.max_batch_size, dtype=i32, device=dev)
+            self._kv_indices = torch.zeros(graph.max_kv_indices, dtype=i32, device=dev)
+
+    def get(self, batch_size: int, num_indices: int) -> Any:
+        """The wrapper for a batch; a graph wrapper when the batch fits the limits."""
+        graph = self._graph
+        if graph is None or batch_size > graph.max_batch_size:
+            return self._eager
+        if num_indices > graph.max_kv_indices:
+            raise ValueError(
+                f"batch of {batch_size} needs {num_indices} KV indices, over the CUDA-graph "
+                f"buffer of {graph.max_kv_indices} (CudaGraphLimits.max_kv_indices)"
+            )
+        if batch_size not in self._by_size:
+            self._by_size[batch_size] = self._fi.BatchMLAPagedAttentionWrapper(
+                self._workspace,
+                use_cuda_graph=True,
+                qo_indptr=self._qo[: batch_size + 1],
+                kv_indptr=self._kv_indptr[: batch_size + 1],
+                kv_indices=self._kv_indices,
+                kv_len_arr=self._kv_lens[:batch_size],
+                backend="auto",
+            )
+        return self._by_size[batch_size]
+
+
+class FlashInferMLAAttention(AttentionBackend):
+    """MLA over the paged latent cache with flashinfer kernels (bf16/fp16 cache)."""
+
+    def __init__(
+        self,
+        pool: MLAKVPool,
+        dims: MLADims,
+        *,
+        paged: bool = True,
+        max_prefix_chunk_tokens: int = DEFAULT_PREFIX_CHUNK_TOKENS,
+        cuda_graph: CudaGraphLimits | None = None,
+        workspace_bytes: int = WORKSPACE_BYTES,
+    ) -> None:
+        """``paged=False`` always uses token-granular indices (for comparison)."""
+        check_pool(pool, dims)
+        fi = import_flashinfer()
+        self.pool, self.dims, self.paged = pool, dims, paged
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=pool.device)
+        self._mla = _MLAWrappers(fi, workspace, cuda_graph)
+        self._extend = FlashInferExtend(fi, workspace, dims, pool.dtype, max_prefix_chunk_tokens)
+        self._views = {size: self._latent_views(size) for size in {1, pool.page_size}}
+        self._batch: ForwardBatch | None = None
+        self._mla_run: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._mha_planned = False
+        self._planned: torch.cuda.Event | None = None
+        self._warned_unaligned = False
+        self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
+
+    def _latent_views(self, page_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (c_kv [pages, page_size, 512], k_pe [pages, page_size, 64]) views."""
+        rank, views = self.dims.kv_lora_rank, []
+        for layer in range(self.pool.num_layers):
+            buf = self.pool.kv_buffer(layer).view(-1, page_size, self.pool.kv_dim)
+            views.append((buf[..., :rank], buf[..., rank:]))
+        return views
+
+    # ---- planning ------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch) -> None:
+        self._wait_previous_plan()
+        self._batch, self._mla_run, self._mha_planned = batch, None, False
+        if batch.is_decode:
+            self._plan_absorbed(batch)
+        else:
+            self._plan_mha(batch)
+
+    def _wait_previous_plan(self) -> None:
+        """flashinfer stages plan data in one pinned buffer per wrapper and copies it to
+        the device asynchronously; replanning before that copy ran would corrupt the
+        previous step. A no-op wait in the engine, which syncs on sampling every step."""
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _mark_planned(self) -> None:
+        if self.pool.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _kv_index(self, batch: ForwardBatch) -> KVIndex:
+        if self.paged and batch.kv_slots_host is not None:
+            try:
+                return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, self.pool.page_size)
+            except ValueError as err:
+                if not self._warned_unaligned:
+                    logger.warning("flashinfer: %s; using token-granular KV indices", err)
+                    self._warned_unaligned = True
+        return token_kv_index(batch.kv_indptr, batch.kv_slots)
+
+    def _plan_absorbed(self, batch: ForwardBatch) -> None:
+        index, d, dtype = self._kv_index(batch), self.dims, self.pool.dtype
+        wrapper = self._mla.get(batch.batch_size, int(index.indices.shape[0]))
+        wrapper.plan(
+            int32_host(batch.qo_indptr),
+            index.indptr,
+            index.indices,
+            index.lens,
+            d.num_heads,
+            d.kv_lora_rank,
+            d.qk_rope_head_dim,
+            index.page_size,
+            max(seq_lens_list(batch.qo_indptr)) > 1,  # causal (bottom-right) for verify
+            d.softmax_scale,
+            dtype,
+            dtype,
+        )
+        self._mla_run = (wrapper, self._views[index.page_size])
+        self.index_mode = "token" if index.page_size == 1 else "page"
+        self._mark_planned()
+
+    def _plan_mha(self, batch: ForwardBatch) -> None:
+        self._extend.plan(batch)
+        self._mha_planned = True
+        self._mark_planned()
+
+    def _check_call(self, scale: float) -> ForwardBatch:
+        if self._batch is None:
+            raise RuntimeError("plan(batch) must be called before forward")
+        if not math.isclose(scale, self.dims.softmax_scale, rel_tol=1e-6):
+            raise ValueError(
+                f"flashinfer plans with softmax scale {self.dims.softmax_scale}, "
+                f"called with {scale}"
+            )
+        return self._batch
+
+    # ---- per layer -----------------------------------------------------------------------
+    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
+        if self._batch is None:
+            raise RuntimeError("plan(batch) must be called before forward")
+        self.pool.write(layer_id, self._batch.out_slots, latent)
+
+    def forward_absorbed(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float
+    ) -> torch.Tensor:
+        batch = self._check_call(scale)
+        if self._mla_run is None:
+            self._plan_absorbed(batch)
+        assert self._mla_run is not None
+        wrapper, views = self._mla_run
+        ckv, kpe = views[layer_id]
+        return wrapper.run(_unit_last_stride(q_latent), _unit_last_stride(q_pe), ckv, kpe)
+
+    def forward_mha(
+        self, q: torch.Tensor, layer_id: int, scale: float, expand_kv: ExpandKV
+    ) -> torch.Tensor:
+        batch = self._check_call(scale)
+        if not self._mha_planned:
+            self._plan_mha(batch)
+        return self._extend.run(_unit_last_stride(q), layer_id, self.pool, expand_kv)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels take row and head strides but need the last dimension contiguous."""
+    return x if x.stride(-1) == 1 else x.contiguous()
