@@ -34,6 +34,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="routed experts: torch reference, or fused Triton kernels (CUDA)",
     )
     p.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"])
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode steps eagerly (graphs need CUDA and --attention-backend flashinfer)",
+    )
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest captured batch")
     _speculative_args(p)
     p.add_argument(
         "--hf-overrides",
@@ -84,6 +90,8 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "enable_prefix_caching": not args.disable_prefix_caching,
         "moe_backend": args.moe_backend,
         "attention_backend": args.attention_backend,
+        "disable_cuda_graph": args.disable_cuda_graph,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "hf_overrides": args.hf_overrides,
     } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
     return EngineConfig(**(fields | extra))

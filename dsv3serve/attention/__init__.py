@@ -7,18 +7,24 @@ from typing import TYPE_CHECKING
 from dsv3serve.attention.base import AttentionBackend, MLADims
 
 if TYPE_CHECKING:
+    from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
     from dsv3serve.kvcache.pool import MLAKVPool
 
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 
 
 def create_attention_backend(
-    name: str, pool: MLAKVPool, kv_lora_rank: int, dims: MLADims | None = None
+    name: str,
+    pool: MLAKVPool,
+    kv_lora_rank: int,
+    dims: MLADims | None = None,
+    cuda_graph: CudaGraphLimits | None = None,
 ) -> AttentionBackend:
     """Build the named backend; raises ValueError naming the supported ones.
 
     ``flashinfer`` needs ``dims`` (it plans with the head shapes and softmax scale) and a
-    CUDA pool; flashinfer itself is imported only here, on first use.
+    CUDA pool; flashinfer itself is imported only here, on first use. ``cuda_graph``
+    (flashinfer only) sizes its CUDA-graph-safe buffers.
     """
     if name == "torch":
         from dsv3serve.attention.ref import TorchRefAttention
@@ -33,5 +39,5 @@ def create_attention_backend(
             )
         from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
 
-        return FlashInferMLAAttention(pool, dims)
+        return FlashInferMLAAttention(pool, dims, cuda_graph=cuda_graph)
     raise ValueError(f"attention backend {name!r} unknown; supported: {list(ATTENTION_BACKENDS)}")

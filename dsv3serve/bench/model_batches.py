@@ -28,6 +28,20 @@ def _tokens(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(2, vocab) for _ in range(n)]
 
 
+def context_spans(
+    batch_size: int, context: int, new_tokens: int, page_size: int, vocab: int, seed: int = 0
+) -> list[SeqSpan]:
+    """``batch_size`` sequences with ``context`` cached tokens, each adding ``new_tokens``."""
+    rng = random.Random(seed)
+    stride = seq_stride(context, new_tokens, page_size)
+    spans = []
+    for i in range(batch_size):
+        base = i * stride
+        slots = list(range(base, base + context + new_tokens))
+        spans.append(SeqSpan(_tokens(new_tokens, vocab, rng), context, slots))
+    return spans
+
+
 def context_batch(
     batch_size: int,
     context: int,
@@ -37,18 +51,12 @@ def context_batch(
     device: torch.device,
     seed: int = 0,
 ) -> ForwardBatch:
-    """``batch_size`` sequences with ``context`` cached tokens, each adding ``new_tokens``.
+    """:func:`context_spans` as one batch.
 
     One new token each is a decode step; more is a speculative verify, which the engine
     runs in the decode (absorbed) MLA form, so ``is_decode`` is True either way.
     """
-    rng = random.Random(seed)
-    stride = seq_stride(context, new_tokens, page_size)
-    spans = []
-    for i in range(batch_size):
-        base = i * stride
-        slots = list(range(base, base + context + new_tokens))
-        spans.append(SeqSpan(_tokens(new_tokens, vocab, rng), context, slots))
+    spans = context_spans(batch_size, context, new_tokens, page_size, vocab, seed)
     return ForwardBatch.build(spans, device, decode=True)
 
 

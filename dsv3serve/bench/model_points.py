@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch
 
-from dsv3serve.bench.model_batches import context_batch, prefill_batch
+from dsv3serve.bench.model_batches import context_batch, context_spans, prefill_batch
 from dsv3serve.bench.model_mtp import ACCEPT_LENGTHS, SpecCosts, speedup_rows
 from dsv3serve.bench.model_plan import Plan
 from dsv3serve.bench.model_projection import project_full_depth
@@ -57,11 +58,14 @@ class ModelBench:
         roof_ms = roof.bytes_ms(roof.total_bytes)
         full_ms = project_full_depth(t.parts_ms, self.cfg)
         full_roof_ms = roof.bytes_ms(project_full_depth(roof.bytes, self.cfg))
+        graph_ms = self._time_graph(batch_size, context)
         return {
             "ms": t.ms,
             "tokens_per_s": batch_size / t.ms * 1e3,
             "roofline_ms": roof_ms,
             "ratio": t.ms / roof_ms,
+            "graph_ms": graph_ms,
+            "graph_ratio": None if graph_ms is None else graph_ms / roof_ms,
             "parts_ms": t.parts_ms,
             "layers": [self._part(name, t, roof) for name in roof.bytes if name != "head"],
             "head": self._part("head", t, roof),
@@ -72,6 +76,27 @@ class ModelBench:
                 "ratio": full_ms / full_roof_ms,
             },
         }
+
+    def _time_graph(self, batch_size: int, context: int) -> float | None:
+        """Median ms of the whole decode step through the runner's CUDA graphs (host
+        padding and planning, replay, logits copy), or None without a graph for it."""
+        graphs = self.runner.graphs
+        page, vocab = self.runner.cfg.page_size, self.cfg.vocab_size
+        spans = context_spans(batch_size, context, 1, page, vocab)
+        if graphs is None or not graphs.can_run(spans):
+            return None
+        for _ in range(self.plan.warmup):
+            graphs.run(spans)
+        times = []
+        for _ in range(self.plan.iters):
+            torch.cuda.synchronize(self.runner.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.run(spans)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
 
     def _part(self, name: str, t: StepTime, roof: Roofline) -> dict[str, Any]:
         index = int(name[len("layer") :]) if name.startswith("layer") else None

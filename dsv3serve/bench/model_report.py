@@ -104,6 +104,22 @@ def print_decode(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def print_decode_graphs(rows: list[dict[str, Any]]) -> None:
+    """Eager vs CUDA-graph decode steps of the bench model (as built, not projected)."""
+    rows = [r for r in rows if "error" not in r and r.get("graph_ms") is not None]
+    if not rows:
+        print("\ndecode step through CUDA graphs: none (no graphs for these batch sizes)")
+        return
+    print("\ndecode step, eager vs CUDA graph (the bench model's layers; ratio to its roofline)")
+    print(f"{'bs':>4} {'ctx':>6} {'eager ms':>9} {'graph ms':>9} {'ratio':>6} {'tok/s':>9}")
+    for r in rows:
+        g = r["graph_ms"]
+        print(
+            f"{r['batch_size']:>4} {r['context']:>6} {r['ms']:>9.3f} {g:>9.3f} "
+            f"{r['graph_ratio']:>6.2f} {r['batch_size'] / g * 1e3:>9.0f}"
+        )
+
+
 def print_mtp(mtp: dict[str, Any]) -> None:
     print(f"\nMTP step costs at context {mtp['context']} (measured; 61-layer projection)")
     steps = mtp["num_steps"]
@@ -141,5 +157,6 @@ def print_report(result: dict[str, Any]) -> None:
         print_prefill(result["prefill"])
     if result["decode"]:
         print_decode(result["decode"])
+        print_decode_graphs(result["decode"])
     if result.get("mtp"):
         print_mtp(result["mtp"])

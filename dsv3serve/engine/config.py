@@ -37,6 +37,9 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["torch", "flashinfer"] = "torch"
     moe_backend: Literal["torch", "triton"] = "torch"  # triton: fused kernels on CUDA
     attn_impl: Literal["auto", "mha", "absorb"] = "auto"
+    # CUDA graphs for decode steps (CUDA with the flashinfer attention backend only)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = Field(64, ge=1, description="largest captured decode batch")
     fp8_act_quant: bool = True
     # speculative decoding with the checkpoint's NextN (MTP) layer as the draft
     speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None  # EAGLE: alias of NEXTN

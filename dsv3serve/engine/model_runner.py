@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsv3serve.attention import MLADims, create_attention_backend
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
+
+if TYPE_CHECKING:
+    from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
 
 
 def resolve_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -53,10 +58,40 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = DeepseekV3ForCausalLM(model_cfg, opts)
         load_weights(self.model, model_dir, cfg.load_format)
+        use_graphs = self._use_cuda_graphs()
+        self._scratch_pages = 1 if use_graphs else 0  # padding rows of captured batches
         self.pool = self._make_pool()
         self.attn = create_attention_backend(
-            cfg.attention_backend, self.pool, model_cfg.kv_lora_rank, MLADims.from_config(model_cfg)
+            cfg.attention_backend,
+            self.pool,
+            model_cfg.kv_lora_rank,
+            MLADims.from_config(model_cfg),
+            cuda_graph=self._graph_limits() if use_graphs else None,
         )
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            scratch_slot = (self.pool.num_pages - 1) * cfg.page_size
+            sizes = capture_sizes(self._graph_max_bs())
+            self.graphs = DecodeGraphs(self.model, self.attn, self.device, sizes, scratch_slot)
+
+    def _use_cuda_graphs(self) -> bool:
+        """Decode CUDA graphs: on CUDA with the flashinfer backend, unless disabled."""
+        c = self.cfg
+        return (
+            self.device.type == "cuda"
+            and c.attention_backend == "flashinfer"
+            and not c.disable_cuda_graph
+        )
+
+    def _graph_limits(self) -> CudaGraphLimits:
+        from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+
+        max_bs = self._graph_max_bs()
+        return CudaGraphLimits(max_bs, min(max_bs * self.pool.num_pages, 1 << 24))
+
+    def _graph_max_bs(self) -> int:
+        """No graph larger than the scheduler's batch can ever be."""
+        return min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
 
     def _kv_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
@@ -64,7 +99,7 @@ class ModelRunner:
     def _make_pool(self) -> MLAKVPool:
         layers, page = self.model.num_kv_layers, self.cfg.page_size
         if self.cfg.num_kv_tokens is not None:
-            num_pages = -(-self.cfg.num_kv_tokens // page)
+            num_pages = -(-self.cfg.num_kv_tokens // page) + self._scratch_pages
         else:
             num_pages = pages_for_memory_fraction(
                 self.cfg.mem_fraction_static,
@@ -86,7 +121,8 @@ class ModelRunner:
 
     @property
     def num_pages(self) -> int:
-        return self.pool.num_pages
+        """Pages the scheduler may hand out (the last one is scratch with CUDA graphs)."""
+        return self.pool.num_pages - self._scratch_pages
 
     def spans(self, items: list[ScheduledItem]) -> list[SeqSpan]:
         """The scheduled items as device-independent spans (what a group broadcasts)."""
@@ -107,10 +143,13 @@ class ModelRunner:
 
     def run_spans(self, spans: list[SeqSpan], items: list[ScheduledItem] | None) -> StepResult:
         """Forward ``spans``; ``items`` (None on follower ranks) label the sampled rows."""
+        sampled = [item for item in items or [] if item.sample]
+        if self.graphs is not None and self.graphs.can_run(spans):
+            return StepResult(self.graphs.run(spans), sampled)
         batch = ForwardBatch.build(spans, self.device)
         hidden = self.model(batch, self.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return StepResult(logits, [item for item in items or [] if item.sample])
+        return StepResult(logits, sampled)
 
     def _page_slots(self, pages: list[int]) -> torch.Tensor:
         """Every slot of ``pages``, page by page: [len(pages) * page_size]."""

@@ -261,18 +261,27 @@ class DeepseekV3ForCausalLM(nn.Module):
             if isinstance(module, MLAttention):
                 module.post_load()
 
-    def step_context(self, batch: ForwardBatch, attn: AttentionBackend) -> StepContext:
-        """Plan the step once: attention metadata, rotary cos/sin and the MLA form."""
-        attn.plan(batch)
+    def step_context(
+        self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False
+    ) -> StepContext:
+        """Plan the step once: attention metadata, rotary cos/sin and the MLA form.
+
+        ``planned``: the caller already ran ``attn.plan`` (a CUDA graph replays the forward
+        without the host-side planning, which happens before each replay).
+        """
+        if not planned:
+            attn.plan(batch)
         cos, sin = self.rotary.cos_sin(batch.positions)
         impl = self.opts.attn_impl
         absorbed = impl == "absorb" or (impl == "auto" and batch.is_decode)
         return StepContext(batch, attn, cos, sin, absorbed)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False
+    ) -> torch.Tensor:
         """Run the decoder over the batch's new tokens; returns normed hidden [T, H]."""
-        ctx = self.step_context(batch, attn)
+        ctx = self.step_context(batch, attn, planned)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
