@@ -211,8 +211,13 @@ def fp8_block_gemm_triton(
 
 
 def cublas_supported(n: int, k: int) -> bool:
-    """Weight shapes that cuBLAS 128x128 block scaling takes (N = 2112 ran on an H100)."""
-    return n % 16 == 0 and k % BLOCK == 0
+    """Weight shapes that cuBLAS 128x128 block scaling takes (N = 2112 ran on an H100).
+
+    torch (2.11) also wants the K blocks in multiples of 4: with K = 256 it asked for a
+    [4, N/128] weight scale (seen on the tiny model's hidden size). Every DeepSeek-V3
+    K (512, 1536, 2048, 7168, 16384, 18432) qualifies.
+    """
+    return n % 16 == 0 and k % BLOCK == 0 and (k // BLOCK) % 4 == 0
 
 
 def _pad_rows(xq: torch.Tensor, xs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
