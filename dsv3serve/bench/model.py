@@ -47,9 +47,10 @@ from dsv3serve.bench.model_setup import (
 from dsv3serve.engine.model_runner import ModelRunner
 
 TIMING = (
-    "eager (the model runner has no CUDA-graph capture); {clock} around each part, device "
+    "per part eager (graphs cannot be split per layer); {clock} around each part, device "
     "idle at each step's start, median of {iters} iterations after {warmup} warm-up "
-    "(prefill: {prefill_iters} after 1)"
+    "(prefill: {prefill_iters} after 1); decode steps also whole through the runner's "
+    "CUDA graphs where it captured them (graph_ms: host padding and planning included)"
 )
 PROJECTION = (
     "61-layer numbers scale the bench model's mean dense and mean MoE layer to DeepSeek-V3's "
