@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device runs on an H200 for the kernels and MTP issues. Usage: bash docs/perf/run_h200.sh STAGE...
 # Stages: tests (every `-m gpu` test), kernels (bench kernels, all sections), model (bench model,
-# fast backends), tune (MoE tuner, fp8, one table per token count). Needs the wheels in .whl/
+# fast backends), tune (MoE tuner, fp8, one table per token count; the first T compiles for
+# over a minute, later ones reuse Triton's cache; merge the tables into dsv3serve/moe/configs/). Needs the wheels in .whl/
 # (pydantic stack, flashinfer-python 0.6.18.post1, apache-tvm-ffi) and .whl/site (tokenizer data).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -30,8 +31,9 @@ stage_model() {
 stage_tune() {
   for t in ${TUNE_TOKENS:-1 8 32 128 512 4096}; do
     timeout -k 5 "${T_TUNE:-60}" python3 -m dsv3serve.moe.tune --dtype fp8 --tokens "$t" \
-      --out "$OUT/tune_t$t" > "$OUT/tune_t$t.log" 2>&1
+      --out "/tmp/tune/t$t" > "/tmp/tune_t$t.log" 2>&1
     echo "tune t=$t rc=$?" >> "$OUT/env.txt"
+    cp /tmp/tune/t"$t"/*.json "$OUT/table_t$t.json"  # '=' and ',' in the name do not come back
   done
 }
 for s in "$@"; do "stage_$s"; done
