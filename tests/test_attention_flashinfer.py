@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import DEEPSEEK_DIMS, SMALL_DIMS, compare_with_ref, make_case, make_pool
+from attention_cases import (
+    DEEPSEEK_DIMS,
+    SMALL_DIMS,
+    compare_with_ref,
+    make_case,
+    make_pool,
+    run_layers,
+)
 from attention_e2e import DENSE, assert_logits_close, step_logits
 from fake_flashinfer import install
 from model_utils import load_ours
@@ -163,3 +170,39 @@ def test_tiny_model_logits_match_the_torch_backend(tmp_path) -> None:
     want = step_logits(model, lambda pool: TorchRefAttention(pool, dims.kv_lora_rank), lens, 4)
     got = step_logits(model, lambda pool: FlashInferMLAAttention(pool, dims), lens, 4)
     assert_logits_close(got, want, rel_tol=3e-2)
+
+
+def _attend_planned(attn: FlashInferMLAAttention, case, seed: int = 2) -> list[torch.Tensor]:
+    """``run_layers`` without its ``plan``: what a replay of an earlier plan computes."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, outs = case.batch.num_tokens, SMALL_DIMS.num_heads, []
+    for layer in range(case.pool.num_layers):
+        attn.save_latent(layer, case.new_latents)
+        q = torch.randn(t, h, SMALL_DIMS.kv_cache_dim, generator=gen).to(torch.bfloat16)
+        q_latent, q_pe = q.split([SMALL_DIMS.kv_lora_rank, SMALL_DIMS.qk_rope_head_dim], -1)
+        outs.append(attn.forward_absorbed(q_latent, q_pe, layer, SMALL_DIMS.softmax_scale))
+    return outs
+
+
+def test_forks_in_other_graph_slots_keep_their_plans() -> None:
+    """Two layouts of one batch size planned one after the other (as the chained draft
+    steps of one CUDA graph are): each fork runs its own plan, not the last one."""
+    from dsv3serve.engine.graph_capture import fork_attention
+
+    first = make_case(SMALL_DIMS, [1] * 3, [5, 40, 17], "cpu", page_size=16, seed=1)
+    second = make_case(SMALL_DIMS, [1] * 3, [33, 2, 60], "cpu", page_size=16, seed=2)
+    attn = backend(first, SMALL_DIMS, cuda_graph=CudaGraphLimits(4, 64))
+    other = fork_attention(attn, "draft0")
+    other.pool = second.pool
+    other._views = {s: other._latent_views(s) for s in other._views}
+    want = [
+        run_layers(TorchRefAttention(c.pool, SMALL_DIMS.kv_lora_rank), c, SMALL_DIMS, True)
+        for c in (first, second)
+    ]
+    attn.plan(first.batch)
+    other.plan(second.batch)  # its own slot: leaves the first plan's buffers alone
+    assert attn._mla_run[0] is not other._mla_run[0]
+    for fork, case, ref in zip((attn, other), (first, second), want, strict=True):
+        for got, w in zip(_attend_planned(fork, case), ref, strict=True):
+            scale = w.float().abs().max().item()
+            torch.testing.assert_close(got.float(), w.float(), rtol=0.02, atol=0.02 * scale)

@@ -12,7 +12,8 @@ import torch
 
 from dsv3serve.bench.model import guarded
 from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
-from dsv3serve.bench.model_mtp import SpecCosts, speedup_rows
+from dsv3serve.bench.model_mtp import GraphSpecCosts, SpecCosts, speedup_rows
+from dsv3serve.bench.model_points import graph_costs
 from dsv3serve.bench.model_projection import project_full_depth
 from dsv3serve.bench.model_roofline import (
     attention_decode_bytes,
@@ -111,6 +112,25 @@ def test_mtp_costs_and_speedups(tiny_result: dict[str, Any]) -> None:
             k, speedups = row["num_steps"], row["speedup"]
             assert list(speedups) == ["1.0", "1.5", "2.0", "2.5", "3.0", "3.5", "4.0"]
             assert all((s is None) == (float(a) > k + 1) for a, s in speedups.items())
+    assert all(r["graph"] is None for r in mtp["rows"])  # no CUDA graphs on the CPU
+    assert mtp["speedup_graph"] == []
+
+
+def test_graph_round_is_chain_plus_eager_extend_plus_verify() -> None:
+    """k = 3: the 2 chained steps in one graph (1.5 ms), the eager extend (2 ms), the
+    graphed verify (4 ms), against a graphed decode step of 2.5 ms."""
+    costs = GraphSpecCosts(2.5, 2.0, {1: 3.0, 3: 4.0}, {3: 1.5})
+    assert costs.round_ms(3) == 7.5 and costs.round_ms(1) == 5.0  # k = 1: no chain
+    assert costs.break_even(3) == 3.0
+    assert costs.speedup(3, 4.0) == pytest.approx(4.0 * 2.5 / 7.5)
+    rows = graph_costs(
+        [
+            {"batch_size": 8, "draft_ms": 2.0, "graph": None},
+            {"batch_size": 1, "draft_ms": 2.0, "graph": {"decode_ms": 2.5,
+             "verify_ms": {"1": 3.0, "3": 4.0}, "chain_ms": {"3": 1.5}}},
+        ]
+    )  # fmt: skip
+    assert rows == {1: costs}
 
 
 def test_speedup_arithmetic() -> None:

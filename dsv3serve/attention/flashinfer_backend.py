@@ -12,9 +12,12 @@
 - ``plan()`` plans the form ``batch.is_decode`` implies (the model's ``attn_impl="auto"``
   rule); a forced form (``attn_impl`` "mha" / "absorb") is planned at its first call.
 - CUDA graphs: with :class:`CudaGraphLimits`, batches of up to ``max_batch_size``
-  sequences use one wrapper per batch size over preallocated index buffers (flashinfer's
-  ``use_cuda_graph=True`` mode), so a graph captured after ``plan()`` replays correctly
-  after later ``plan()`` calls of the same batch size.
+  sequences use one wrapper per (``graph_slot``, batch size) over preallocated index
+  buffers, one set per slot (flashinfer's ``use_cuda_graph=True`` mode), so a graph
+  captured after ``plan()`` replays correctly after later ``plan()`` calls of the same
+  batch size. Layouts that must stay planned together (the chained draft steps of one
+  graph, verify beside decode) plan on shallow copies with their own ``graph_slot``
+  (:func:`dsv3serve.engine.graph_capture.fork_attention`).
 
 Not supported: an fp8 KV cache (see :func:`check_pool`).
 """
@@ -90,31 +93,42 @@ class CudaGraphLimits:
     """Sizes of the preallocated buffers of the CUDA-graph-safe absorbed path.
 
     ``max_kv_indices``: the most page ids (or slots, in the token fallback) of one batch.
-    Each batch size used gets its own wrapper (8 MiB device + 8 MiB pinned host buffers).
+    Each (slot, batch size) used gets its own wrapper (8 MiB device + 8 MiB pinned host
+    buffers), each slot one set of index buffers (``max_kv_indices`` int32).
     """
 
     max_batch_size: int
     max_kv_indices: int
 
 
+class _GraphBuffers:
+    """The fixed index buffers CUDA-graph wrappers of one slot plan into."""
+
+    def __init__(self, limits: CudaGraphLimits, device: torch.device) -> None:
+        i32, n = torch.int32, limits.max_batch_size
+        self.qo = torch.zeros(n + 1, dtype=i32, device=device)
+        self.kv_indptr = torch.zeros(n + 1, dtype=i32, device=device)
+        self.kv_lens = torch.zeros(n, dtype=i32, device=device)
+        self.kv_indices = torch.zeros(limits.max_kv_indices, dtype=i32, device=device)
+
+
 class _MLAWrappers:
-    """The eager MLA wrapper, plus per-batch-size CUDA-graph wrappers over shared buffers."""
+    """The eager MLA wrapper, plus CUDA-graph wrappers keyed by (slot, batch size).
+
+    A slot is a layout that must stay planned while others are planned (decode, verify,
+    each chained draft step of one graph); its wrappers share one set of index buffers.
+    """
 
     def __init__(
         self, fi: ModuleType, workspace: torch.Tensor, graph: CudaGraphLimits | None
     ) -> None:
         self._fi, self._workspace, self._graph = fi, workspace, graph
         self._eager = fi.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
-        self._by_size: dict[int, Any] = {}
-        if graph is not None:
-            dev, i32 = workspace.device, torch.int32
-            self._qo = torch.zeros(graph.max_batch_size + 1, dtype=i32, device=dev)
-            self._kv_indptr = torch.zeros(graph.max_batch_size + 1, dtype=i32, device=dev)
-            self._kv_lens = torch.zeros(graph.max_batch_size, dtype=i32, device=dev)
-            self._kv_indices = torch.zeros(graph.max_kv_indices, dtype=i32, device=dev)
+        self._by_key: dict[tuple[str, int], Any] = {}
+        self._buffers: dict[str, _GraphBuffers] = {}
 
-    def get(self, batch_size: int, num_indices: int) -> Any:
-        """The wrapper for a batch; a graph wrapper when the batch fits the limits."""
+    def get(self, batch_size: int, num_indices: int, slot: str = "decode") -> Any:
+        """The wrapper for a batch; a graph wrapper of ``slot`` when it fits the limits."""
         graph = self._graph
         if graph is None or batch_size > graph.max_batch_size:
             return self._eager
@@ -123,17 +137,24 @@ class _MLAWrappers:
                 f"batch of {batch_size} needs {num_indices} KV indices, over the CUDA-graph "
                 f"buffer of {graph.max_kv_indices} (CudaGraphLimits.max_kv_indices)"
             )
-        if batch_size not in self._by_size:
-            self._by_size[batch_size] = self._fi.BatchMLAPagedAttentionWrapper(
-                self._workspace,
-                use_cuda_graph=True,
-                qo_indptr=self._qo[: batch_size + 1],
-                kv_indptr=self._kv_indptr[: batch_size + 1],
-                kv_indices=self._kv_indices,
-                kv_len_arr=self._kv_lens[:batch_size],
-                backend="auto",
-            )
-        return self._by_size[batch_size]
+        if (slot, batch_size) not in self._by_key:
+            self._by_key[slot, batch_size] = self._graph_wrapper(slot, batch_size)
+        return self._by_key[slot, batch_size]
+
+    def _graph_wrapper(self, slot: str, batch_size: int) -> Any:
+        assert self._graph is not None
+        if slot not in self._buffers:
+            self._buffers[slot] = _GraphBuffers(self._graph, self._workspace.device)
+        buf = self._buffers[slot]
+        return self._fi.BatchMLAPagedAttentionWrapper(
+            self._workspace,
+            use_cuda_graph=True,
+            qo_indptr=buf.qo[: batch_size + 1],
+            kv_indptr=buf.kv_indptr[: batch_size + 1],
+            kv_indices=buf.kv_indices,
+            kv_len_arr=buf.kv_lens[:batch_size],
+            backend="auto",
+        )
 
 
 class FlashInferMLAAttention(AttentionBackend):
@@ -162,6 +183,7 @@ class FlashInferMLAAttention(AttentionBackend):
         self._mha_planned = False
         self._planned: torch.cuda.Event | None = None
         self._warned_unaligned = False
+        self.graph_slot = "decode"  # CUDA-graph wrappers this instance plans into
         self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
 
     def _latent_views(self, page_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -205,7 +227,8 @@ class FlashInferMLAAttention(AttentionBackend):
 
     def _plan_absorbed(self, batch: ForwardBatch) -> None:
         index, d, dtype = self._kv_index(batch), self.dims, self.pool.dtype
-        wrapper = self._mla.get(batch.batch_size, int(index.indices.shape[0]))
+        num_indices = int(index.indices.shape[0])
+        wrapper = self._mla.get(batch.batch_size, num_indices, self.graph_slot)
         wrapper.plan(
             int32_host(batch.qo_indptr),
             index.indptr,

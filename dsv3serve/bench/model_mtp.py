@@ -6,11 +6,18 @@ target verify over ``k + 1`` tokens per sequence. It commits ``a`` tokens per se
 average (the accept length, ``1 <= a <= k + 1``), where plain decoding commits one per step:
 
     speedup(a) = a * t_decode / (k * t_draft + t_verify(k)),   break-even a = cost / t_decode.
+
+Through CUDA graphs (:class:`GraphSpecCosts`) the ``k - 1`` chained proposals are one
+graph replay (``t_chain(k)``), the verify a graph (``t_verify_graph(k)``) and plain decoding
+a graph too; the extend stays eager (one eager draft step stands for it):
+
+    round(k) = t_chain(k) + t_draft_eager + t_verify_graph(k).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 ACCEPT_LENGTHS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
@@ -39,8 +46,20 @@ class SpecCosts:
         return accept_length * self.decode_ms / self.round_ms(k)
 
 
+@dataclass(frozen=True)
+class GraphSpecCosts(SpecCosts):
+    """:class:`SpecCosts` through CUDA graphs: ``decode_ms`` and ``verify_ms`` graphed,
+    ``draft_ms`` the eager draft step (the extend), ``chain_ms[k]`` the graphed ``k - 1``
+    chained steps (absent, i.e. 0, for ``k = 1``)."""
+
+    chain_ms: dict[int, float] = field(default_factory=dict)
+
+    def round_ms(self, k: int) -> float:
+        return self.chain_ms.get(k, 0.0) + self.draft_ms + self.verify_ms[k]
+
+
 def speedup_rows(
-    costs: dict[int, SpecCosts], accept_lengths: tuple[float, ...] = ACCEPT_LENGTHS
+    costs: Mapping[int, SpecCosts], accept_lengths: tuple[float, ...] = ACCEPT_LENGTHS
 ) -> list[dict[str, Any]]:
     """One row per (batch size, k): round cost, break-even and speedup per accept length."""
     rows = []

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from dsv3serve.bench.model_batches import context_batch, context_spans, prefill_batch
-from dsv3serve.bench.model_mtp import ACCEPT_LENGTHS, SpecCosts, speedup_rows
+from dsv3serve.bench.model_mtp import ACCEPT_LENGTHS, GraphSpecCosts, SpecCosts, speedup_rows
 from dsv3serve.bench.model_plan import Plan
 from dsv3serve.bench.model_projection import project_full_depth
 from dsv3serve.bench.model_roofline import Roofline, decode_roofline
+from dsv3serve.bench.model_spec_graphs import SpecGraphTimer
 from dsv3serve.bench.model_steps import draft_step, forward_step
 from dsv3serve.bench.model_timing import Marks, StepTime, layer_marks, time_step
 from dsv3serve.engine.model_runner import ModelRunner
@@ -132,7 +133,17 @@ class ModelBench:
             "draft_ms": draft.ms,
             "verify_ms": {str(k): v.ms for k, v in verify.items()},
             "projected_61": {"decode_ms": decode["projected_61"]["ms"], "verify_ms": full},
+            "graph": self._spec_graph_costs(batch_size, decode),
         }
+
+    def _spec_graph_costs(self, batch_size: int, decode: dict[str, Any]) -> dict[str, Any] | None:
+        """Graphed draft step, chain and verify beside the graphed decode step, or None
+        without decode graphs for ``batch_size``."""
+        timer = SpecGraphTimer(self.runner, self.plan.warmup, self.plan.iters)
+        if decode.get("graph_ms") is None or not timer.available(batch_size):
+            return None
+        costs = timer.costs(batch_size, self.plan.mtp_context, list(self.plan.mtp_steps))
+        return {"decode_ms": decode["graph_ms"], **costs}
 
 
 def spec_summary(rows: list[dict[str, Any]], context: int, steps: list[int]) -> dict[str, Any]:
@@ -154,4 +165,17 @@ def spec_summary(rows: list[dict[str, Any]], context: int, steps: list[int]) -> 
         "rows": rows,
         "speedup": speedup_rows(costs(False)),
         "speedup_projected_61": speedup_rows(costs(True)),
+        "speedup_graph": speedup_rows(graph_costs(ok)),
     }
+
+
+def graph_costs(rows: list[dict[str, Any]]) -> dict[int, GraphSpecCosts]:
+    """Round costs through CUDA graphs of the rows that measured them (the extend eager)."""
+    out = {}
+    for r in rows:
+        g = r.get("graph")
+        if g is not None:
+            verify = {int(k): v for k, v in g["verify_ms"].items()}
+            chain = {int(k): v for k, v in g["chain_ms"].items()}
+            out[r["batch_size"]] = GraphSpecCosts(g["decode_ms"], r["draft_ms"], verify, chain)
+    return out

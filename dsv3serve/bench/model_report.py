@@ -136,6 +136,32 @@ def print_mtp(mtp: dict[str, Any]) -> None:
         )
     for key, title in (("speedup_projected_61", "61-layer projection"), ("speedup", "measured")):
         _print_speedup(mtp[key], mtp["accept_lengths"], title)
+    print_mtp_graphs(mtp)
+
+
+def print_mtp_graphs(mtp: dict[str, Any]) -> None:
+    """Graphed MTP steps beside the eager ones, and the speedups from graphed times."""
+    rows = [r for r in mtp["rows"] if "error" not in r and r.get("graph")]
+    if not rows:
+        print("\nMTP steps through CUDA graphs: none (no decode graphs for these batch sizes)")
+        return
+    steps = mtp["num_steps"]
+    print(f"\nMTP steps through CUDA graphs at context {mtp['context']} (eager in brackets)")
+    heads = " ".join(f"{'chain k=' + str(k):>9} {'verify k=' + str(k):>17}" for k in steps)
+    print(f"{'bs':>4} {'decode ms':>17} {'draft ms':>17} {heads}")
+    for r in rows:
+        g = r["graph"]
+        cells = " ".join(
+            f"{_fmt(g['chain_ms'].get(str(k)), '9.3f'):>9} "
+            f"{g['verify_ms'][str(k)]:>8.3f} ({r['verify_ms'][str(k)]:>6.3f})"
+            for k in steps
+        )
+        print(
+            f"{r['batch_size']:>4} {g['decode_ms']:>8.3f} ({r['decode_ms']:>6.3f}) "
+            f"{g['draft_ms']:>8.3f} ({r['draft_ms']:>6.3f}) {cells}"
+        )
+    title = "CUDA graphs: chain + eager extend + verify vs graphed decode"
+    _print_speedup(mtp["speedup_graph"], mtp["accept_lengths"], title)
 
 
 def _print_speedup(rows: list[dict[str, Any]], accept: list[str], title: str) -> None:

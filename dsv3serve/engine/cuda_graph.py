@@ -7,17 +7,20 @@ builds the padded batch, copies its token ids, positions and output slots into t
 static buffers, plans attention (flashinfer's CUDA-graph wrappers keep fixed buffers, so the
 captured kernels read the new plan), replays, and slices the first ``b`` logits rows.
 
-Prefill, extend and multi-token (speculative verify) steps stay eager.
+Prefill and extend steps stay eager; speculative decoding's verify and chained draft
+steps have graphs of their own (:mod:`dsv3serve.engine.spec.graphs`), built on the same
+helpers (:mod:`dsv3serve.engine.graph_capture`) and memory pool.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from typing import Any
 
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.engine.graph_capture import GraphCache, StaticInputs, pad_spans, padded_size
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -46,71 +49,47 @@ class DecodeGraphs:
         sizes: list[int],
         scratch_slot: int,
         capture: bool = True,
+        mempool: Any = None,
     ) -> None:
         """``capture=False`` keeps the padded static-buffer path but runs it eagerly (CPU
-        tests of the padding, and a fallback)."""
+        tests of the padding, and a fallback). ``mempool``: a CUDA graph memory pool to
+        share with the engine's other graphs (one of its own when None)."""
         self.model, self.attn, self.device = model, attn, device
         self.sizes = sorted(sizes)
         self._dummy = SeqSpan([0], 0, [scratch_slot], True)
-        n = self.sizes[-1]
-        self._ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self._pos = torch.zeros(n, dtype=torch.int64, device=device)
-        self._out = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self.replays = 0  # decode steps served by a graph
+        self._inputs = StaticInputs(self.sizes[-1], scratch_slot, device)
+        self._graphs: GraphCache[torch.Tensor] = GraphCache(device, mempool)
         if capture:
-            self._mempool = torch.cuda.graph_pool_handle()
             for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
-                self._capture(size)
+                batch = self._load([], size)
+                self._graphs.capture(size, lambda batch=batch: self._forward(batch))
             logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def replays(self) -> int:
+        """Decode steps served by a graph."""
+        return self._graphs.replays
+
     def can_run(self, spans: list[SeqSpan]) -> bool:
         return graphable(spans, self.max_batch_size)
 
     def _load(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
         """Pad ``spans`` to ``size``, copy the inputs into the static buffers and plan."""
-        padded = spans + [self._dummy] * (size - len(spans))
-        batch = ForwardBatch.build(padded, self.device, decode=True)
-        self._ids[:size].copy_(batch.input_ids)
-        self._pos[:size].copy_(batch.positions)
-        self._out[:size].copy_(batch.out_slots)
-        static = dataclasses.replace(
-            batch,
-            input_ids=self._ids[:size],
-            positions=self._pos[:size],
-            out_slots=self._out[:size],
-        )
+        padded = pad_spans(spans, size, self._dummy)
+        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
         self.attn.plan(static)
         return static
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(batch, self.attn, planned=True))
 
-    def _capture(self, size: int) -> None:
-        batch = self._load([], size)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compiles and first-call set-up happen outside capture
-            for _ in range(2):
-                self._forward(batch)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            self._logits[size] = self._forward(batch)
-        self._graphs[size] = graph
-
     def run(self, spans: list[SeqSpan]) -> torch.Tensor:
         """Logits [len(spans), V] (float32) of one decode step over ``spans``."""
-        size = next(s for s in self.sizes if s >= len(spans))
+        size = padded_size(self.sizes, len(spans))
         static = self._load(spans, size)
-        graph = self._graphs.get(size)
-        if graph is None:
-            return self._forward(static)[: len(spans)]
-        graph.replay()
-        self.replays += 1
-        return self._logits[size][: len(spans)].clone()  # the buffer is the next replay's
+        logits = self._graphs.run(size, lambda: self._forward(static))
+        return logits[: len(spans)].clone()  # a graph's buffer is the next replay's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,7 +59,7 @@ class ModelRunner:
             self.model = DeepseekV3ForCausalLM(model_cfg, opts)
         load_weights(self.model, model_dir, cfg.load_format)
         use_graphs = self._use_cuda_graphs()
-        self._scratch_pages = 1 if use_graphs else 0  # padding rows of captured batches
+        self._scratch_pages = self._num_scratch_pages() if use_graphs else 0
         self.pool = self._make_pool()
         self.attn = create_attention_backend(
             cfg.attention_backend,
@@ -69,10 +69,17 @@ class ModelRunner:
             cuda_graph=self._graph_limits() if use_graphs else None,
         )
         self.graphs: DecodeGraphs | None = None
+        self.graph_pool: Any = None  # the memory pool every CUDA graph of this rank shares
         if use_graphs:
-            scratch_slot = (self.pool.num_pages - 1) * cfg.page_size
-            sizes = capture_sizes(self._graph_max_bs())
-            self.graphs = DecodeGraphs(self.model, self.attn, self.device, sizes, scratch_slot)
+            self.graph_pool = torch.cuda.graph_pool_handle()
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.attn,
+                self.device,
+                capture_sizes(self._graph_max_bs()),
+                self.scratch_slots(1)[0],
+                mempool=self.graph_pool,
+            )
 
     def _use_cuda_graphs(self) -> bool:
         """Decode CUDA graphs: on CUDA with the flashinfer backend, unless disabled."""
@@ -82,6 +89,23 @@ class ModelRunner:
             and c.attention_backend == "flashinfer"
             and not c.disable_cuda_graph
         )
+
+    def _num_scratch_pages(self) -> int:
+        """Pages for the padding rows of captured batches: a speculative verify pads with
+        ``spec_num_steps + 1`` tokens per dummy sequence, a decode step with one."""
+        return -(-(self.cfg.spec_num_steps + 1) // self.cfg.page_size)
+
+    def scratch_slots(self, num_tokens: int) -> list[int]:
+        """Slots of positions ``0 .. num_tokens-1`` on the scratch pages (the pool's last
+        pages, never handed out), page-aligned like a sequence's own."""
+        first = self.pool.num_pages - self._scratch_pages
+        if num_tokens > self._scratch_pages * self.cfg.page_size:
+            raise ValueError(
+                f"expected at most {self._scratch_pages * self.cfg.page_size} scratch "
+                f"slots ({self._scratch_pages} pages), asked for {num_tokens}"
+            )
+        pages = list(range(first, self.pool.num_pages))
+        return kv_slots(pages, self.cfg.page_size, num_tokens)
 
     def _graph_limits(self) -> CudaGraphLimits:
         from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
@@ -121,7 +145,7 @@ class ModelRunner:
 
     @property
     def num_pages(self) -> int:
-        """Pages the scheduler may hand out (the last one is scratch with CUDA graphs)."""
+        """Pages the scheduler may hand out (the last ones are scratch with CUDA graphs)."""
         return self.pool.num_pages - self._scratch_pages
 
     def spans(self, items: list[ScheduledItem]) -> list[SeqSpan]:

@@ -37,19 +37,24 @@ class NextNDraft:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, hidden: torch.Tensor, attn: AttentionBackend
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        attn: AttentionBackend,
+        planned: bool = False,
     ) -> torch.Tensor:
         """Draft hidden states [T, H] (after the shared head norm) for the batch's tokens.
 
         ``batch.input_ids[i]`` is ``t[p+1]`` for the new position ``p = batch.positions[i]``
         and ``hidden[i]`` [H] the hidden state of ``p``. Writes the draft's KV at ``p``.
+        ``planned``: ``attn`` is already planned for ``batch`` (CUDA-graph replays).
         """
         if hidden.shape[0] != batch.num_tokens:
             raise ValueError(
                 f"expected one hidden state per draft token ({batch.num_tokens}), "
                 f"got {hidden.shape[0]}"
             )
-        ctx = self.target.step_context(batch, attn)
+        ctx = self.target.step_context(batch, attn, planned)
         embeds = self.target.embed_tokens(batch.input_ids)
         out = self.layer(embeds, hidden.to(embeds.dtype), ctx)
         return self.layer.shared_head_norm(out)

@@ -32,6 +32,7 @@ from dsv3serve.engine.model_runner import ModelRunner, kv_slots
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
+from dsv3serve.engine.spec.graphs import SpecGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 
 
@@ -72,6 +73,16 @@ class SpecDecoder:
         if draft_quant is not None:
             requantize_draft(self.draft.layer, draft_quant, runner.dtype)
         self._states: dict[str, DraftState] = {}
+        self.graphs: SpecGraphs | None = None
+        if runner.graphs is not None:  # CUDA graphs where the decode steps have them
+            self.graphs = SpecGraphs.build(
+                self.draft,
+                runner.attn,
+                num_steps,
+                runner.graphs.sizes,
+                runner.scratch_slots(num_steps + 1),
+                mempool=runner.graph_pool,
+            )
 
     # ---- per-sequence draft state ------------------------------------------------------
     def state(self, seq_id: str) -> DraftState | None:
@@ -97,9 +108,13 @@ class SpecDecoder:
         if not rows:
             return drafts
         hidden = torch.stack([st.hidden for _, st in rows])
+        if self._chain_graphable([item for item, _ in rows]):
+            return self._propose_graphed([item for item, _ in rows], drafts, hidden)
         for step in range(1, max(item.num_lookahead for item, _ in rows)):
             active = [i for i, (item, _) in enumerate(rows) if item.num_lookahead > step]
-            spans = [self._chain_span(rows[i][0], drafts, step) for i in active]
+            spans = [
+                self._chain_span(rows[i][0], drafts[rows[i][0].seq_id][-1], step) for i in active
+            ]
             batch = ForwardBatch.build(spans, self.runner.device)
             index = torch.tensor(active, dtype=torch.long, device=hidden.device)
             out = self.draft.forward(batch, hidden[index], self.runner.attn)
@@ -107,6 +122,32 @@ class SpecDecoder:
             tokens = self.draft.compute_logits(out).argmax(-1).tolist()
             for i, token in zip(active, tokens, strict=True):
                 drafts[rows[i][0].seq_id].append(token)
+        return drafts
+
+    def _chain_graphable(self, items: list[ScheduledItem]) -> bool:
+        """Every row drafts the full ``k`` (the chain graph's length), within its sizes."""
+        chain = None if self.graphs is None else self.graphs.chain
+        return (
+            chain is not None
+            and chain.can_run(len(items))
+            and all(item.num_lookahead == self.num_steps for item in items)
+        )
+
+    def _propose_graphed(
+        self, items: list[ScheduledItem], drafts: dict[str, list[int]], hidden: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """The ``k - 1`` chained steps of ``items`` through one padded (graphed) chain."""
+        assert self.graphs is not None and self.graphs.chain is not None
+        steps = [
+            [
+                self._chain_span(item, drafts[item.seq_id][0] if step == 1 else 0, step)
+                for item in items
+            ]
+            for step in range(1, self.num_steps)
+        ]
+        tokens = self.graphs.chain.run(steps, hidden).tolist()
+        for item, row in zip(items, tokens, strict=True):
+            drafts[item.seq_id].extend(row)
         return drafts
 
     @torch.inference_mode()
@@ -126,6 +167,10 @@ class SpecDecoder:
             offset += len(tokens)
         model, device = self.runner.model, self.runner.device
         verify_only = all(item.is_decode for item in items)  # the decode (absorbed) MLA form
+        graphs = None if self.graphs is None else self.graphs.verify
+        if verify_only and graphs is not None and graphs.can_run(spans):
+            hidden, logits = graphs.run(spans)  # every row is verified: rows == all of them
+            return TargetPass(hidden, starts, logits)
         batch = ForwardBatch.build(spans, device, decode=verify_only)
         hidden = model(batch, self.runner.attn)
         logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
@@ -133,7 +178,11 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def extend(self, items: list[ScheduledItem], target: TargetPass) -> None:
-        """Draft KV for every position the step committed; next states for decode-ready."""
+        """Draft KV for every position the step committed; next states for decode-ready.
+
+        Always eager, CUDA graphs or not: after an all-decode step it is a draft forward
+        over each sequence's 1 .. k+1 accepted positions (ragged; the MHA extend form).
+        """
         spans, rows, ready = [], [], []
         for item, first_row in zip(items, target.row_starts, strict=True):
             seq = item.seq
@@ -165,7 +214,8 @@ class SpecDecoder:
     def _slots(self, item: ScheduledItem, end: int) -> list[int]:
         return kv_slots(item.seq.page_table, self.runner.cfg.page_size, end)
 
-    def _chain_span(self, item: ScheduledItem, drafts: dict[str, list[int]], step: int) -> SeqSpan:
-        """Chained draft step ``step`` (1-based after d1): input ``d[step]`` at ``n+step-1``."""
+    def _chain_span(self, item: ScheduledItem, token: int, step: int) -> SeqSpan:
+        """Chained draft step ``step`` (1-based after d1): input ``token`` (``d[step]``) at
+        position ``n+step-1``."""
         position = item.start + step - 1
-        return SeqSpan([drafts[item.seq_id][-1]], position, self._slots(item, position + 1))
+        return SeqSpan([token], position, self._slots(item, position + 1))

@@ -1,0 +1,118 @@
+"""What every CUDA-graph runner of the engine shares: padding, static inputs and capture.
+
+A runner pads a batch of ``b`` sequences to a captured size ``B >= b`` with dummy spans
+on scratch pages the allocator never hands out, copies the padded batch's token ids,
+positions and output slots into static buffers (:class:`StaticInputs`), plans attention
+on the host, then replays the graph captured for ``B`` (:class:`GraphCache`). Without a
+capture (CPU, tests, a size not captured) the same forward runs eagerly on the same
+static buffers, so the padding path is testable anywhere.
+
+Several layouts planned at once (the chained draft steps of one graph, or verify beside
+decode) each plan on their own attention *fork* (:func:`fork_attention`): a shallow copy
+of the backend that keeps its own planned batch, and with flashinfer its own CUDA-graph
+wrappers (``graph_slot``), so one plan does not overwrite another's buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def padded_size(sizes: list[int], num_seqs: int) -> int:
+    """The smallest of the sorted ``sizes`` that holds ``num_seqs`` sequences."""
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    raise ValueError(f"expected at most {sizes[-1]} sequences for a graph, got {num_seqs}")
+
+
+def pad_spans(spans: list[SeqSpan], size: int, dummy: SeqSpan) -> list[SeqSpan]:
+    """``spans`` followed by ``size - len(spans)`` copies of ``dummy``."""
+    return spans + [dummy] * (size - len(spans))
+
+
+def fork_attention(attn: AttentionBackend, slot: str) -> AttentionBackend:
+    """A shallow copy of ``attn`` holding its own plan; with a backend that has CUDA-graph
+    wrappers (``graph_slot``), planning into wrappers of its own ``slot``."""
+    fork = copy.copy(attn)
+    if hasattr(fork, "graph_slot"):
+        fork.graph_slot = slot
+    return fork
+
+
+class StaticInputs:
+    """Token ids, positions and output slots [max_tokens] (int64) a graph reads."""
+
+    def __init__(self, max_tokens: int, fill_slot: int, device: torch.device) -> None:
+        """``fill_slot``: a scratch slot the unused tail of ``out_slots`` points at."""
+        self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.out = torch.full((max_tokens,), fill_slot, dtype=torch.int64, device=device)
+
+    def load(self, batch: ForwardBatch) -> ForwardBatch:
+        """Copy ``batch``'s inputs in; returns ``batch`` over views of the buffers."""
+        n = batch.num_tokens
+        if n > self.ids.shape[0]:
+            raise ValueError(f"expected at most {self.ids.shape[0]} graph tokens, got {n}")
+        self.ids[:n].copy_(batch.input_ids)
+        self.pos[:n].copy_(batch.positions)
+        self.out[:n].copy_(batch.out_slots)
+        return dataclasses.replace(
+            batch, input_ids=self.ids[:n], positions=self.pos[:n], out_slots=self.out[:n]
+        )
+
+
+class GraphCache(Generic[T]):
+    """CUDA graphs by batch size over caller-owned static buffers, in one memory pool.
+
+    ``forward`` callables read only static buffers and planned attention; what they
+    return (tensors, or tuples of them) is the graph's static output, overwritten by the
+    next replay of any graph sharing the pool: callers copy what they keep.
+    """
+
+    def __init__(self, device: torch.device, mempool: Any = None) -> None:
+        self.device = device
+        self._mempool = mempool
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, T] = {}
+        self.replays = 0  # forwards served by a graph
+
+    def __contains__(self, size: int) -> bool:
+        return size in self._graphs
+
+    def capture(self, size: int, forward: Callable[[], T]) -> None:
+        """Warm ``forward`` up on a side stream (compiles, first-call set-up), then capture."""
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            self._outputs[size] = forward()
+        self._graphs[size] = graph
+
+    def run(self, size: int, forward: Callable[[], T]) -> T:
+        """Replay the graph of ``size`` (its static outputs), or run ``forward`` eagerly."""
+        graph = self._graphs.get(size)
+        if graph is None:
+            return forward()
+        graph.replay()
+        self.replays += 1
+        return self._outputs[size]

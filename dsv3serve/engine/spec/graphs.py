@@ -1,0 +1,221 @@
+"""CUDA graphs for MTP speculative decoding: the target verify and the chained draft steps.
+
+Both pad a step of ``b`` sequences to a captured size ``B >= b`` as
+:class:`~dsv3serve.engine.cuda_graph.DecodeGraphs` does, with the same helpers
+(:mod:`dsv3serve.engine.graph_capture`) and memory pool:
+
+- :class:`VerifyGraphs`: the target over ``k + 1`` tokens per sequence (``[t_n, d1..dk]``)
+  of an all-decode step, logits at every row and the hidden states ``extend`` reads. A
+  padding sequence is ``k + 1`` tokens at positions ``0..k`` on the scratch pages, which
+  must hold ``k + 1`` slots (``ModelRunner`` reserves ``ceil((k + 1) / page_size)`` pages).
+- :class:`DraftChainGraphs`: all ``k - 1`` chained draft steps of a round in ONE graph:
+  each step's argmax feeds the next step's token ids on the device, its hidden state the
+  next step's hidden input; the positions and slots of every step are known before the
+  chain starts (the scheduler allocated the lookahead), so every step is planned before
+  the replay, each on its own attention fork (its own flashinfer graph wrappers). A
+  padding sequence is one token at position 0 of the scratch page in every step.
+
+Mixed steps (prefill chunks beside decode), rows with fewer drafts than ``k``, and
+batches over the largest size stay eager. ``extend`` always stays eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.engine.graph_capture import (
+    GraphCache,
+    StaticInputs,
+    fork_attention,
+    pad_spans,
+    padded_size,
+)
+from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class VerifyGraphs:
+    """Captured verify forwards (target + LM head on every row) for each of ``sizes``."""
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        attn: AttentionBackend,
+        num_steps: int,
+        sizes: list[int],
+        scratch_slots: list[int],
+        capture: bool = True,
+        mempool: Any = None,
+    ) -> None:
+        """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
+        scratch page, for the padding sequences."""
+        width = num_steps + 1
+        if len(scratch_slots) < width:
+            raise ValueError(
+                f"verify graphs pad with {width} tokens per sequence, expected as many "
+                f"scratch slots, got {len(scratch_slots)}"
+            )
+        self.model, self.width, self.sizes = model, width, sorted(sizes)
+        self.device = model.embed_tokens.weight.device
+        self._attn = fork_attention(attn, "verify")
+        self._dummy = SeqSpan([0] * width, 0, scratch_slots[:width], True)
+        self._inputs = StaticInputs(self.sizes[-1] * width, scratch_slots[0], self.device)
+        self._graphs: GraphCache[tuple[torch.Tensor, torch.Tensor]] = GraphCache(
+            self.device, mempool
+        )
+        self.runs = 0  # verify steps through the padded path (replayed or not)
+        if capture:
+            for size in reversed(self.sizes):
+                batch = self._load([], size)
+                self._graphs.capture(size, lambda batch=batch: self._forward(batch))
+            logger.info("captured verify CUDA graphs for batch sizes %s", self.sizes)
+
+    @property
+    def replays(self) -> int:
+        """Verify steps served by a graph."""
+        return self._graphs.replays
+
+    def can_run(self, spans: list[SeqSpan]) -> bool:
+        """``k + 1`` tokens and logits for each decode span, within the largest size."""
+        return 0 < len(spans) <= self.sizes[-1] and all(
+            len(s.token_ids) == self.width and s.sample for s in spans
+        )
+
+    def _load(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
+        padded = pad_spans(spans, size, self._dummy)
+        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
+        self._attn.plan(static)
+        return static
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(batch, self._attn, planned=True)
+        return hidden, self.model.compute_logits(hidden)
+
+    def run(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [n, H] and logits [n, V] (float32) of every row, ``n =
+        len(spans) * (k + 1)``, span by span (fresh tensors, not the graph's buffers)."""
+        size = padded_size(self.sizes, len(spans))
+        static = self._load(spans, size)
+        hidden, logits = self._graphs.run(size, lambda: self._forward(static))
+        self.runs += 1
+        rows = len(spans) * self.width
+        return hidden[:rows].clone(), logits[:rows].clone()
+
+
+class DraftChainGraphs:
+    """The ``k - 1`` chained draft steps of a round, captured as one graph per size."""
+
+    def __init__(
+        self,
+        draft: NextNDraft,
+        attn: AttentionBackend,
+        num_steps: int,
+        sizes: list[int],
+        scratch_slot: int,
+        capture: bool = True,
+        mempool: Any = None,
+    ) -> None:
+        if num_steps < 2:
+            raise ValueError(f"a draft chain needs num_steps >= 2, got {num_steps}")
+        self.draft, self.chain, self.sizes = draft, num_steps - 1, sorted(sizes)
+        target = draft.target
+        self.device = target.embed_tokens.weight.device
+        n = self.sizes[-1]
+        self._dummy = SeqSpan([0], 0, [scratch_slot], True)
+        self._steps = [StaticInputs(n, scratch_slot, self.device) for _ in range(self.chain)]
+        self._attns = [fork_attention(attn, f"draft{s}") for s in range(self.chain)]
+        dtype = target.embed_tokens.weight.dtype
+        self._hidden = torch.zeros(n, target.cfg.hidden_size, dtype=dtype, device=self.device)
+        self._graphs: GraphCache[torch.Tensor] = GraphCache(self.device, mempool)
+        self.runs = 0  # chains through the padded path (replayed or not)
+        if capture:
+            for size in reversed(self.sizes):
+                batches = self._load([[] for _ in range(self.chain)], self._hidden[:0], size)
+                self._graphs.capture(size, lambda b=batches: self._forward(b))
+            logger.info("captured draft-chain CUDA graphs for batch sizes %s", self.sizes)
+
+    @property
+    def replays(self) -> int:
+        """Draft chains served by a graph."""
+        return self._graphs.replays
+
+    def can_run(self, num_seqs: int) -> bool:
+        return 0 < num_seqs <= self.sizes[-1]
+
+    def _load(
+        self, steps: list[list[SeqSpan]], hidden: torch.Tensor, size: int
+    ) -> list[ForwardBatch]:
+        """Pad and plan every step; copy the first hidden states in (zeros for padding)."""
+        batches = []
+        for spans, inputs, attn in zip(steps, self._steps, self._attns, strict=True):
+            padded = pad_spans(spans, size, self._dummy)
+            static = inputs.load(ForwardBatch.build(padded, self.device, decode=True))
+            attn.plan(static)
+            batches.append(static)
+        n = hidden.shape[0]
+        self._hidden[:n].copy_(hidden)
+        self._hidden[n:size].zero_()
+        return batches
+
+    def _forward(self, batches: list[ForwardBatch]) -> torch.Tensor:
+        """Tokens [B, k - 1] (int64): each step's argmax, fed to the next step."""
+        ids, hidden = batches[0].input_ids, self._hidden[: batches[0].num_tokens]
+        tokens = []
+        for batch, attn in zip(batches, self._attns, strict=True):
+            step = dataclasses.replace(batch, input_ids=ids)
+            hidden = self.draft.forward(step, hidden, attn, planned=True)
+            ids = self.draft.compute_logits(hidden).argmax(-1)
+            tokens.append(ids)
+        return torch.stack(tokens, dim=1)
+
+    def run(self, steps: list[list[SeqSpan]], hidden: torch.Tensor) -> torch.Tensor:
+        """Draft tokens [n, k - 1] (int64) of ``n`` sequences.
+
+        ``steps[s]`` holds each sequence's span of chained step ``s + 1``: one token at its
+        position (the token itself matters only in step 0: ``d1``; later steps take the
+        previous step's argmax); ``hidden`` [n, H] the hidden states step 0 consumes.
+        """
+        if len(steps) != self.chain:
+            raise ValueError(f"expected spans of {self.chain} chained steps, got {len(steps)}")
+        n = hidden.shape[0]
+        size = padded_size(self.sizes, n)
+        batches = self._load(steps, hidden, size)
+        tokens = self._graphs.run(size, lambda: self._forward(batches))
+        self.runs += 1
+        return tokens[:n].clone()
+
+
+@dataclasses.dataclass
+class SpecGraphs:
+    """The verify graphs, and the draft-chain graphs when ``k >= 2``."""
+
+    verify: VerifyGraphs
+    chain: DraftChainGraphs | None
+
+    @classmethod
+    def build(
+        cls,
+        draft: NextNDraft,
+        attn: AttentionBackend,
+        num_steps: int,
+        sizes: list[int],
+        scratch_slots: list[int],
+        capture: bool = True,
+        mempool: Any = None,
+    ) -> SpecGraphs:
+        """Capture (or with ``capture=False`` only prepare) both kinds of graphs."""
+        model = draft.target
+        verify = VerifyGraphs(model, attn, num_steps, sizes, scratch_slots, capture, mempool)
+        chain = None
+        if num_steps >= 2:
+            slot = scratch_slots[0]
+            chain = DraftChainGraphs(draft, attn, num_steps, sizes, slot, capture, mempool)
+        return cls(verify, chain)
