@@ -4,11 +4,11 @@ Greedy tokens of a random model agree across numerics only where every step's to
 top-2 logit margin exceeds the logit error between the two engines. Two things make
 that a property of the setup rather than luck:
 
-- ``make_margin_checkpoint``: the tiny checkpoint with an lm_head whose rows are zero
-  except for ``LIVE`` tokens, so each step picks among a few candidates (margins are
-  O(logit spread), not the ~1/5 spread gap of 129k random logits) while the pick still
-  depends on every layer, the attention over the whole cache included. The zero rows
-  give logit exactly 0 in every engine, so they add no error.
+- ``make_margin_checkpoint``: the tiny checkpoint with a sign-decision lm_head (two
+  live rows ``w`` and ``-w``, the rest exactly zero), a 3x embedding (damps the random
+  network's amplification of rounding) and router gates zeroed (routing by the
+  correction bias alone, so a rounding difference cannot flip an expert choice; the
+  MoE kernels still gather, run and combine the chosen experts of every token).
 - ``select_prompts``: each prompt's random suffix is the first candidate (seeds in a
   fixed order) whose reference generation has a smallest margin of at least
   ``min_margin``. The rule only reads the reference engine.
@@ -127,7 +127,9 @@ def select_prompts(
     for i, (prefixed, n) in enumerate(prompt_shapes()):
         for j in range(max_tries):
             rng = random.Random(1000 * i + j)
-            prompt = (shared if prefixed else []) + [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+            prompt = (shared if prefixed else []) + [
+                rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)
+            ]
             toks, marg = generate_one(ref, f"select-{i}-{j}", prompt, new)
             if min(marg) >= min_margin:
                 break
