@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ from dsv3serve.bench.model import guarded
 from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
 from dsv3serve.bench.model_mtp import GraphSpecCosts, SpecCosts, speedup_rows
 from dsv3serve.bench.model_points import graph_costs
-from dsv3serve.bench.model_projection import project_full_depth
+from dsv3serve.bench.model_profile import DeviceOp, summarize_ops
+from dsv3serve.bench.model_projection import project_full_depth, project_graph_costs
 from dsv3serve.bench.model_roofline import (
     attention_decode_bytes,
     expected_experts_hit,
@@ -35,7 +37,7 @@ TINY_RUN = [
     "bench", "model", "--preset", "tiny", "--device", "cpu", "--num-moe-layers", "2",
     "--prefill-lens", "48", "--decode-batch-sizes", "1", "3", "--decode-contexts", "20", "40",
     "--mtp-batch-sizes", "1", "2", "--mtp-context", "20", "--warmup", "1", "--iters", "2",
-    "--page-size", "16",
+    "--page-size", "16", "--profile-graphs",
 ]  # fmt: skip
 
 
@@ -113,7 +115,12 @@ def test_mtp_costs_and_speedups(tiny_result: dict[str, Any]) -> None:
             assert list(speedups) == ["1.0", "1.5", "2.0", "2.5", "3.0", "3.5", "4.0"]
             assert all((s is None) == (float(a) > k + 1) for a, s in speedups.items())
     assert all(r["graph"] is None for r in mtp["rows"])  # no CUDA graphs on the CPU
-    assert mtp["speedup_graph"] == []
+    assert mtp["speedup_graph"] == [] and mtp["speedup_graph_61"] == []
+
+
+def test_profile_graphs_skipped_without_cuda(tiny_result: dict[str, Any]) -> None:
+    assert tiny_result["profile_graphs"] == {"profile": "graphs", "skipped": "no CUDA device"}
+    assert "58 - n_moe" in tiny_result["config"]["projection_graph"]
 
 
 def test_graph_round_is_chain_plus_eager_extend_plus_verify() -> None:
@@ -131,6 +138,44 @@ def test_graph_round_is_chain_plus_eager_extend_plus_verify() -> None:
         ]
     )  # fmt: skip
     assert rows == {1: costs}
+
+
+def test_graphed_steps_projected_to_61_layers() -> None:
+    """1 dense + 2 MoE layers measured: 61 layers add 2 dense and 56 MoE layers, each at
+    the graphed single-layer time of the step's width (1 token decode, k + 1 verify)."""
+    cfg = bench_model_config("tiny", 2, mtp=True)
+    layer_ms = {"dense": {"1": 0.1, "2": 0.2, "4": 0.4}, "moe": {"1": 0.3, "2": 0.5, "4": 0.7}}
+    graph = {"decode_ms": 2.0, "verify_ms": {"1": 3.0, "3": 4.0}, "chain_ms": {"3": 1.5}}
+    full = project_graph_costs(graph, layer_ms, cfg)
+    assert full["decode_ms"] == pytest.approx(2.0 + 56 * 0.3 + 2 * 0.1)  # 19.0
+    assert full["verify_ms"]["1"] == pytest.approx(3.0 + 56 * 0.5 + 2 * 0.2)  # 31.4
+    assert full["verify_ms"]["3"] == pytest.approx(4.0 + 56 * 0.7 + 2 * 0.4)  # 44.0
+    rows = [
+        {"batch_size": 4, "draft_ms": 1.0, "graph": {**graph, "projected_61": full}},
+        {"batch_size": 8, "draft_ms": 1.0, "graph": {**graph, "projected_61": None}},
+    ]
+    (costs,) = graph_costs(rows, projected=True).values()
+    assert costs.round_ms(3) == pytest.approx(1.5 + 1.0 + 44.0)  # chain + extend + verify_61
+    assert costs.round_ms(1) == pytest.approx(1.0 + 31.4)
+    assert costs.break_even(3) == pytest.approx(46.5 / 19.0)
+    assert graph_costs(rows)[8].decode_ms == 2.0  # the measured table keeps every row
+
+
+def test_kernel_profile_summary() -> None:
+    """Two profiled calls: 'gemm' 3 x 100 us, 'norm' 2 x 10 us, 'argmax' 1 x 30 us."""
+    ops = [
+        DeviceOp("gemm", 0.0, 100.0), DeviceOp("norm", 105.0, 115.0),
+        DeviceOp("gemm", 120.0, 220.0), DeviceOp("argmax", 1000.0, 1030.0),
+        DeviceOp("gemm", 1040.0, 1140.0), DeviceOp("norm", 1150.0, 1160.0),
+    ]  # fmt: skip
+    s = summarize_ops(ops, [(-5.0, 300.0), (990.0, 1200.0)], calls=2, top=2)
+    assert s["kernel_ms"] == pytest.approx(0.350 / 2)
+    assert s["ops_per_call"] == 3.0
+    assert s["span_ms"] == pytest.approx(statistics.median([0.220, 0.160]))
+    assert [op["name"] for op in s["top"]] == ["gemm", "argmax"]
+    gemm = s["top"][0]
+    assert (gemm["per_call"], gemm["ms"]) == (1.5, pytest.approx(0.150))
+    assert gemm["share"] == pytest.approx(300 / 350)
 
 
 def test_speedup_arithmetic() -> None:
