@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,9 +14,17 @@ import torch
 
 from dsv3serve.bench.model import guarded
 from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
+from dsv3serve.bench.model_layer_graphs import LayerGraphTimer
 from dsv3serve.bench.model_mtp import GraphSpecCosts, SpecCosts, speedup_rows
-from dsv3serve.bench.model_points import graph_costs
-from dsv3serve.bench.model_profile import DeviceOp, summarize_ops
+from dsv3serve.bench.model_plan import Plan
+from dsv3serve.bench.model_points import ModelBench, graph_costs, spec_summary
+from dsv3serve.bench.model_profile import (
+    DeviceOp,
+    call_windows,
+    device_ops,
+    profile_graphs,
+    summarize_ops,
+)
 from dsv3serve.bench.model_projection import project_full_depth, project_graph_costs
 from dsv3serve.bench.model_roofline import (
     attention_decode_bytes,
@@ -23,13 +32,18 @@ from dsv3serve.bench.model_roofline import (
     mlp_decode_bytes,
 )
 from dsv3serve.bench.model_setup import (
+    BENCH_PRESETS,
     Footprint,
     auto_num_moe_layers,
     bench_model_config,
     build_fitting_runner,
+    build_runner,
+    fill_kv_random,
     footprint,
 )
 from dsv3serve.cli import main
+from dsv3serve.config import ModelConfig
+from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import init_dummy
 
@@ -178,6 +192,28 @@ def test_kernel_profile_summary() -> None:
     assert gemm["share"] == pytest.approx(300 / 350)
 
 
+def _event(name: str, device: str, start: float, end: float, note: bool = False) -> Any:
+    """A stand-in for a ``torch.profiler`` FunctionEvent (the fields the summary reads)."""
+    kind = getattr(torch.autograd.DeviceType, device)
+    span = SimpleNamespace(start=start, end=end)
+    return SimpleNamespace(name=name, device_type=kind, time_range=span, is_user_annotation=note)
+
+
+def test_profile_events_split_into_device_ops_and_call_windows() -> None:
+    events = [
+        _event("bench_call0", "CPU", 0.0, 500.0, note=True),
+        _event("bench_call0", "CUDA", 40.0, 450.0, note=True),  # Kineto's device mirror
+        _event("cudaGraphLaunch", "CPU", 30.0, 45.0),
+        _event("gemm_kernel", "CUDA", 50.0, 150.0),
+        _event("Memcpy DtoD", "CUDA", 160.0, 165.0),
+        _event("bench_call1", "CPU", 600.0, 900.0, note=True),
+    ]
+    assert device_ops(events) == [
+        DeviceOp("gemm_kernel", 50.0, 150.0), DeviceOp("Memcpy DtoD", 160.0, 165.0)
+    ]  # fmt: skip
+    assert call_windows(events) == [(0.0, 500.0), (600.0, 900.0)]
+
+
 def test_speedup_arithmetic() -> None:
     costs = SpecCosts(decode_ms=10.0, draft_ms=2.0, verify_ms={1: 12.0, 3: 14.0})
     assert costs.round_ms(3) == 20.0
@@ -305,3 +341,77 @@ def test_build_retries_with_one_moe_layer_fewer_on_oom() -> None:
     assert tried == [4, 3, 2]
     with pytest.raises(torch.cuda.OutOfMemoryError):  # an explicit --num-moe-layers is kept
         build_fitting_runner(fake_make_fits_two, 3, shrink_on_oom=False)
+
+
+# ---- GPU: flashinfer + Triton MoE on the tiny width with DeepSeek-V3's attention shapes ----
+GPU_ATTENTION = {
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+GPU_CONTEXT = 100
+
+
+@pytest.fixture(scope="module")
+def gpu_runner() -> ModelRunner:
+    """1 dense + 2 MoE layers + NextN, dummy FP8 weights, KV filled with random latents."""
+    pytest.importorskip("flashinfer")
+    raw = {**BENCH_PRESETS["tiny"], **GPU_ATTENTION, "num_hidden_layers": 3,
+           "first_k_dense_replace": 1, "num_nextn_predict_layers": 1}  # fmt: skip
+    kv = {"page_size": 64, "num_kv_tokens": 64 * 64, "kv_cache_dtype": "auto"}
+    runner = build_runner(ModelConfig.from_dict(raw), "cuda", "flashinfer", "triton", kv)
+    fill_kv_random(runner.pool)
+    return runner
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_layer_graph_replays_the_eager_layer(
+    gpu_runner: ModelRunner, layer: int, tokens: int
+) -> None:
+    timer = LayerGraphTimer(gpu_runner, GPU_CONTEXT, warmup=1, iters=3)
+    graph = timer.capture(layer, 4, tokens)
+    got = graph.replay().clone()
+    want = graph.eager()
+    assert got.shape == (4 * tokens, gpu_runner.model_cfg.hidden_size)
+    scale = want.float().abs().max()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * scale)
+    assert _positive(timer.layer_ms(layer, 4, tokens))
+
+
+@pytest.mark.gpu
+def test_graphed_mtp_costs_projected_to_61_layers(gpu_runner: ModelRunner) -> None:
+    plan = Plan([], [2], [GPU_CONTEXT], [2], GPU_CONTEXT, [1, 2], warmup=1, iters=3)
+    bench = ModelBench(gpu_runner, plan, copy_TBps=3.0)
+    row = {"batch_size": 2, **bench.spec_costs(2, bench.decode(2, GPU_CONTEXT))}
+    g = row["graph"]
+    assert g is not None and "layer_error" not in g
+    t, p = g["layer_ms"], g["projected_61"]
+    assert set(t["dense"]) == set(t["moe"]) == {"1", "2", "3"}
+    # 1 dense + 2 MoE measured: DeepSeek-V3 has 2 dense and 56 MoE layers more
+    assert p["decode_ms"] == pytest.approx(
+        g["decode_ms"] + 56 * t["moe"]["1"] + 2 * t["dense"]["1"]
+    )
+    for k in ("1", "2"):
+        w = str(int(k) + 1)
+        want = g["verify_ms"][k] + 56 * t["moe"][w] + 2 * t["dense"][w]
+        assert p["verify_ms"][k] == pytest.approx(want)
+    summary = spec_summary([row], GPU_CONTEXT, [1, 2])
+    assert [r["num_steps"] for r in summary["speedup_graph_61"]] == [1, 2]
+    assert summary["speedup_graph_61"][1]["round_ms"] == pytest.approx(
+        g["chain_ms"]["2"] + row["draft_ms"] + p["verify_ms"]["2"]
+    )
+
+
+@pytest.mark.gpu
+def test_profile_graphs_lists_the_device_ops(gpu_runner: ModelRunner) -> None:
+    profile = profile_graphs(gpu_runner, GPU_CONTEXT, warmup=1, iters=3)
+    for key in ("decode", "draft_step"):
+        p = profile[key]
+        assert _positive(p["wall_ms"]) and _positive(p["kernel_ms"]) and p["top"]
+        assert sum(op["ms"] for op in p["top"]) <= p["kernel_ms"] * (1 + 1e-9)
+        assert p["span_ms"] is not None and p["span_ms"] >= 0.5 * p["kernel_ms"]

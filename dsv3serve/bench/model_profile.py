@@ -38,19 +38,25 @@ class DeviceOp:
         return self.end_us - self.start_us
 
 
+def _annotation(event: Any) -> bool:
+    """A ``record_function`` range (Kineto also mirrors them on the device's timeline)."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith(CALL_TAG)
+
+
 def device_ops(events: Iterable[Any]) -> list[DeviceOp]:
-    """The device-side events of ``torch.profiler``'s ``prof.events()``."""
+    """The device-side ops among ``torch.profiler``'s ``prof.events()`` (no annotations)."""
     cuda = torch.autograd.DeviceType.CUDA
     return [
         DeviceOp(e.name, e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == cuda
+        if e.device_type == cuda and not _annotation(e)
     ]
 
 
 def call_windows(events: Iterable[Any]) -> list[tuple[float, float]]:
-    """(start, end) microseconds of each ``CALL_TAG`` range, in order."""
-    ranges = [e.time_range for e in events if e.name.startswith(CALL_TAG)]
+    """(start, end) microseconds of each host-side ``CALL_TAG`` range, in order."""
+    cpu = torch.autograd.DeviceType.CPU
+    ranges = [e.time_range for e in events if e.device_type == cpu and e.name.startswith(CALL_TAG)]
     return sorted((r.start, r.end) for r in ranges)
 
 
