@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,22 +14,36 @@ import torch
 
 from dsv3serve.bench.model import guarded
 from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
+from dsv3serve.bench.model_layer_graphs import LayerGraphTimer
 from dsv3serve.bench.model_mtp import GraphSpecCosts, SpecCosts, speedup_rows
-from dsv3serve.bench.model_points import graph_costs
-from dsv3serve.bench.model_projection import project_full_depth
+from dsv3serve.bench.model_plan import Plan
+from dsv3serve.bench.model_points import ModelBench, graph_costs, spec_summary
+from dsv3serve.bench.model_profile import (
+    DeviceOp,
+    call_windows,
+    device_ops,
+    profile_graphs,
+    summarize_ops,
+)
+from dsv3serve.bench.model_projection import project_full_depth, project_graph_costs
 from dsv3serve.bench.model_roofline import (
     attention_decode_bytes,
     expected_experts_hit,
     mlp_decode_bytes,
 )
 from dsv3serve.bench.model_setup import (
+    BENCH_PRESETS,
     Footprint,
     auto_num_moe_layers,
     bench_model_config,
     build_fitting_runner,
+    build_runner,
+    fill_kv_random,
     footprint,
 )
 from dsv3serve.cli import main
+from dsv3serve.config import ModelConfig
+from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import init_dummy
 
@@ -35,7 +51,7 @@ TINY_RUN = [
     "bench", "model", "--preset", "tiny", "--device", "cpu", "--num-moe-layers", "2",
     "--prefill-lens", "48", "--decode-batch-sizes", "1", "3", "--decode-contexts", "20", "40",
     "--mtp-batch-sizes", "1", "2", "--mtp-context", "20", "--warmup", "1", "--iters", "2",
-    "--page-size", "16",
+    "--page-size", "16", "--profile-graphs",
 ]  # fmt: skip
 
 
@@ -113,7 +129,12 @@ def test_mtp_costs_and_speedups(tiny_result: dict[str, Any]) -> None:
             assert list(speedups) == ["1.0", "1.5", "2.0", "2.5", "3.0", "3.5", "4.0"]
             assert all((s is None) == (float(a) > k + 1) for a, s in speedups.items())
     assert all(r["graph"] is None for r in mtp["rows"])  # no CUDA graphs on the CPU
-    assert mtp["speedup_graph"] == []
+    assert mtp["speedup_graph"] == [] and mtp["speedup_graph_61"] == []
+
+
+def test_profile_graphs_skipped_without_cuda(tiny_result: dict[str, Any]) -> None:
+    assert tiny_result["profile_graphs"] == {"profile": "graphs", "skipped": "no CUDA device"}
+    assert "58 - n_moe" in tiny_result["config"]["projection_graph"]
 
 
 def test_graph_round_is_chain_plus_eager_extend_plus_verify() -> None:
@@ -131,6 +152,66 @@ def test_graph_round_is_chain_plus_eager_extend_plus_verify() -> None:
         ]
     )  # fmt: skip
     assert rows == {1: costs}
+
+
+def test_graphed_steps_projected_to_61_layers() -> None:
+    """1 dense + 2 MoE layers measured: 61 layers add 2 dense and 56 MoE layers, each at
+    the graphed single-layer time of the step's width (1 token decode, k + 1 verify)."""
+    cfg = bench_model_config("tiny", 2, mtp=True)
+    layer_ms = {"dense": {"1": 0.1, "2": 0.2, "4": 0.4}, "moe": {"1": 0.3, "2": 0.5, "4": 0.7}}
+    graph = {"decode_ms": 2.0, "verify_ms": {"1": 3.0, "3": 4.0}, "chain_ms": {"3": 1.5}}
+    full = project_graph_costs(graph, layer_ms, cfg)
+    assert full["decode_ms"] == pytest.approx(2.0 + 56 * 0.3 + 2 * 0.1)  # 19.0
+    assert full["verify_ms"]["1"] == pytest.approx(3.0 + 56 * 0.5 + 2 * 0.2)  # 31.4
+    assert full["verify_ms"]["3"] == pytest.approx(4.0 + 56 * 0.7 + 2 * 0.4)  # 44.0
+    rows = [
+        {"batch_size": 4, "draft_ms": 1.0, "graph": {**graph, "projected_61": full}},
+        {"batch_size": 8, "draft_ms": 1.0, "graph": {**graph, "projected_61": None}},
+    ]
+    (costs,) = graph_costs(rows, projected=True).values()
+    assert costs.round_ms(3) == pytest.approx(1.5 + 1.0 + 44.0)  # chain + extend + verify_61
+    assert costs.round_ms(1) == pytest.approx(1.0 + 31.4)
+    assert costs.break_even(3) == pytest.approx(46.5 / 19.0)
+    assert graph_costs(rows)[8].decode_ms == 2.0  # the measured table keeps every row
+
+
+def test_kernel_profile_summary() -> None:
+    """Two profiled calls: 'gemm' 3 x 100 us, 'norm' 2 x 10 us, 'argmax' 1 x 30 us."""
+    ops = [
+        DeviceOp("gemm", 0.0, 100.0), DeviceOp("norm", 105.0, 115.0),
+        DeviceOp("gemm", 120.0, 220.0), DeviceOp("argmax", 1000.0, 1030.0),
+        DeviceOp("gemm", 1040.0, 1140.0), DeviceOp("norm", 1150.0, 1160.0),
+    ]  # fmt: skip
+    s = summarize_ops(ops, [(-5.0, 300.0), (990.0, 1200.0)], calls=2, top=2)
+    assert s["kernel_ms"] == pytest.approx(0.350 / 2)
+    assert s["ops_per_call"] == 3.0
+    assert s["span_ms"] == pytest.approx(statistics.median([0.220, 0.160]))
+    assert [op["name"] for op in s["top"]] == ["gemm", "argmax"]
+    gemm = s["top"][0]
+    assert (gemm["per_call"], gemm["ms"]) == (1.5, pytest.approx(0.150))
+    assert gemm["share"] == pytest.approx(300 / 350)
+
+
+def _event(name: str, device: str, start: float, end: float, note: bool = False) -> Any:
+    """A stand-in for a ``torch.profiler`` FunctionEvent (the fields the summary reads)."""
+    kind = getattr(torch.autograd.DeviceType, device)
+    span = SimpleNamespace(start=start, end=end)
+    return SimpleNamespace(name=name, device_type=kind, time_range=span, is_user_annotation=note)
+
+
+def test_profile_events_split_into_device_ops_and_call_windows() -> None:
+    events = [
+        _event("bench_call0", "CPU", 0.0, 500.0, note=True),
+        _event("bench_call0", "CUDA", 40.0, 450.0, note=True),  # Kineto's device mirror
+        _event("cudaGraphLaunch", "CPU", 30.0, 45.0),
+        _event("gemm_kernel", "CUDA", 50.0, 150.0),
+        _event("Memcpy DtoD", "CUDA", 160.0, 165.0),
+        _event("bench_call1", "CPU", 600.0, 900.0, note=True),
+    ]
+    assert device_ops(events) == [
+        DeviceOp("gemm_kernel", 50.0, 150.0), DeviceOp("Memcpy DtoD", 160.0, 165.0)
+    ]  # fmt: skip
+    assert call_windows(events) == [(0.0, 500.0), (600.0, 900.0)]
 
 
 def test_speedup_arithmetic() -> None:
@@ -260,3 +341,77 @@ def test_build_retries_with_one_moe_layer_fewer_on_oom() -> None:
     assert tried == [4, 3, 2]
     with pytest.raises(torch.cuda.OutOfMemoryError):  # an explicit --num-moe-layers is kept
         build_fitting_runner(fake_make_fits_two, 3, shrink_on_oom=False)
+
+
+# ---- GPU: flashinfer + Triton MoE on the tiny width with DeepSeek-V3's attention shapes ----
+GPU_ATTENTION = {
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+GPU_CONTEXT = 100
+
+
+@pytest.fixture(scope="module")
+def gpu_runner() -> ModelRunner:
+    """1 dense + 2 MoE layers + NextN, dummy FP8 weights, KV filled with random latents."""
+    pytest.importorskip("flashinfer")
+    raw = {**BENCH_PRESETS["tiny"], **GPU_ATTENTION, "num_hidden_layers": 3,
+           "first_k_dense_replace": 1, "num_nextn_predict_layers": 1}  # fmt: skip
+    kv = {"page_size": 64, "num_kv_tokens": 64 * 64, "kv_cache_dtype": "auto"}
+    runner = build_runner(ModelConfig.from_dict(raw), "cuda", "flashinfer", "triton", kv)
+    fill_kv_random(runner.pool)
+    return runner
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_layer_graph_replays_the_eager_layer(
+    gpu_runner: ModelRunner, layer: int, tokens: int
+) -> None:
+    timer = LayerGraphTimer(gpu_runner, GPU_CONTEXT, warmup=1, iters=3)
+    graph = timer.capture(layer, 4, tokens)
+    got = graph.replay().clone()
+    want = graph.eager()
+    assert got.shape == (4 * tokens, gpu_runner.model_cfg.hidden_size)
+    scale = want.float().abs().max()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * scale)
+    assert _positive(timer.layer_ms(layer, 4, tokens))
+
+
+@pytest.mark.gpu
+def test_graphed_mtp_costs_projected_to_61_layers(gpu_runner: ModelRunner) -> None:
+    plan = Plan([], [2], [GPU_CONTEXT], [2], GPU_CONTEXT, [1, 2], warmup=1, iters=3)
+    bench = ModelBench(gpu_runner, plan, copy_TBps=3.0)
+    row = {"batch_size": 2, **bench.spec_costs(2, bench.decode(2, GPU_CONTEXT))}
+    g = row["graph"]
+    assert g is not None and "layer_error" not in g
+    t, p = g["layer_ms"], g["projected_61"]
+    assert set(t["dense"]) == set(t["moe"]) == {"1", "2", "3"}
+    # 1 dense + 2 MoE measured: DeepSeek-V3 has 2 dense and 56 MoE layers more
+    assert p["decode_ms"] == pytest.approx(
+        g["decode_ms"] + 56 * t["moe"]["1"] + 2 * t["dense"]["1"]
+    )
+    for k in ("1", "2"):
+        w = str(int(k) + 1)
+        want = g["verify_ms"][k] + 56 * t["moe"][w] + 2 * t["dense"][w]
+        assert p["verify_ms"][k] == pytest.approx(want)
+    summary = spec_summary([row], GPU_CONTEXT, [1, 2])
+    assert [r["num_steps"] for r in summary["speedup_graph_61"]] == [1, 2]
+    assert summary["speedup_graph_61"][1]["round_ms"] == pytest.approx(
+        g["chain_ms"]["2"] + row["draft_ms"] + p["verify_ms"]["2"]
+    )
+
+
+@pytest.mark.gpu
+def test_profile_graphs_lists_the_device_ops(gpu_runner: ModelRunner) -> None:
+    profile = profile_graphs(gpu_runner, GPU_CONTEXT, warmup=1, iters=3)
+    for key in ("decode", "draft_step"):
+        p = profile[key]
+        assert _positive(p["wall_ms"]) and _positive(p["kernel_ms"]) and p["top"]
+        assert sum(op["ms"] for op in p["top"]) <= p["kernel_ms"] * (1 + 1e-9)
+        assert p["span_ms"] is not None and p["span_ms"] >= 0.5 * p["kernel_ms"]

@@ -12,9 +12,12 @@ layer, with dummy FP8 weights drawn on the device. The same run's ceilings come 
   sequence) against a decode step, and the speedup per accept length.
 
 Per-layer times are scaled to DeepSeek-V3's 61 layers (3 dense + 58 MoE) for the projected
-numbers; the measured ones are kept beside them. Steps run eagerly: the model runner has no
-CUDA-graph capture yet. A point that fails (out of memory, a shape a backend rejects) is
-recorded with its error and the run goes on; the JSON is rewritten after every section.
+numbers; the measured ones are kept beside them. Steps run eagerly per part, and whole
+through CUDA graphs where the runner captures them (flashinfer on CUDA); graphed steps are
+projected to 61 layers with single layers captured alone (``model_layer_graphs``), and
+``--profile-graphs`` lists the kernels of the graphed decode and draft steps. A point
+that fails (out of memory, a shape a backend rejects) is recorded with its error and the
+run goes on; the JSON is rewritten after every section.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from dsv3serve.bench.model_plan import Plan, make_plan
 from dsv3serve.bench.model_points import ModelBench, spec_summary
+from dsv3serve.bench.model_profile import profile_graphs
 from dsv3serve.bench.model_report import environment, print_report
 from dsv3serve.bench.model_roofline import storage_bytes
 from dsv3serve.bench.model_setup import (
@@ -56,6 +60,12 @@ PROJECTION = (
     "61-layer numbers scale the bench model's mean dense and mean MoE layer to DeepSeek-V3's "
     "3 dense + 58 MoE layers, other parts (embedding, head) as measured; draft steps are not "
     "scaled (the NextN layer is one layer in the full model too)"
+)
+GRAPH_PROJECTION = (
+    "graphed 61-layer: decode_61 = graphed decode + (58 - n_moe) * t_moe(bs, 1) + "
+    "(3 - n_dense) * t_dense(bs, 1); verify_61(k) = graphed verify(k) + the same with "
+    "t(bs, k + 1); t(bs, w): median replay of one dense / MoE layer captured alone over bs "
+    "sequences of w new tokens (pure GPU time); draft chain and extend as measured"
 )
 
 
@@ -155,6 +165,7 @@ def _config_record(args: argparse.Namespace, runner: ModelRunner, plan: Plan) ->
         "plan": asdict(plan),
         "timing": timing,
         "projection": PROJECTION,
+        "projection_graph": GRAPH_PROJECTION,
     }
 
 
@@ -197,6 +208,14 @@ def measure_decode(bench: ModelBench) -> list[dict[str, Any]]:
     ]
 
 
+def measure_profile(bench: ModelBench) -> dict[str, Any]:
+    """Device ops of the graphed decode and draft steps at bs 1 (skipped without CUDA)."""
+    if bench.runner.device.type != "cuda":
+        return {"skipped": "no CUDA device"}
+    plan = bench.plan
+    return profile_graphs(bench.runner, plan.mtp_context, plan.warmup, plan.iters)
+
+
 def run_bench_model(args: argparse.Namespace) -> dict[str, Any]:
     """Ceilings, build, prefill, decode, MTP; print the tables and write ``args.out``."""
     device, plan = _resolve_device(args.device), make_plan(args)
@@ -221,5 +240,8 @@ def run_bench_model(args: argparse.Namespace) -> dict[str, Any]:
     save()
     result["mtp"] = measure_mtp(bench, result["decode"]) if plan.mtp_batch_sizes else None
     save()
+    if args.profile_graphs:
+        result["profile_graphs"] = guarded({"profile": "graphs"}, lambda: measure_profile(bench))
+        save()
     print_report(result)
     return result

@@ -37,6 +37,11 @@ def add_model_parser(bench: Any) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed steps per point")
     p.add_argument("--replays", type=int, default=10, help="timed replays per ceiling")
     p.add_argument("--reserve-gb", type=float, default=None, help="memory kept for activations")
+    p.add_argument(
+        "--profile-graphs",
+        action="store_true",
+        help="torch.profiler kernels of the graphed decode and draft steps at bs 1 (CUDA)",
+    )
     p.add_argument("--out", default="bench_model.json", help="where to write the JSON")
     p.set_defaults(func=_run)
     return p

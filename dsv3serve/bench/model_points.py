@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import statistics
+import traceback
 from typing import Any
 
 import torch
 
 from dsv3serve.bench.model_batches import context_batch, context_spans, prefill_batch
+from dsv3serve.bench.model_layer_graphs import LayerGraphTimer
 from dsv3serve.bench.model_mtp import ACCEPT_LENGTHS, GraphSpecCosts, SpecCosts, speedup_rows
 from dsv3serve.bench.model_plan import Plan
-from dsv3serve.bench.model_projection import project_full_depth
+from dsv3serve.bench.model_projection import project_full_depth, project_graph_costs
 from dsv3serve.bench.model_roofline import Roofline, decode_roofline
 from dsv3serve.bench.model_spec_graphs import SpecGraphTimer
 from dsv3serve.bench.model_steps import draft_step, forward_step
@@ -143,7 +145,24 @@ class ModelBench:
         if decode.get("graph_ms") is None or not timer.available(batch_size):
             return None
         costs = timer.costs(batch_size, self.plan.mtp_context, list(self.plan.mtp_steps))
-        return {"decode_ms": decode["graph_ms"], **costs}
+        graph = {"decode_ms": decode["graph_ms"], **costs}
+        return {**graph, **self._graph_layers(batch_size, graph)}
+
+    def _graph_layers(self, batch_size: int, graph: dict[str, Any]) -> dict[str, Any]:
+        """Graphed dense and MoE layer times at the decode and verify shapes and the graphed
+        steps projected to 61 layers with them (``layer_error`` instead if they failed)."""
+        plan = self.plan
+        timer = LayerGraphTimer(self.runner, plan.mtp_context, plan.warmup, plan.iters)
+        widths = [1, *(k + 1 for k in plan.mtp_steps)]
+        try:
+            layer_ms = timer.times(batch_size, widths)
+        except Exception as err:  # the measured graph costs are kept without the projection
+            traceback.print_exc()
+            return {"layer_ms": None, "layer_error": f"{type(err).__name__}: {err}"[:500]}
+        return {
+            "layer_ms": layer_ms,
+            "projected_61": project_graph_costs(graph, layer_ms, self.cfg),
+        }
 
 
 def spec_summary(rows: list[dict[str, Any]], context: int, steps: list[int]) -> dict[str, Any]:
@@ -166,14 +185,19 @@ def spec_summary(rows: list[dict[str, Any]], context: int, steps: list[int]) -> 
         "speedup": speedup_rows(costs(False)),
         "speedup_projected_61": speedup_rows(costs(True)),
         "speedup_graph": speedup_rows(graph_costs(ok)),
+        "speedup_graph_61": speedup_rows(graph_costs(ok, projected=True)),
     }
 
 
-def graph_costs(rows: list[dict[str, Any]]) -> dict[int, GraphSpecCosts]:
-    """Round costs through CUDA graphs of the rows that measured them (the extend eager)."""
+def graph_costs(rows: list[dict[str, Any]], projected: bool = False) -> dict[int, GraphSpecCosts]:
+    """Round costs through CUDA graphs of the rows that measured them (the extend eager);
+    ``projected``: with the decode and verify steps projected to 61 layers (rows whose
+    layer graphs failed are left out)."""
     out = {}
     for r in rows:
         g = r.get("graph")
+        if g is not None and projected:
+            g = {**g, **g["projected_61"]} if g.get("projected_61") else None
         if g is not None:
             verify = {int(k): v for k, v in g["verify_ms"].items()}
             chain = {int(k): v for k, v in g["chain_ms"].items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.model.presets import DEEPSEEK_V3_CONFIG
@@ -30,3 +31,32 @@ def project_full_depth(parts: dict[str, float], cfg: ModelConfig) -> float:
     return (
         other + FULL_DENSE_LAYERS * statistics.mean(dense) + FULL_MOE_LAYERS * statistics.mean(moe)
     )
+
+
+def add_full_depth_layers(
+    measured_ms: float, dense_ms: float, moe_ms: float, cfg: ModelConfig
+) -> float:
+    """A step measured whole on the bench model ``cfg``, plus the layers DeepSeek-V3 has
+    beyond it: ``measured + (58 - n_moe) * moe_ms + (3 - n_dense) * dense_ms``, with
+    ``dense_ms`` / ``moe_ms`` one dense / MoE layer's time at the step's shape."""
+    num_dense = cfg.first_k_dense_replace
+    num_moe = cfg.num_hidden_layers - num_dense
+    extra_moe, extra_dense = FULL_MOE_LAYERS - num_moe, FULL_DENSE_LAYERS - num_dense
+    return measured_ms + extra_moe * moe_ms + extra_dense * dense_ms
+
+
+def project_graph_costs(
+    graph: dict[str, Any], layer_ms: dict[str, dict[str, float]], cfg: ModelConfig
+) -> dict[str, Any]:
+    """The graphed decode and verify steps of a ``bench model`` MTP row (``graph``:
+    ``decode_ms``, ``verify_ms`` by k) at 61 layers, from the graphed layer times
+    ``layer_ms[kind][tokens per sequence]`` (kind ``dense`` / ``moe``; 1 for decode,
+    ``k + 1`` for verify k). Draft chain and extend are not scaled (one layer in the
+    full model too)."""
+
+    def full(ms: float, width: int) -> float:
+        key = str(width)
+        return add_full_depth_layers(ms, layer_ms["dense"][key], layer_ms["moe"][key], cfg)
+
+    verify = {k: full(ms, int(k) + 1) for k, ms in graph["verify_ms"].items()}
+    return {"decode_ms": full(graph["decode_ms"], 1), "verify_ms": verify}

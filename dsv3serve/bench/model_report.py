@@ -61,6 +61,8 @@ def print_header(result: dict[str, Any]) -> None:
     )
     print(f"timing: {cfg['timing']}")
     print(f"projection: {cfg['projection']}")
+    if "projection_graph" in cfg:
+        print(f"projection (graphs): {cfg['projection_graph']}")
 
 
 def _print_errors(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,6 +164,60 @@ def print_mtp_graphs(mtp: dict[str, Any]) -> None:
         )
     title = "CUDA graphs: chain + eager extend + verify vs graphed decode"
     _print_speedup(mtp["speedup_graph"], mtp["accept_lengths"], title)
+    print_graph_projection(mtp, rows)
+
+
+def print_graph_projection(mtp: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Graphed single-layer times, the graphed steps at 61 layers and their speedups."""
+    rows = [r for r in rows if r["graph"].get("layer_ms") or r["graph"].get("layer_error")]
+    if not rows:
+        return
+    steps = mtp["num_steps"]
+    widths = [1, *(k + 1 for k in steps)]
+    print("\none layer captured alone, ms per replay (w = new tokens per sequence; "
+          "61: graphed steps projected to 3 dense + 58 MoE layers)")  # fmt: skip
+    cells = " ".join(f"{kind + ' w=' + str(w):>11}" for kind in ("dense", "moe") for w in widths)
+    verify = " ".join(f"{'verify k=' + str(k):>11}" for k in steps)
+    print(f"{'bs':>4} {cells} | {'61: decode':>10} {verify}")
+    for r in rows:
+        g = r["graph"]
+        if g.get("layer_ms") is None:
+            print(f"{r['batch_size']:>4} failed: {g['layer_error']}")
+            continue
+        t, p = g["layer_ms"], g["projected_61"]
+        cells = " ".join(f"{t[kind][str(w)]:>11.3f}" for kind in ("dense", "moe") for w in widths)
+        verify = " ".join(f"{p['verify_ms'][str(k)]:>11.2f}" for k in steps)
+        print(f"{r['batch_size']:>4} {cells} | {p['decode_ms']:>10.2f} {verify}")
+    title = (
+        "CUDA graphs at 61 layers: decode_61 = graphed decode + (58 - n_moe) t_moe(bs, 1) "
+        "+ (3 - n_dense) t_dense(bs, 1), verify_61(k) alike with t(bs, k + 1); "
+        "chain + eager extend as measured"
+    )
+    _print_speedup(mtp.get("speedup_graph_61", []), mtp["accept_lengths"], title)
+
+
+def print_profile(profile: dict[str, Any]) -> None:
+    """The top device ops of the graphed decode and draft steps, and time per call."""
+    if "error" in profile or "skipped" in profile:
+        print(f"\nkernel profile: {profile.get('error') or profile['skipped']}")
+        return
+    for key, title in (("decode", "decode step"), ("draft_step", "one draft step (chain)")):
+        p = profile.get(key)
+        if p is None or "skipped" in p:
+            print(f"\nkernel profile, {title}: {p and p['skipped']}")
+            continue
+        print(
+            f"\nkernel profile, graphed {title}, bs {profile['batch_size']}, context "
+            f"{profile['context']}: wall {p['wall_ms']:.3f} ms per call (host padding + "
+            f"planning + replay), device span {_fmt(p['span_ms'], '.3f')} ms, device ops "
+            f"{p['kernel_ms']:.3f} ms ({p['ops_per_call']:.0f} ops), wall - ops "
+            f"{p['host_ms']:.3f} ms"
+        )
+        print(f"{'ms/call':>8} {'share':>6} {'n/call':>6}  op")
+        for op in p["top"]:
+            print(
+                f"{op['ms']:>8.4f} {op['share']:>6.1%} {op['per_call']:>6.1f}  {op['name'][:100]}"
+            )
 
 
 def _print_speedup(rows: list[dict[str, Any]], accept: list[str], title: str) -> None:
@@ -186,3 +242,5 @@ def print_report(result: dict[str, Any]) -> None:
         print_decode_graphs(result["decode"])
     if result.get("mtp"):
         print_mtp(result["mtp"])
+    if result.get("profile_graphs"):
+        print_profile(result["profile_graphs"])

@@ -65,14 +65,22 @@ class SpecGraphTimer:
         size = (batch_size, r.model_cfg.hidden_size)
         return torch.randn(size, generator=g, device=r.device).to(r.dtype)
 
-    def chain_ms(self, batch_size: int, context: int, num_steps: int) -> float:
-        """The ``num_steps - 1`` chained draft steps, one graph (``num_steps=2``: one step)."""
+    def chain_call(
+        self, batch_size: int, context: int, num_steps: int
+    ) -> tuple[Callable[[], torch.Tensor], DraftChainGraphs]:
+        """A call of the ``num_steps - 1`` chained draft steps as the engine makes it (host
+        padding and planning, then the replay of their one graph), and the graphs."""
         r = self.runner
         scratch = r.scratch_slots(1)[0]
         chain = DraftChainGraphs(self.draft, r.attn, num_steps, [batch_size], scratch)
         steps = chain_steps(self._spans(batch_size, context, num_steps), num_steps)
         hidden = self._hidden(batch_size)
-        ms = median_call_ms(lambda: chain.run(steps, hidden), self.warmup, self.iters)
+        return lambda: chain.run(steps, hidden), chain
+
+    def chain_ms(self, batch_size: int, context: int, num_steps: int) -> float:
+        """The ``num_steps - 1`` chained draft steps, one graph (``num_steps=2``: one step)."""
+        call, chain = self.chain_call(batch_size, context, num_steps)
+        ms = median_call_ms(call, self.warmup, self.iters)
         assert chain.replays > 0, "the chain did not replay its graph"
         return ms
 
