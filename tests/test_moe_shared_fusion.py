@@ -15,13 +15,13 @@ from dsv3serve.cli import build_parser, engine_config
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.layers.linear import Linear
-from dsv3serve.model.deepseek_v3 import MoE, ModelOptions
+from dsv3serve.model.deepseek_v3 import ModelOptions, MoE
 from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.experts import random_experts
 from dsv3serve.moe.shared import NEVER, append_shared_expert, fusion_max_tokens
 from dsv3serve.moe.shared import tie_shared_expert as tie
 
-E, H, I, K = 16, 256, 128, 4
+E, H, INTER, K = 16, 256, 128, 4
 
 
 def test_append_gives_every_token_the_shared_slot_with_weight_one() -> None:
@@ -36,7 +36,11 @@ def test_append_gives_every_token_the_shared_slot_with_weight_one() -> None:
 
 def _linears(fp8: bool, dtype: torch.dtype) -> list[Linear]:
     """Shared-expert gate, up, down linears with random values (independent of any stack)."""
-    parts = [Linear(H, I, fp8, dtype), Linear(H, I, fp8, dtype), Linear(I, H, fp8, dtype)]
+    parts = [
+        Linear(H, INTER, fp8, dtype),
+        Linear(H, INTER, fp8, dtype),
+        Linear(INTER, H, fp8, dtype),
+    ]
     for lin in parts:
         lin.weight.data = torch.randn(lin.weight.shape).clamp(-448, 448).to(lin.weight.dtype)
         if lin.weight_scale_inv is not None:
@@ -59,7 +63,7 @@ def _tie(ex, parts: list[Linear]) -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_tie_moves_the_shared_weights_into_slot_e(fp8: bool) -> None:
     torch.manual_seed(1)
-    ex = random_experts(E, H, I, fp8, torch.float32, "cpu", shared_slots=1)
+    ex = random_experts(E, H, INTER, fp8, torch.float32, "cpu", shared_slots=1)
     parts = _linears(fp8, torch.float32)
     before = [p.weight.data.clone() for p in parts]
     _tie(ex, parts)
@@ -67,7 +71,7 @@ def test_tie_moves_the_shared_weights_into_slot_e(fp8: bool) -> None:
     assert parts[2].weight.data_ptr() == ex.w2[E].data_ptr()
     for p, b in zip(parts, before, strict=True):
         assert torch.equal(p.weight.data.view(torch.uint8), b.view(torch.uint8))
-    assert torch.equal(ex.w13[E, I:].view(torch.uint8), before[1].view(torch.uint8))
+    assert torch.equal(ex.w13[E, INTER:].view(torch.uint8), before[1].view(torch.uint8))
     if fp8:
         assert parts[1].weight_scale_inv.data_ptr() == ex.w13_scale_inv[E, 1:].data_ptr()
     _tie(ex, parts)  # tying again (after a reload) keeps the views
@@ -75,7 +79,7 @@ def test_tie_moves_the_shared_weights_into_slot_e(fp8: bool) -> None:
 
 
 def test_tie_rejects_a_stack_without_a_slot() -> None:
-    ex = random_experts(E, H, I, False, torch.float32, "cpu")
+    ex = random_experts(E, H, INTER, False, torch.float32, "cpu")
     with pytest.raises(ValueError, match="shared slot"):
         _tie(ex, _linears(False, torch.float32))
 
@@ -84,7 +88,7 @@ def test_tie_rejects_a_stack_without_a_slot() -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_call_equals_routed_plus_separate_shared(backend: str, fp8: bool) -> None:
     torch.manual_seed(2)
-    ex = random_experts(E, H, I, fp8, torch.float32, "cpu", shared_slots=1)
+    ex = random_experts(E, H, INTER, fp8, torch.float32, "cpu", shared_slots=1)
     parts = _linears(fp8, torch.float32)
     x = torch.randn(7, H)
     w, ids = random_routing(7, E, K, 4, 2, "cpu")
@@ -96,7 +100,7 @@ def test_fused_call_equals_routed_plus_separate_shared(backend: str, fp8: bool) 
 
 
 def test_fusion_policy() -> None:
-    ex = random_experts(E, H, I, True, torch.float32, "cpu", shared_slots=1)
+    ex = random_experts(E, H, INTER, True, torch.float32, "cpu", shared_slots=1)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert fusion_max_tokens("on", "torch", ex, cpu) > 1 << 30
     assert fusion_max_tokens("off", "triton", ex, cuda) == NEVER
