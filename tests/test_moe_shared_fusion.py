@@ -11,11 +11,14 @@ import torch
 from model_utils import load_ours, make_attn, prefill_logits
 from moe_util import random_routing
 
+from dsv3serve.bench.kernels_moe import fusion_max_tokens as bench_fusion_max_tokens
 from dsv3serve.cli import build_parser, engine_config
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.kernels.fp8_ref import FP8_DTYPE
 from dsv3serve.layers.linear import Linear
 from dsv3serve.model.deepseek_v3 import ModelOptions, MoE
+from dsv3serve.model.weights import fill_randn_
 from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.experts import random_experts
 from dsv3serve.moe.shared import NEVER, append_shared_expert, fusion_max_tokens
@@ -156,3 +159,47 @@ def test_engine_config_and_cli_flag() -> None:
     assert engine_config(args).shared_experts_fusion == "on"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--shared-experts-fusion", "yes"])
+
+
+def _moe_pair(cfg: ModelConfig, dtype: torch.dtype, backend: str) -> tuple[MoE, MoE]:
+    """Two MoE layers with the same random weights: shared expert separate, and fused."""
+    off, on = (
+        MoE(cfg, "m", ModelOptions(dtype, moe_backend=backend, shared_experts_fusion=mode))
+        for mode in ("off", "on")
+    )
+    g = torch.Generator(device=next(off.parameters()).device).manual_seed(0)
+    on_params = dict(on.named_parameters())
+    for name, p in off.named_parameters():
+        if name.endswith("scale_inv"):
+            p.data.uniform_(0.01, 0.03, generator=g)
+        else:
+            fill_randn_(p.data, g, 1.0 if p.dtype == FP8_DTYPE else 0.05)
+        on_params[name].data[: p.shape[0]].copy_(p.data)  # experts: the routed slots
+    return off, on
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "dtype"),
+    [
+        ("cpu", "torch", torch.float32),
+        pytest.param("cuda", "triton", torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
+@pytest.mark.parametrize("t", [1, 37])
+def test_moe_layer_fused_equals_separate(
+    tiny_fp8_dir: Path, device: str, backend: str, dtype: torch.dtype, t: int
+) -> None:
+    """The model's MoE layer (router included; on CUDA the Triton gate and fused MoE)."""
+    with torch.device(device):
+        off, on = _moe_pair(_tiny_cfg(tiny_fp8_dir), dtype, backend)
+        x = torch.randn(t, off.cfg.hidden_size, dtype=dtype)
+    assert on.fuses_shared(x) and not off.fuses_shared(x)
+    want, got = off(x), on(x)
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+def test_bench_threshold_is_the_last_win_of_the_first_run() -> None:
+    rows = [{"T": t, "speedup": s} for t, s in [(32, 1.1), (1, 1.5), (128, 0.9), (512, 1.2)]]
+    assert bench_fusion_max_tokens(rows) == 32
+    assert bench_fusion_max_tokens([{"T": 1, "speedup": 0.95}]) == -1
