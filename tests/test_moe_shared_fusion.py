@@ -12,6 +12,7 @@ from model_utils import load_ours, make_attn, prefill_logits
 from moe_util import random_routing
 
 from dsv3serve.bench.kernels_moe import fusion_max_tokens as bench_fusion_max_tokens
+from dsv3serve.bench.model_roofline import mlp_decode_bytes
 from dsv3serve.cli import build_parser, engine_config
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
@@ -203,3 +204,12 @@ def test_bench_threshold_is_the_last_win_of_the_first_run() -> None:
     rows = [{"T": t, "speedup": s} for t, s in [(32, 1.1), (1, 1.5), (128, 0.9), (512, 1.2)]]
     assert bench_fusion_max_tokens(rows) == 32
     assert bench_fusion_max_tokens([{"T": 1, "speedup": 0.95}]) == -1
+
+
+def test_roofline_bytes_do_not_change_with_fusion(tiny_fp8_dir: Path) -> None:
+    """The shared expert's views into the stack are counted once, as its own weights."""
+    cfg = _tiny_cfg(tiny_fp8_dir)
+    off, on = _moe_pair(cfg, torch.float32, "torch")
+    assert on.experts.shared_slots == 1
+    for t in (1, 64):
+        assert mlp_decode_bytes(on, t) == pytest.approx(mlp_decode_bytes(off, t), rel=1e-9)
