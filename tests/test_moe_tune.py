@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from dsv3serve.moe.tune import (
     main,
     tiles,
     tune_table,
+    write_table,
 )
 
 
@@ -58,3 +61,13 @@ def test_spent_budget_writes_the_default_rule() -> None:
     assert list(table) == [str(t) for t in QUICK_TOKENS]
     for t, cfg in table.items():  # the E + 1 stack, top_k + 1 assignments per token
         assert MoEConfig.from_json(cfg) == default_config(int(t), 17, 9, True)
+
+
+def test_merge_keeps_other_token_counts(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    one = {t: default_config(t, 256, 8, True).to_json() for t in (1, 4096)}
+    write_table(path, {"4096": one[4096]}, merge=False)
+    write_table(path, {"1": one[1]}, merge=True)
+    assert list(json.loads(path.read_text())) == ["1", "4096"]
+    write_table(path, {"1": one[1]}, merge=False)
+    assert list(json.loads(path.read_text())) == ["1"]

@@ -150,7 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="7 token counts, fewer candidates")
     p.add_argument("--budget-s", type=float, default=None, help="stop timing after this long")
     p.add_argument("--out", type=Path, default=CONFIG_DIR, help="folder of the table")
+    p.add_argument("--merge", action="store_true", help="keep the file's other token counts")
     return p
+
+
+def write_table(path: Path, table: dict[str, dict], merge: bool) -> None:
+    """Write ``table`` (token count -> config JSON) to ``path``, ordered by token count; with
+    ``merge`` the file's entries for other token counts are kept (one run per T adds up)."""
+    if merge and path.is_file():
+        table = json.loads(path.read_text()) | table
+    ordered = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 def tune_table(ex: FusedExperts, args: argparse.Namespace) -> dict[str, dict]:
@@ -179,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     name = config_file_name(
         args.experts + shared, args.inter, args.hidden, torch.cuda.get_device_name(), fp8
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / name).write_text(json.dumps(table, indent=1) + "\n")
+    write_table(args.out / name, table, args.merge)
     print(f"wrote {args.out / name}")
     return 0
 
