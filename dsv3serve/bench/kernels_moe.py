@@ -21,6 +21,7 @@ Gate: the Triton kernel against the torch reference (:func:`grouped_topk`) on fp
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,8 +163,8 @@ def run_moe(ceil: dict, args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.write_shared_fusion:
         key = shape_key(c["e"], c["inter"], c["hidden"], device_name(0), True)
         max_t = fusion_max_tokens([r["shared"] for r in rows])
-        write_shared_fusion(CONFIG_DIR / SHARED_FUSION_FILE, key, max_t)
-        print(f"shared_fusion.json: {key} -> {max_t}")
+        write_shared_fusion(Path(args.write_shared_fusion), key, max_t)
+        print(f"{args.write_shared_fusion}: {key} -> {max_t}")
     return rows
 
 
@@ -215,6 +216,10 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-tokens", type=int, nargs="+", default=list(GATE_TOKENS))
     p.add_argument(
         "--write-shared-fusion",
-        action="store_true",
-        help="store where fusing the shared expert won, for --shared-experts-fusion auto",
+        nargs="?",
+        const=str(CONFIG_DIR / SHARED_FUSION_FILE),
+        default=None,
+        metavar="PATH",
+        help="store where fusing the shared expert won, for --shared-experts-fusion auto "
+        "(default path: the shipped dsv3serve/moe/configs/shared_fusion.json)",
     )
