@@ -33,6 +33,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=["torch", "triton"],
         help="routed experts: torch reference, or fused Triton kernels (CUDA)",
     )
+    p.add_argument(
+        "--shared-experts-fusion",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run the shared expert as expert E inside the fused MoE (off = SGLang's "
+        "--disable-shared-experts-fusion; auto: where measured faster on this GPU)",
+    )
     p.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"])
     p.add_argument(
         "--disable-cuda-graph",
@@ -89,6 +96,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.disable_prefix_caching,
         "moe_backend": args.moe_backend,
+        "shared_experts_fusion": args.shared_experts_fusion,
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,

@@ -15,7 +15,11 @@ from dsv3serve.moe.moe_config import (
     default_config,
     get_config,
     load_table,
+    normalize_device_name,
     pick_from_table,
+    shape_key,
+    shared_fusion_max_tokens,
+    write_shared_fusion,
 )
 
 
@@ -56,3 +60,39 @@ def test_get_config_prefers_the_table(tmp_path: Path, monkeypatch: pytest.Monkey
     table = _write_table(tmp_path, name)
     assert get_config(3, 256, 2048, 7168, 8, True, "GPU X") == table[8]
     assert get_config(3, 256, 2048, 7168, 8, True, "GPU Y") == default_config(3, 256, 8, True)
+
+
+def test_device_names_normalise_as_the_tuner_writes_them() -> None:
+    assert normalize_device_name("NVIDIA H200") == "NVIDIA_H200"
+    assert normalize_device_name("NVIDIA A100-SXM4-80GB") == "NVIDIA_A100-SXM4-80GB"
+    assert normalize_device_name(" NVIDIA  H100 80GB/HBM3") == "NVIDIA_H100_80GB_HBM3"
+
+
+def test_h200_table_is_found_by_the_cuda_device_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synthetic table named as the tuner names it on an H200, for the fused E=257 stack."""
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    table = _write_table(tmp_path, "E=257,N=2048,K=7168,device=NVIDIA_H200,dtype=fp8.json")
+    assert get_config(100, 257, 2048, 7168, 9, True, "NVIDIA H200") == table[256]
+    assert get_config(100, 256, 2048, 7168, 8, True, "NVIDIA H200") == default_config(
+        100, 256, 8, True
+    )
+    assert get_config(100, 257, 2048, 7168, 9, False, "NVIDIA H200") == default_config(
+        100, 257, 9, False
+    )
+
+
+def test_shared_fusion_measurement_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    assert shared_fusion_max_tokens(256, 2048, 7168, "NVIDIA H200", True) == -1  # no file
+    path = tmp_path / moe_config.SHARED_FUSION_FILE
+    write_shared_fusion(path, shape_key(256, 2048, 7168, "NVIDIA H200", True), 512)
+    write_shared_fusion(path, shape_key(256, 2048, 7168, "NVIDIA H100 80GB HBM3", True), 64)
+    assert json.loads(path.read_text()) == {
+        "E=256,N=2048,K=7168,device=NVIDIA_H100_80GB_HBM3,dtype=fp8": 64,
+        "E=256,N=2048,K=7168,device=NVIDIA_H200,dtype=fp8": 512,
+    }
+    assert shared_fusion_max_tokens(256, 2048, 7168, "NVIDIA H200", True) == 512
+    assert shared_fusion_max_tokens(256, 2048, 7168, "NVIDIA H200", False) == -1
+    assert shared_fusion_max_tokens(256, 1024, 7168, "NVIDIA H200", True) == -1

@@ -28,12 +28,14 @@ import pytest
 import torch
 from moe_util import check_blocks, random_routing
 
+from dsv3serve.kernels.fp8_ref import fp8_block_linear_ref
 from dsv3serve.moe.align import moe_align_block_size
 from dsv3serve.moe.experts import FusedExperts, random_experts
 from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.gate_triton import grouped_topk_triton
 from dsv3serve.moe.moe_config import default_config
 from dsv3serve.moe.ref import TorchRefMoE
+from dsv3serve.moe.shared import append_shared_expert
 from dsv3serve.moe.triton_moe import TritonMoE, fused_moe
 
 pytestmark = pytest.mark.gpu
@@ -180,6 +182,66 @@ def test_backend_and_cuda_graph(ds_experts: FusedExperts) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.forward(x, w, ids, ds_experts)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel_err(out, eager) < 1e-3
+
+
+# --- shared expert fused as expert E -----------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["fp8", "bf16"])
+def ds_shared_experts(request: pytest.FixtureRequest) -> FusedExperts:
+    """DeepSeek-V3's routed experts plus the shared expert in slot 256 (E + 1 = 257 slots)."""
+    fp8 = request.param == "fp8"
+    ex = random_experts(DS["e"], DS["hidden"], DS["inter"], fp8, torch.bfloat16, "cuda", 1)
+    yield ex
+    del ex
+    torch.cuda.empty_cache()
+
+
+def _shared_ref(ex: FusedExperts, x: torch.Tensor) -> torch.Tensor:
+    """The separate shared MLP through the torch reference linears, from slot E's weights."""
+    e, i = ex.num_experts, ex.inter
+    s13, s2 = ex.w13_scale_inv, ex.w2_scale_inv
+
+    def lin(inp: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(inp, w) if s is None else fp8_block_linear_ref(inp, w, s)
+
+    gate = lin(x, ex.w13[e, :i], None if s13 is None else s13[e, : i // 128])
+    up = lin(x, ex.w13[e, i:], None if s13 is None else s13[e, i // 128 :])
+    return lin(torch.nn.functional.silu(gate) * up, ex.w2[e], None if s2 is None else s2[e])
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 300, 2048])
+def test_fused_shared_expert_deepseek_shapes(ds_shared_experts: FusedExperts, t: int) -> None:
+    """Fused (257 experts, 9 assignments per token) == routed reference + separate shared MLP;
+    the appended weight is 1, the routed weights carry routed_scaling_factor 2.5."""
+    ex = ds_shared_experts
+    torch.manual_seed(t)
+    w, ids = random_routing(t, DS["e"], DS["top_k"], DS["n_group"], DS["topk_group"], "cuda")
+    x = torch.randn(t, DS["hidden"], device="cuda", dtype=torch.bfloat16)
+    shared = _shared_ref(ex, x)
+    want = TorchRefMoE().forward(x, w, ids, ex) + shared
+    got = TritonMoE().forward(x, *append_shared_expert(w, ids, DS["e"]), ex, with_shared=True)
+    tol = FP8_RTOL if ex.is_fp8 else BF16_RTOL
+    assert _rel_err(got, want) < tol
+    assert _rel_err(got, want - shared) > 5 * tol, "the shared expert did not contribute"
+
+
+def test_fused_shared_expert_cuda_graph(ds_shared_experts: FusedExperts) -> None:
+    """Appending the shared slot and the fused call capture in a CUDA graph (no host sync)."""
+    ex = ds_shared_experts
+    w, ids = random_routing(16, 256, 8, 8, 4, "cuda")
+    x = torch.randn(16, DS["hidden"], device="cuda", dtype=torch.bfloat16)
+
+    def run() -> torch.Tensor:
+        return TritonMoE().forward(x, *append_shared_expert(w, ids, 256), ex, with_shared=True)
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
     graph.replay()
     torch.cuda.synchronize()
     assert _rel_err(out, eager) < 1e-3

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from dsv3serve.moe.tune import BLOCK_MS, main, tiles
+import pytest
+import torch
+
+from dsv3serve.moe.experts import random_experts
+from dsv3serve.moe.moe_config import MoEConfig, default_config
+from dsv3serve.moe.tune import (
+    BLOCK_MS,
+    QUICK_TOKENS,
+    block_ms,
+    build_parser,
+    main,
+    tiles,
+    tune_table,
+    write_table,
+)
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
@@ -23,3 +37,37 @@ def test_refuses_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA"):
         main(["--tokens", "1"])
+
+
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_quick_candidates_are_a_subset(block_m: int) -> None:
+    quick, full = tiles(True, True, block_m, quick=True), tiles(True, True, block_m)
+    assert quick and set(quick) < set(full)
+    assert set(tiles(False, True, block_m, quick=True)) < set(tiles(False, True, block_m))
+
+
+def test_quick_block_sizes_follow_rows_per_expert() -> None:
+    assert block_ms(1, 256, 8, quick=False) == BLOCK_MS
+    assert block_ms(1, 257, 9, quick=True) == (16, 32)
+    assert block_ms(1024, 256, 8, quick=True) == (16, 32, 64)  # 32 rows per expert
+    assert block_ms(4096, 256, 8, quick=True) == (32, 64, 128)
+
+
+def test_spent_budget_writes_the_default_rule() -> None:
+    """Past the budget no GPU is touched: the remaining token counts get default_config."""
+    ex = random_experts(16, 256, 128, True, torch.bfloat16, "cpu", shared_slots=1)
+    args = build_parser().parse_args(["--quick", "--budget-s", "-1"])
+    table = tune_table(ex, args)
+    assert list(table) == [str(t) for t in QUICK_TOKENS]
+    for t, cfg in table.items():  # the E + 1 stack, top_k + 1 assignments per token
+        assert MoEConfig.from_json(cfg) == default_config(int(t), 17, 9, True)
+
+
+def test_merge_keeps_other_token_counts(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    one = {t: default_config(t, 256, 8, True).to_json() for t in (1, 4096)}
+    write_table(path, {"4096": one[4096]}, merge=False)
+    write_table(path, {"1": one[1]}, merge=True)
+    assert list(json.loads(path.read_text())) == ["1", "4096"]
+    write_table(path, {"1": one[1]}, merge=False)
+    assert list(json.loads(path.read_text())) == ["1"]

@@ -51,9 +51,12 @@ def mlp_decode_bytes(mlp: nn.Module, tokens: int) -> float:
     if not isinstance(mlp, MoE):
         return float(storage_bytes(_params(mlp)))
     experts = mlp.experts
-    expert_bytes = storage_bytes(_params(experts)) / experts.num_experts
+    slots = experts.num_experts + experts.shared_slots  # a fused shared expert is slot E
+    expert_bytes = storage_bytes(_params(experts)) / slots
     hit = expected_experts_hit(experts.num_experts, mlp.cfg.num_experts_per_tok, tokens)
-    return storage_bytes(_params(mlp, skip=("experts.",))) + hit * expert_bytes
+    # element bytes: a fused shared expert's weights are views into the expert stack
+    rest = sum(p.numel() * p.element_size() for p in _params(mlp, skip=("experts.",)))
+    return rest + hit * expert_bytes
 
 
 def layer_weight_bytes(layer: DecoderLayer, tokens: int) -> float:

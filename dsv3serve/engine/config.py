@@ -36,6 +36,7 @@ class EngineConfig(BaseModel):
     # backends
     attention_backend: Literal["torch", "flashinfer"] = "torch"
     moe_backend: Literal["torch", "triton"] = "torch"  # triton: fused kernels on CUDA
+    shared_experts_fusion: Literal["auto", "on", "off"] = "auto"  # see dsv3serve.moe.shared
     attn_impl: Literal["auto", "mha", "absorb"] = "auto"
     # CUDA graphs for decode steps (CUDA with the flashinfer attention backend only)
     disable_cuda_graph: bool = False

@@ -54,6 +54,7 @@ class ModelRunner:
             attn_impl=cfg.attn_impl,
             fp8_act_quant=cfg.fp8_act_quant,
             moe_backend=cfg.moe_backend,
+            shared_experts_fusion=cfg.shared_experts_fusion,
         )
         with torch.device(self.device):
             self.model = DeepseekV3ForCausalLM(model_cfg, opts)

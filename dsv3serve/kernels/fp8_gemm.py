@@ -12,7 +12,9 @@ The Triton kernel targets decode-sized M: a tile holds every row of the batch (M
 weights stream from memory once; up to M = 32 it swaps the operands (``W_tile @ x_tile.T``) so
 the weight rows fill the MMA's 64-row side; split-K adds programs where the N tiles alone
 cannot fill the SMs. At larger M, cuBLAS block scaling through
-``torch.nn.functional.scaled_mm`` is faster.
+``torch.nn.functional.scaled_mm`` is faster. DeepGEMM (:mod:`dsv3serve.kernels.deepgemm`)
+is optional: where it imports and passes its self-check, ``auto`` runs it instead of cuBLAS;
+elsewhere it is never chosen.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from dsv3serve.kernels import deepgemm
 from dsv3serve.kernels.fp8_quant import HAS_TRITON, quant_per_token_group_fp8
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, fp8_block_linear_ref
 
@@ -30,7 +33,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-Backend = Literal["auto", "triton", "cublas", "torch"]
+Backend = Literal["auto", "triton", "cublas", "deepgemm", "torch"]
 # From which M the dispatch uses cuBLAS instead of the Triton kernel, per DeepSeek-V3 weight
 # (N, K): where cuBLAS beat every Triton config timed by ``dsv3serve bench kernels`` on an H100
 # (docs/perf/kernels_fp8.md). For (2112, 7168) the two tie at M = 256 and cuBLAS is twice as
@@ -255,11 +258,28 @@ def fp8_block_gemm_cublas(
     return y[:m]
 
 
-def choose_backend(m: int, n: int, k: int) -> Literal["triton", "cublas"]:
-    """The GEMM the ``auto`` dispatch runs for an M x N x K problem on CUDA."""
-    if not cublas_supported(n, k):
-        return "triton"
-    return "cublas" if m >= CUBLAS_FROM_M.get((n, k), CUBLAS_FROM_M_DEFAULT) else "triton"
+def choose_backend(
+    m: int, n: int, k: int, deepgemm_usable: bool = False
+) -> Literal["triton", "cublas", "deepgemm"]:
+    """The GEMM the ``auto`` dispatch runs for an M x N x K problem on CUDA: Triton at decode
+    M, else cuBLAS, or DeepGEMM in cuBLAS's place where it passed its self-check (no timing of
+    it exists yet: ``dsv3serve bench kernels`` on a machine with DeepGEMM should refine this)."""
+    large_m = m >= CUBLAS_FROM_M.get((n, k), CUBLAS_FROM_M_DEFAULT)
+    if large_m and deepgemm_usable and deepgemm.supported(n, k):
+        return "deepgemm"
+    return "cublas" if large_m and cublas_supported(n, k) else "triton"
+
+
+def fp8_block_gemm_deepgemm(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor
+) -> torch.Tensor:
+    """DeepGEMM's ``fp8_gemm_nt`` (layouts in :mod:`dsv3serve.kernels.deepgemm`); raises
+    RuntimeError naming why when it did not pass its self-check on this device."""
+    _check_operands(xq, xs, w, ws)
+    status = deepgemm.deepgemm_status(xq.device.type, xq.device.index or 0)
+    if not status.usable:
+        raise RuntimeError(f"DeepGEMM backend requested but unusable: {status.reason}")
+    return deepgemm.deepgemm_gemm(deepgemm.deepgemm_module(), xq, xs, w, ws)
 
 
 def fp8_block_gemm(
@@ -274,8 +294,10 @@ def fp8_block_gemm(
         return fp8_block_linear_ref(x, w, w_scale_inv)
     m, k = x.shape
     if backend == "auto":
-        backend = choose_backend(m, w.shape[0], k)
-    xq, xs = quant_per_token_group_fp8(x, m_major_scales=backend == "cublas")
+        backend = choose_backend(m, w.shape[0], k, deepgemm.usable_on(x.device))
+    xq, xs = quant_per_token_group_fp8(x, m_major_scales=backend in ("cublas", "deepgemm"))
     if backend == "cublas":
         return fp8_block_gemm_cublas(xq, xs, w, w_scale_inv)
+    if backend == "deepgemm":
+        return fp8_block_gemm_deepgemm(xq, xs, w, w_scale_inv)
     return fp8_block_gemm_triton(xq, xs, w, w_scale_inv)

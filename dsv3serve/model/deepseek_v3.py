@@ -28,18 +28,27 @@ from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
 from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.gate_triton import grouped_topk_fused
+from dsv3serve.moe.shared import (
+    SharedFusion,
+    append_shared_expert,
+    fusable_reason,
+    fusion_max_tokens,
+    packs_shared,
+    tie_shared_expert,
+)
 
 AttnImpl = Literal["auto", "mha", "absorb"]
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """How to build the model: compute dtype, MLA form, FP8 activation quantisation."""
+    """How to build the model: compute dtype, MLA form, FP8 activation quantisation, MoE."""
 
     dtype: torch.dtype = torch.bfloat16
     attn_impl: AttnImpl = "auto"  # auto: MHA for prefill/extend, absorbed MQA for decode
     fp8_act_quant: bool = True
     moe_backend: str = "torch"
+    shared_experts_fusion: SharedFusion = "auto"  # see dsv3serve.moe.shared
 
 
 @dataclass
@@ -79,21 +88,57 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts chosen by the biased grouped top-k, plus the shared expert."""
+    """Routed experts chosen by the biased grouped top-k, plus the shared expert.
+
+    With shared-expert fusion the shared expert's weights live in slot E of the expert stack
+    (its ``shared_experts`` linears are views of it) and, at token counts where fusion is on,
+    it runs in the routed launches as expert E with weight 1.
+    """
 
     def __init__(self, cfg: ModelConfig, prefix: str, opts: ModelOptions) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.fusion = cfg, opts.shared_experts_fusion
+        self.moe_backend = opts.moe_backend
         self.gate = MoEGate(cfg, opts.dtype)
         fp8 = cfg.quant_method == "fp8"
-        self.experts = FusedExperts(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8, opts.dtype
-        )
         shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = DenseMLP(cfg, f"{prefix}.shared_experts", shared_inter, opts)
+        slots = 1 if self._packs_shared(cfg, fp8) else 0
+        self.experts = FusedExperts(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8, opts.dtype,
+            slots,
+        )  # fmt: skip
+        if slots:
+            self.tie_shared()
         self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
         # the Triton backend also routes with the fused gate kernel (on CUDA)
         self.route = grouped_topk_fused if opts.moe_backend == "triton" else grouped_topk
+        self._fuse_max_tokens: int | None = None  # resolved on the first forward's device
+
+    def _packs_shared(self, cfg: ModelConfig, fp8: bool) -> bool:
+        if not packs_shared(self.fusion, self.moe_backend):
+            return False
+        reason = fusable_reason(cfg.n_shared_experts, self.shared_experts.down_proj.is_fp8, fp8)
+        if reason is not None and self.fusion == "on":
+            raise ValueError(f"shared_experts_fusion 'on': {reason}")
+        return reason is None
+
+    def tie_shared(self) -> None:
+        """Point the shared expert's weights at slot E of the stack (copying them there)."""
+        mlp = self.shared_experts
+        parts = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        scales = [p.weight_scale_inv for p in parts if p.weight_scale_inv is not None]
+        tie_shared_expert(self.experts, [p.weight for p in parts], scales)
+
+    def fuses_shared(self, x: torch.Tensor) -> bool:
+        """Whether this batch runs the shared expert inside the fused MoE."""
+        if not self.experts.shared_slots:
+            return False
+        if self._fuse_max_tokens is None:
+            self._fuse_max_tokens = fusion_max_tokens(
+                self.fusion, self.moe_backend, self.experts, x.device
+            )
+        return x.shape[0] <= self._fuse_max_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -107,6 +152,9 @@ class MoE(nn.Module):
             c.routed_scaling_factor,
             c.norm_topk_prob,
         )
+        if self.fuses_shared(x):
+            weights, ids = append_shared_expert(weights, ids, c.n_routed_experts)
+            return self.backend.forward(x, weights, ids, self.experts, with_shared=True)
         return self.backend.forward(x, weights, ids, self.experts) + self.shared_experts(x)
 
 
@@ -256,10 +304,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.cfg.num_hidden_layers + (1 if self.nextn is not None else 0)
 
     def post_load(self) -> None:
-        """Derive run-time tensors (absorbed MLA weights) after weights are in place."""
+        """Derive run-time tensors (absorbed MLA weights) after weights are in place, and
+        re-point fused shared experts at their stack slot (a device move copies them apart)."""
         for module in self.modules():
             if isinstance(module, MLAttention):
                 module.post_load()
+            elif isinstance(module, MoE) and module.experts.shared_slots:
+                module.tie_shared()
 
     def step_context(
         self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False

@@ -19,8 +19,11 @@ class MoEBackend(ABC):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         experts: FusedExperts,
+        with_shared: bool = False,
     ) -> torch.Tensor:
         """x [T, H]; topk_weights [T, k] float32 (already scaled); topk_ids [T, k] int64.
 
-        Returns [T, H] in x.dtype.
+        ``with_shared``: the ids include the shared expert's slot E (see
+        :mod:`dsv3serve.moe.shared`), so the stack's first E + 1 experts run. Returns [T, H]
+        in x.dtype.
         """

@@ -6,7 +6,11 @@ dtype), written by ``python -m dsv3serve.moe.tune``, named like
 ``dsv3serve/moe/configs/``. It maps a token count T (the batch's rows) to a
 :class:`MoEConfig`; a batch uses the entry of the smallest T at or above its own (the largest
 entry past the end). Without a table, :func:`default_config` picks by the expected rows per
-expert.
+expert. With the shared expert fused (:mod:`dsv3serve.moe.shared`) the stack has E + 1
+experts and its table is E=257's.
+
+``configs/shared_fusion.json`` maps the same key (without ``.json``) to the largest token
+count at which the fused shared expert was measured faster than the separate one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+SHARED_FUSION_FILE = "shared_fusion.json"
 SCALE_BLOCK = 128  # DeepSeek's FP8 block: weights 128x128, activations 1x128
 
 
@@ -53,10 +58,44 @@ class MoEConfig:
         return MoEConfig(d["block_m"], GemmTile(**d["gate_up"]), GemmTile(**d["down"]))
 
 
+def normalize_device_name(device: str) -> str:
+    """``"NVIDIA H200"`` -> ``"NVIDIA_H200"``: runs of spaces and slashes become one underscore
+    (as vLLM names its tables, e.g. ``NVIDIA_H100_80GB_HBM3``, ``NVIDIA_A100-SXM4-80GB``)."""
+    return "_".join(device.replace("/", " ").split())
+
+
+def shape_key(experts: int, inter: int, hidden: int, device: str, fp8: bool) -> str:
+    """``E=..,N=..,K=..,device=..,dtype=..`` for one shape, device and weight dtype."""
+    dev = normalize_device_name(device)
+    return f"E={experts},N={inter},K={hidden},device={dev},dtype={'fp8' if fp8 else 'bf16'}"
+
+
 def config_file_name(experts: int, inter: int, hidden: int, device: str, fp8: bool) -> str:
     """The table's file name for one shape, device (``torch.cuda.get_device_name``) and dtype."""
-    dev = device.replace(" ", "_").replace("/", "_")
-    return f"E={experts},N={inter},K={hidden},device={dev},dtype={'fp8' if fp8 else 'bf16'}.json"
+    return shape_key(experts, inter, hidden, device, fp8) + ".json"
+
+
+@functools.cache
+def load_shared_fusion(path: Path) -> dict[str, int]:
+    """``configs/shared_fusion.json``: shape key -> largest token count run fused ({} if none)."""
+    if not path.is_file():
+        return {}
+    return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+
+
+def shared_fusion_max_tokens(experts: int, inter: int, hidden: int, device: str, fp8: bool) -> int:
+    """The measured largest token count at which fusing the shared expert was faster for
+    ``experts`` routed experts, or -1 when there is no measurement for this shape and GPU."""
+    table = load_shared_fusion(CONFIG_DIR / SHARED_FUSION_FILE)
+    return table.get(shape_key(experts, inter, hidden, device, fp8), -1)
+
+
+def write_shared_fusion(path: Path, key: str, max_tokens: int) -> None:
+    """Set one entry of a shared-fusion file (other entries kept)."""
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    table[key] = max_tokens
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    load_shared_fusion.cache_clear()
 
 
 @functools.cache

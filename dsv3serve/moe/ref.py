@@ -30,7 +30,9 @@ class TorchRefMoE(MoEBackend):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         experts: FusedExperts,
+        with_shared: bool = False,
     ) -> torch.Tensor:
+        # the loop runs the experts the ids name, the shared slot E included when present
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = topk_ids.flatten()
         hit = torch.unique(flat_ids).tolist()

@@ -15,7 +15,9 @@ assignments):
 The routing weights are applied in step 5, as given: the caller (the router) has already
 multiplied them by ``routed_scaling_factor``. Rounding follows :class:`TorchRefMoE`: the gate
 and up outputs, silu and the product are rounded to x's dtype, each expert's output too, and
-the weighted sum is float32. The shared expert is not fused here.
+the weighted sum is float32. The shared expert is fused by the caller appending it as expert E
+with weight 1 to every token (:mod:`dsv3serve.moe.shared`): the kernels then see E + 1
+experts and ``top_k + 1`` assignments per token, and its table is E + 1's.
 """
 
 from __future__ import annotations
@@ -228,10 +230,9 @@ class TritonMoE(MoEBackend):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         experts: FusedExperts,
+        with_shared: bool = False,
     ) -> torch.Tensor:
         if not (HAS_TRITON and x.is_cuda):
-            return self._ref.forward(x, topk_weights, topk_ids, experts)
-        return fused_moe(
-            x, topk_weights, topk_ids, experts.w13, experts.w2, experts.w13_scale_inv,
-            experts.w2_scale_inv, self.act_quant,
-        )  # fmt: skip
+            return self._ref.forward(x, topk_weights, topk_ids, experts, with_shared)
+        stack = experts.stack(with_shared)
+        return fused_moe(x, topk_weights, topk_ids, *stack, act_quant=self.act_quant)
