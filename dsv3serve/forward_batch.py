@@ -123,6 +123,12 @@ class KVPages:
     pages: torch.Tensor  # [page_indptr[-1]]
     kv_lens: torch.Tensor  # [B]
 
+    def host_slots(self, seqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots (int64, host) of position ``positions[i]`` of sequence ``seqs[i]``."""
+        ps = self.page_size
+        page = self.page_indptr.numpy()[seqs] + positions // ps
+        return self.pages.numpy()[page] * ps + positions % ps
+
     def slots(self, device: torch.device | str) -> torch.Tensor:
         """Every sequence's KV slots, concatenated: [sum(kv_lens)] int64 on ``device``,
         computed there from the page ids (no per-token host work)."""
@@ -198,8 +204,7 @@ class ForwardBatch:
         kv_pages, slot_lists = None, None
         if pages is not None:
             kv_pages = _kv_pages(pages, kv_lens)
-            first_page = kv_pages.page_indptr.numpy()[:-1][rows] + pos // pages[0]
-            out = kv_pages.pages.numpy()[first_page] * pages[0] + pos % pages[0]
+            out = kv_pages.host_slots(rows, pos)
         else:
             slot_lists = _all_slots(spans, kv_lens)
             out = slot_lists.numpy()[_indptr(kv_lens)[:-1][rows] + pos]
@@ -251,7 +256,7 @@ def _kv_pages(pages: tuple[int, list[list[int]]], kv_lens: np.ndarray) -> KVPage
     page_size, tables = pages
     n_pages = -(-kv_lens // page_size)
     page_indptr = _indptr(n_pages)
-    used = (t[:n] for t, n in zip(tables, n_pages.tolist(), strict=True))
+    used = (t if len(t) == n else t[:n] for t, n in zip(tables, n_pages.tolist(), strict=True))
     flat = np.fromiter(chain.from_iterable(used), np.int64, int(page_indptr[-1]))
     return KVPages(
         page_size,
