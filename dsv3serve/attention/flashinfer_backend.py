@@ -37,7 +37,9 @@ from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     int32_host,
     paged_kv_index,
+    pages_kv_index,
     seq_lens_list,
+    stage_host,
     token_kv_index,
 )
 from dsv3serve.attention.flashinfer_mha import FlashInferExtend
@@ -216,6 +218,9 @@ class FlashInferMLAAttention(AttentionBackend):
             self._planned.record()
 
     def _kv_index(self, batch: ForwardBatch) -> KVIndex:
+        pages = batch.kv_pages
+        if self.paged and pages is not None and pages.page_size == self.pool.page_size:
+            return pages_kv_index(pages)
         if self.paged and batch.kv_slots_host is not None:
             try:
                 return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, self.pool.page_size)
@@ -225,15 +230,23 @@ class FlashInferMLAAttention(AttentionBackend):
                     self._warned_unaligned = True
         return token_kv_index(batch.kv_indptr, batch.kv_slots)
 
+    def _plan_args(self, batch: ForwardBatch, index: KVIndex) -> list[torch.Tensor]:
+        """qo_indptr, kv_indptr, kv_indices, kv_lens: host arrays in one (pinned) buffer;
+        device indices (token fallback) are passed as they are."""
+        host = [int32_host(batch.qo_indptr), index.indptr, index.lens]
+        on_host = index.indices.device.type == "cpu"
+        if on_host:
+            host.append(index.indices)
+        staged = stage_host(host, pin=self.pool.device.type == "cuda")
+        qo, indptr, lens = staged[:3]
+        return [qo, indptr, staged[3] if on_host else index.indices, lens]
+
     def _plan_absorbed(self, batch: ForwardBatch) -> None:
         index, d, dtype = self._kv_index(batch), self.dims, self.pool.dtype
         num_indices = int(index.indices.shape[0])
         wrapper = self._mla.get(batch.batch_size, num_indices, self.graph_slot)
         wrapper.plan(
-            int32_host(batch.qo_indptr),
-            index.indptr,
-            index.indices,
-            index.lens,
+            *self._plan_args(batch, index),
             d.num_heads,
             d.kv_lora_rank,
             d.qk_rope_head_dim,

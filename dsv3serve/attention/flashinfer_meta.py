@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv3serve.forward_batch import KVPages
+
 
 @dataclass(frozen=True)
 class KVIndex:
@@ -73,6 +75,26 @@ def paged_kv_index(kv_indptr: list[int], kv_slots_host: torch.Tensor, page_size:
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
     torch.cumsum(num_pages, 0, out=indptr[1:])
     return KVIndex(page_size, indptr.int(), lens.int(), pages.int())
+
+
+def pages_kv_index(kv_pages: KVPages) -> KVIndex:
+    """Page-granular index straight from the batch's page tables: O(batch + pages), no
+    per-slot check (page tables are aligned by construction)."""
+    return KVIndex(
+        kv_pages.page_size,
+        kv_pages.page_indptr.int(),
+        kv_pages.kv_lens.int(),
+        kv_pages.pages.int(),
+    )
+
+
+def stage_host(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
+    """Host int32 ``tensors`` as views of one buffer, pinned when ``pin`` (so that the
+    device copies flashinfer's ``plan()`` issues with ``non_blocking=True`` are async)."""
+    flat = torch.cat([t.to(torch.int32).flatten() for t in tensors])
+    if pin:
+        flat = flat.pin_memory()
+    return list(flat.split([t.numel() for t in tensors]))
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,15 @@ def _tokens(n: int, vocab: int, rng: random.Random) -> list[int]:
 def context_spans(
     batch_size: int, context: int, new_tokens: int, page_size: int, vocab: int, seed: int = 0
 ) -> list[SeqSpan]:
-    """``batch_size`` sequences with ``context`` cached tokens, each adding ``new_tokens``."""
+    """``batch_size`` sequences with ``context`` cached tokens, each adding ``new_tokens``,
+    given by page tables as the engine gives them."""
     rng = random.Random(seed)
     stride = seq_stride(context, new_tokens, page_size)
     spans = []
     for i in range(batch_size):
-        base = i * stride
-        slots = list(range(base, base + context + new_tokens))
-        spans.append(SeqSpan(_tokens(new_tokens, vocab, rng), context, slots))
+        first = i * stride // page_size
+        pages = list(range(first, first + stride // page_size))
+        spans.append(SeqSpan.from_pages(_tokens(new_tokens, vocab, rng), context, pages, page_size))
     return spans
 
 

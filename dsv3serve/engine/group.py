@@ -26,6 +26,7 @@ from dsv3serve.kvcache.pool import MLAKVPool
 
 OP_STEP, OP_WRITE_PAGES, OP_DIGEST, OP_STOP = 1, 2, 3, 4
 _HEADER_LEN = 2  # [op, payload length]
+_SPAN_HEADER_LEN = 5  # [n_tokens, start, sample, page_size (0: slot list), n_entries]
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,15 @@ def init_group(spec: GroupSpec) -> None:
 
 
 def encode_spans(spans: Sequence[SeqSpan]) -> torch.Tensor:
-    """Spans as one int64 tensor: per span ``[n_tokens, start, n_slots, sample]`` + data."""
+    """Spans as one int64 tensor: ``[count]``, then per span ``[n_tokens, start, sample,
+    page_size, n_entries]`` + token ids + entries: its page table when ``page_size > 0``
+    (only the pages it uses), else its slot list."""
     flat: list[int] = [len(spans)]
     for s in spans:
-        flat += [len(s.token_ids), s.start, len(s.kv_slots), int(s.sample)]
+        entries = s.kv_slots if s.page_table is None else s.page_table
+        flat += [len(s.token_ids), s.start, int(s.sample), s.page_size, len(entries)]
         flat += s.token_ids
-        flat += s.kv_slots
+        flat += entries
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -66,13 +70,18 @@ def decode_spans(data: torch.Tensor) -> list[SeqSpan]:
     flat = data.tolist()
     spans, i = [], 1
     for _ in range(flat[0]):
-        n_tok, start, n_slots, sample = flat[i : i + 4]
-        i += 4
+        n_tok, start, sample, page_size, n_entries = flat[i : i + _SPAN_HEADER_LEN]
+        i += _SPAN_HEADER_LEN
         tokens = flat[i : i + n_tok]
         i += n_tok
-        slots = flat[i : i + n_slots]
-        i += n_slots
-        spans.append(SeqSpan(tokens, start, slots, bool(sample)))
+        entries = flat[i : i + n_entries]
+        i += n_entries
+        if page_size > 0:
+            spans.append(
+                SeqSpan(tokens, start, None, bool(sample), page_table=entries, page_size=page_size)
+            )
+        else:
+            spans.append(SeqSpan(tokens, start, entries, bool(sample)))
     return spans
 
 

@@ -17,6 +17,7 @@ from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
+from dsv3serve.page_table import slots_of
 
 if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
@@ -30,8 +31,9 @@ def resolve_dtype(cfg: EngineConfig) -> torch.dtype:
 
 
 def kv_slots(page_table: list[int], page_size: int, num_tokens: int) -> list[int]:
-    """Cache slots of positions ``0 .. num_tokens-1`` of a sequence."""
-    return [page_table[p // page_size] * page_size + p % page_size for p in range(num_tokens)]
+    """Cache slots of positions ``0 .. num_tokens-1`` of a sequence (O(num_tokens); a
+    step's spans should carry page tables instead: :meth:`SeqSpan.from_pages`)."""
+    return slots_of(page_table, page_size, 0, num_tokens).tolist()
 
 
 @dataclass
@@ -150,15 +152,11 @@ class ModelRunner:
         return self.pool.num_pages - self._scratch_pages
 
     def spans(self, items: list[ScheduledItem]) -> list[SeqSpan]:
-        """The scheduled items as device-independent spans (what a group broadcasts)."""
+        """The scheduled items as device-independent spans (what a group broadcasts),
+        each over the pages it uses: O(batch + pages), no per-token work."""
         page = self.cfg.page_size
         return [
-            SeqSpan(
-                item.token_ids,
-                item.start,
-                kv_slots(item.seq.page_table, page, item.start + item.num_tokens),
-                item.sample,
-            )
+            SeqSpan.from_pages(item.token_ids, item.start, item.seq.page_table, page, item.sample)
             for item in items
         ]
 
