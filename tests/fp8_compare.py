@@ -100,8 +100,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 class Comparison:
     """Logits of both paths, per phase: prefill rows (every prompt position), decode rows."""
 
-    fast: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {"prefill": [], "decode": []})
-    ref: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    fast: dict[str, list[torch.Tensor]] = field(
+        default_factory=lambda: {"prefill": [], "decode": []}
+    )
+    ref: dict[str, list[torch.Tensor]] = field(
+        default_factory=lambda: {"prefill": [], "decode": []}
+    )
 
     def add(self, phase: str, fast: torch.Tensor, ref: torch.Tensor) -> None:
         self.fast[phase].append(fast.float())
