@@ -66,7 +66,13 @@ def dequantize_model_(model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> int:
 
 
 def make_runner(
-    model_cfg: ModelConfig, device: str, attention: str, moe: str, act_quant: bool, tokens: int
+    model_cfg: ModelConfig,
+    device: str,
+    attention: str,
+    moe: str,
+    act_quant: bool,
+    tokens: int,
+    fusion: str = "auto",
 ) -> ModelRunner:
     """A runner with dummy weights (seed 0) and room for ``tokens`` KV slots."""
     cfg = EngineConfig(
@@ -79,13 +85,22 @@ def make_runner(
         attention_backend=attention,
         moe_backend=moe,
         fp8_act_quant=act_quant,
+        shared_experts_fusion=fusion,
     )
     return ModelRunner(cfg, None, model_cfg)
 
 
+def shared_expert_fused(runner: ModelRunner) -> bool:
+    """Whether the runner's MoE layers hold the shared expert as expert E of the stack."""
+    routed = runner.model_cfg.n_routed_experts
+    state = runner.model.state_dict()
+    return any(k.endswith("experts.w13") and v.shape[0] > routed for k, v in state.items())
+
+
 def make_reference(fast: ModelRunner, tokens: int) -> ModelRunner:
     """Torch backends, no activation quantisation, the fast runner's weights dequantised."""
-    ref = make_runner(fast.model_cfg, str(fast.device), "torch", "torch", False, tokens)
+    fusion = "on" if shared_expert_fused(fast) else "off"  # same weight layout as ``fast``
+    ref = make_runner(fast.model_cfg, str(fast.device), "torch", "torch", False, tokens, fusion)
     ref.model.load_state_dict(fast.model.state_dict())
     dequantize_model_(ref.model, ref.dtype)
     return ref

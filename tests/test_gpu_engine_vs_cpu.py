@@ -35,7 +35,7 @@ DEEPSEEK_ATTENTION = {
     "v_head_dim": 128,
 }
 NEW_TOKENS = 6
-MIN_MARGIN = 0.35  # selection threshold (logits); the CPU bf16 analogue's error is <= 0.1
+MIN_MARGIN = 0.25  # selection threshold (logits); the CPU bf16 analogue's error is <= 0.1
 MULTIPLE = 3.0  # required margin / measured first-step error
 
 
@@ -59,7 +59,7 @@ def test_gpu_fast_path_greedy_equals_cpu_reference(tmp_path) -> None:
         ckpt, "cuda", dtype="bfloat16", attention_backend="flashinfer", moe_backend="triton"
     )
     assert gpu.runner.graphs is not None  # decode steps replay CUDA graphs
-    prompts, want = select_prompts(cpu, NEW_TOKENS, MIN_MARGIN)
+    prompts, want = select_prompts(cpu, NEW_TOKENS, MIN_MARGIN, max_tries=32)
     error = (first_step_logits(gpu, prompts) - first_step_logits(cpu, prompts)).abs().max()
     replays = gpu.runner.graphs.replays
     got = generate(gpu, prompts, NEW_TOKENS)
