@@ -22,13 +22,16 @@ from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
 if not INTERPRETING:
     pytest.skip("needs TRITON_INTERPRET=1 set before pytest starts", allow_module_level=True)
 
+from attention_e2e import DENSE, assert_logits_close, step_logits  # noqa: E402
 from mla_decode_cases import fp8_case, rel_err  # noqa: E402
+from model_utils import load_ours  # noqa: E402
 
 from dsv3serve.attention.base import MLADims  # noqa: E402
 from dsv3serve.attention.flashinfer_backend import CudaGraphLimits  # noqa: E402
 from dsv3serve.attention.ref import TorchRefAttention  # noqa: E402
 from dsv3serve.attention.triton_mla import TritonMLAAttention  # noqa: E402
 from dsv3serve.kernels.mla_decode import MLADecodeConfig  # noqa: E402
+from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 DIMS = MLADims(4, 32, 16, 16, 16, 32**-0.5)  # 4 heads, latent 32 + rope 16
 RTOL = 1e-2
@@ -115,3 +118,15 @@ def test_graph_buffers_follow_a_new_plan() -> None:
     assert attn._meta.kv_len.data_ptr() == meta.kv_len.data_ptr()
     assert attn._meta.kv_indices.data_ptr() == meta.kv_indices.data_ptr()
     assert attn._meta.kv_len.tolist() == [34, 5]
+
+
+def test_tiny_model_logits_match_the_torch_backend(tmp_path) -> None:
+    """The dense tiny model (fp16) step by step (prefill, extend, decode, 3-token verify),
+    each backend on its own fp8 pool: the same logits to the model's noise floor."""
+    ckpt = make_tiny_checkpoint(tmp_path, fp8=False, num_shards=1, overrides=DENSE)
+    model = load_ours(ckpt, dtype=torch.float16, fp8_act_quant=False)
+    dims = MLADims.from_config(model.cfg)
+    lens, kw = [5, 30], {"page_size": 8, "kv_dtype": torch.float8_e4m3fn, "decode_steps": 1}
+    want = step_logits(model, lambda pool: TorchRefAttention(pool, dims.kv_lora_rank), lens, **kw)
+    got = step_logits(model, lambda pool: TritonMLAAttention(pool, dims, config=SMALL), lens, **kw)
+    assert_logits_close(got, want, rel_tol=3e-2)
