@@ -259,4 +259,3 @@ def decode_bytes(kv_tokens: int, kv_row_bytes: int, q: torch.Tensor, rank: int) 
     """Bytes a decode call must move at least: cached rows (scales included), q and out."""
     t, h = q.shape[:2]
     return kv_tokens * kv_row_bytes + q.numel() * q.element_size() + t * h * rank * 2
-
