@@ -123,17 +123,19 @@ class TritonMLAAttention(AttentionBackend):
         self._sms = _num_sms(pool.device)
         self._batch: ForwardBatch | None = None
         self._meta: MLADecodeMeta | None = None
+        self._mha_planned = False
         self._warned_unaligned = False
         self.graph_slot = "decode"  # CUDA-graph buffers this instance plans into
         self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
-        self._batch, self._meta = batch, None
+        self._batch, self._meta, self._mha_planned = batch, None, False
         if batch.is_decode:
             self._meta = self._plan_absorbed(batch)
         else:
             self._extend.plan(batch)
+            self._mha_planned = True
 
     def _kv_index(self, batch: ForwardBatch) -> KVIndex:
         if self.paged and batch.kv_slots_host is not None:
@@ -193,8 +195,9 @@ class TritonMLAAttention(AttentionBackend):
         self, q: torch.Tensor, layer_id: int, scale: float, expand_kv: ExpandKV
     ) -> torch.Tensor:
         batch = self._need_batch()
-        if self._meta is not None:  # a forced MHA form on a decode batch
+        if not self._mha_planned:  # a forced MHA form on a decode batch
             self._extend.plan(batch)
+            self._mha_planned = True
         return self._extend.forward_mha(q, layer_id, scale, expand_kv)
 
 

@@ -60,6 +60,7 @@ def add_mla_args(p: argparse.ArgumentParser) -> None:
         ("warps", d.num_warps),
         ("stages", d.num_stages),
         ("min-split", d.min_split_tokens),
+        ("programs-per-sm", d.target_programs),
     ):
         p.add_argument(
             f"--mla-triton-{name}",
@@ -204,10 +205,13 @@ def _triton_configs(args: argparse.Namespace) -> list[MLADecodeConfig]:
         args.mla_triton_warps,
         args.mla_triton_stages,
         args.mla_triton_min_split,
+        args.mla_triton_programs_per_sm,
     )
     return [
-        MLADecodeConfig(block_h=h, block_n=n, num_warps=w, num_stages=s, min_split_tokens=m)
-        for h, n, w, s, m in sweep
+        MLADecodeConfig(
+            block_h=h, block_n=n, num_warps=w, num_stages=s, min_split_tokens=m, target_programs=p
+        )
+        for h, n, w, s, m, p in sweep
     ]
 
 
