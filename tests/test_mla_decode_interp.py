@@ -30,7 +30,11 @@ from dsv3serve.attention.base import MLADims  # noqa: E402
 from dsv3serve.attention.flashinfer_backend import CudaGraphLimits  # noqa: E402
 from dsv3serve.attention.ref import TorchRefAttention  # noqa: E402
 from dsv3serve.attention.triton_mla import TritonMLAAttention  # noqa: E402
+from dsv3serve.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from dsv3serve.engine.model_runner import kv_slots  # noqa: E402
+from dsv3serve.forward_batch import ForwardBatch, SeqSpan  # noqa: E402
 from dsv3serve.kernels.mla_decode import MLADecodeConfig  # noqa: E402
+from dsv3serve.kvcache.pool import MLAKVPool  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 DIMS = MLADims(4, 32, 16, 16, 16, 32**-0.5)  # 4 heads, latent 32 + rope 16
@@ -130,3 +134,28 @@ def test_tiny_model_logits_match_the_torch_backend(tmp_path) -> None:
     want = step_logits(model, lambda pool: TorchRefAttention(pool, dims.kv_lora_rank), lens, **kw)
     got = step_logits(model, lambda pool: TritonMLAAttention(pool, dims, config=SMALL), lens, **kw)
     assert_logits_close(got, want, rel_tol=3e-2)
+
+
+@torch.inference_mode()
+def test_padded_decode_graph_path_matches_the_torch_backend(tmp_path) -> None:
+    """The engine's CUDA-graph decode path run eagerly (``DecodeGraphs(capture=False)``):
+    3 sequences padded to 4 with a dummy on the scratch page, attention planned into the
+    fixed graph buffers; logits as the torch backend's on the same fp8 pool."""
+    ckpt = make_tiny_checkpoint(tmp_path, fp8=False, num_shards=1, overrides=DENSE)
+    model = load_ours(ckpt, dtype=torch.float16, fp8_act_quant=False)
+    dims, page = MLADims.from_config(model.cfg), 8
+    pool = MLAKVPool(model.num_kv_layers, 12, page, dims.kv_cache_dim, torch.float8_e4m3fn)
+    ref = TorchRefAttention(pool, dims.kv_lora_rank)
+    tables, lens = [[3, 7, 1], [10], [0, 5, 2, 8]], [17, 6, 30]  # page 11: scratch
+    prompts = [
+        SeqSpan([5 + i] * n, 0, kv_slots(t, page, n))
+        for i, (t, n) in enumerate(zip(tables, lens, strict=True))
+    ]
+    model(ForwardBatch.build(prompts, "cpu"), ref)  # prefill the cache
+    spans = [SeqSpan([9], n, kv_slots(t, page, n + 1)) for t, n in zip(tables, lens, strict=True)]
+    attn = TritonMLAAttention(pool, dims, config=SMALL, cuda_graph=CudaGraphLimits(4, 48))
+    graphs = DecodeGraphs(model, attn, torch.device("cpu"), [1, 4], 11 * page, capture=False)
+    got = graphs.run(spans)
+    want = model.compute_logits(model(ForwardBatch.build(spans, "cpu"), ref)).float()
+    assert attn._meta.kv_len.shape[0] == 4  # planned the padded batch
+    assert_logits_close([got.float()], [want], rel_tol=3e-2)
