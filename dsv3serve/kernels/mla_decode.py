@@ -218,8 +218,9 @@ def mla_decode(
     t, h, rank = q_nope.shape
     block_h, splits = _block_h(h, cfg), meta.num_splits
     out = torch.empty_like(q_nope)
-    part = torch.empty(t * h * splits, rank, dtype=torch.float32, device=q_nope.device)
-    lse = torch.empty(t * h * splits, dtype=torch.float32, device=q_nope.device)
+    n_part = t * h * splits if splits > 1 else 1  # one split: stage 1 writes ``out`` itself
+    part = torch.empty(n_part, rank, dtype=torch.float32, device=q_nope.device)
+    lse = torch.empty(n_part, dtype=torch.float32, device=q_nope.device)
     rows = kv_buffer.view(-1, kv_buffer.shape[-1])
     _stage1_kernel[(t, triton.cdiv(h, block_h), splits)](
         q_nope, q_pe, rows, kv_scale if is_fp8 else rows, meta.kv_indices, meta.page_start,
