@@ -19,6 +19,9 @@ A token whose KV took one split gets its output written by stage 1; otherwise st
 writes each split's normalised partial output and base-2 log-sum-exp, and stage 2 merges
 them. Several query tokens of one sequence (speculative verify) are separate rows with
 their own ``kv_len`` (bottom-right causal: query ``j`` of ``n`` sees ``kv_len - n + 1 + j``).
+
+The oracle is :meth:`dsv3serve.attention.ref.TorchRefAttention.forward_absorbed` on the same
+pool (tests: ``tests/test_mla_decode_interp.py``, ``tests/test_mla_decode_gpu.py``).
 """
 
 from __future__ import annotations
@@ -236,24 +239,6 @@ def mla_decode(
             out.stride(0), out.stride(1), RANK=rank, BLOCK_N=cfg.block_n, num_warps=4,
         )  # fmt: skip
     return out
-
-
-def mla_decode_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_rows: list[torch.Tensor],
-    sm_scale: float,
-) -> torch.Tensor:
-    """Float32 torch oracle: ``kv_rows[t]`` [kv_len[t], R + P] are token ``t``'s cached rows
-    (already dequantised). Returns [T, H, R] in q's dtype."""
-    rank = q_nope.shape[-1]
-    outs = []
-    for t, rows in enumerate(kv_rows):
-        rows = rows.float()
-        c, k_pe = rows[:, :rank], rows[:, rank:]
-        s = (q_nope[t].float() @ c.t() + q_pe[t].float() @ k_pe.t()) * sm_scale
-        outs.append(s.softmax(-1) @ c)
-    return torch.stack(outs).to(q_nope.dtype)
 
 
 def decode_bytes(kv_tokens: int, kv_row_bytes: int, q: torch.Tensor, rank: int) -> int:
