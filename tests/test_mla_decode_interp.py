@@ -139,8 +139,9 @@ def test_tiny_model_logits_match_the_torch_backend(tmp_path) -> None:
 @torch.inference_mode()
 def test_padded_decode_graph_path_matches_the_torch_backend(tmp_path) -> None:
     """The engine's CUDA-graph decode path run eagerly (``DecodeGraphs(capture=False)``):
-    3 sequences padded to 4 with a dummy on the scratch page, attention planned into the
-    fixed graph buffers; logits as the torch backend's on the same fp8 pool."""
+    3 sequences given by page tables (as the engine gives them) padded to 4 with a dummy on
+    the scratch page, attention planned into the fixed graph buffers; logits as the torch
+    backend's on the same fp8 pool."""
     ckpt = make_tiny_checkpoint(tmp_path, fp8=False, num_shards=1, overrides=DENSE)
     model = load_ours(ckpt, dtype=torch.float16, fp8_act_quant=False)
     dims, page = MLADims.from_config(model.cfg), 8
@@ -152,10 +153,13 @@ def test_padded_decode_graph_path_matches_the_torch_backend(tmp_path) -> None:
         for i, (t, n) in enumerate(zip(tables, lens, strict=True))
     ]
     model(ForwardBatch.build(prompts, "cpu"), ref)  # prefill the cache
-    spans = [SeqSpan([9], n, kv_slots(t, page, n + 1)) for t, n in zip(tables, lens, strict=True)]
+    spans = [SeqSpan.from_pages([9], n, t, page) for t, n in zip(tables, lens, strict=True)]
     attn = TritonMLAAttention(pool, dims, config=SMALL, cuda_graph=CudaGraphLimits(4, 48))
     graphs = DecodeGraphs(model, attn, torch.device("cpu"), [1, 4], 11 * page, capture=False)
     got = graphs.run(spans)
-    want = model.compute_logits(model(ForwardBatch.build(spans, "cpu"), ref)).float()
+    batch = ForwardBatch.build(spans, "cpu")
+    assert batch.kv_pages is not None  # a paged batch: KV indices straight from page tables
+    want = model.compute_logits(model(batch, ref)).float()
     assert attn._meta.kv_len.shape[0] == 4  # planned the padded batch
+    assert attn.index_mode == "page"
     assert_logits_close([got.float()], [want], rel_tol=3e-2)

@@ -30,6 +30,7 @@ from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     paged_kv_index,
+    pages_kv_index,
     seq_lens,
     token_kv_index,
 )
@@ -138,6 +139,9 @@ class TritonMLAAttention(AttentionBackend):
             self._mha_planned = True
 
     def _kv_index(self, batch: ForwardBatch) -> KVIndex:
+        pages = batch.kv_pages
+        if self.paged and pages is not None and pages.page_size == self.pool.page_size:
+            return pages_kv_index(pages)
         if self.paged and batch.kv_slots_host is not None:
             try:
                 return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, self.pool.page_size)
