@@ -76,7 +76,8 @@ class _GraphMeta:
     def load(
         self, slot: str, indices: torch.Tensor, page_start: torch.Tensor, kv_len: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copy a plan into the slot's buffers (stream-ordered: after earlier replays)."""
+        """Copy a plan (device tensors) into the slot's buffers: stream-ordered, so after
+        earlier replays read them."""
         n = int(indices.shape[0])
         if n > self.limits.max_kv_indices:
             raise ValueError(
@@ -154,14 +155,13 @@ class TritonMLAAttention(AttentionBackend):
     def _plan_absorbed(self, batch: ForwardBatch) -> MLADecodeMeta:
         index = self._kv_index(batch)
         page_start, kv_len = token_meta(batch.qo_indptr, index)
-        device = self.pool.device
+        indices, page_start, kv_len = _to_device(
+            [index.indices, page_start, kv_len], self.pool.device
+        )
         if self._graph is not None and self._graph.fits(batch.batch_size):
             indices, page_start, kv_len = self._graph.load(
-                self.graph_slot, index.indices, page_start, kv_len
+                self.graph_slot, indices, page_start, kv_len
             )
-        else:
-            indices = index.indices.to(device)
-            page_start, kv_len = page_start.to(device), kv_len.to(device)
         self.index_mode = "token" if index.page_size == 1 else "page"
         splits = num_splits_for(batch.num_tokens, self.dims.num_heads, self.config, self._sms)
         return MLADecodeMeta(indices, page_start, kv_len, index.page_size, splits)
@@ -203,6 +203,20 @@ class TritonMLAAttention(AttentionBackend):
             self._extend.plan(batch)
             self._mha_planned = True
         return self._extend.forward_mha(q, layer_id, scale, expand_kv)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """int32 copies on ``device``; the host ones travel together in one pinned,
+    asynchronous copy (no host sync, so planning can overlap the previous step)."""
+    out = [t if t.device.type != "cpu" else None for t in tensors]
+    host = [t.to(torch.int32).flatten() for t in tensors if t.device.type == "cpu"]
+    if host:
+        flat = torch.cat(host)
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        moved = iter(flat.to(device, non_blocking=True).split([t.numel() for t in host]))
+        out = [next(moved) if t is None else t for t in out]
+    return [t.to(torch.int32) for t in out]
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
