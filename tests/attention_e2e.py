@@ -40,14 +40,16 @@ def step_logits(
     page_size: int,
     decode_steps: int = 3,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Float32 logits of every new token of every step."""
+    """Float32 logits of every new token of every step; the pool stores ``kv_dtype``
+    (default: the model's dtype)."""
     device = next(model.parameters()).device
     rng = random.Random(seed)
     schedule = _schedule(prompt_lens, decode_steps)
     total = [sum(step[0][b] for step in schedule) for b in range(len(prompt_lens))]
     pages = [-(-n // page_size) for n in total]
-    width, dtype = model.cfg.kv_cache_dim, model.opts.dtype
+    width, dtype = model.cfg.kv_cache_dim, kv_dtype or model.opts.dtype
     pool = MLAKVPool(model.num_kv_layers, sum(pages) + 2, page_size, width, dtype, device)
     free = list(range(pool.num_pages))
     rng.shuffle(free)

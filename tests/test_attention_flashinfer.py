@@ -152,13 +152,14 @@ def test_missing_flashinfer_says_what_to_install(monkeypatch) -> None:
     [
         ({"device": "cpu"}, "CUDA device"),
         ({"device": "cuda", "dtype": "float32"}, "float32"),
-        ({"device": "cuda", "kv_cache_dtype": "fp8_e4m3"}, "fp8_e4m3"),
     ],
 )
 def test_engine_config_rejects_what_flashinfer_cannot_run(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="tiny", attention_backend="flashinfer", **fields)
     assert EngineConfig(model="tiny", attention_backend="flashinfer", device="cuda:0")
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}  # served by the Triton decode kernel
+    assert EngineConfig(model="tiny", attention_backend="flashinfer", device="cuda", **fp8)
 
 
 def test_tiny_model_logits_match_the_torch_backend(tmp_path) -> None:

@@ -24,7 +24,10 @@ def create_attention_backend(
 
     ``flashinfer`` needs ``dims`` (it plans with the head shapes and softmax scale) and a
     CUDA pool; flashinfer itself is imported only here, on first use. ``cuda_graph``
-    (flashinfer only) sizes its CUDA-graph-safe buffers.
+    (flashinfer only) sizes its CUDA-graph-safe buffers. With an fp8 pool, which
+    flashinfer's MLA kernels cannot read, ``flashinfer`` means our Triton decode kernel
+    for the absorbed form and flashinfer's prefill over dequantised latents for the MHA
+    form (:class:`~dsv3serve.attention.triton_mla.TritonMLAAttention`).
     """
     if name == "torch":
         from dsv3serve.attention.ref import TorchRefAttention
@@ -37,6 +40,10 @@ def create_attention_backend(
             raise ValueError(
                 f"attention backend 'flashinfer' needs a CUDA device, got {pool.device}"
             )
+        if pool.is_fp8:
+            from dsv3serve.attention.triton_mla import TritonMLAAttention
+
+            return TritonMLAAttention(pool, dims, cuda_graph=cuda_graph)
         from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
 
         return FlashInferMLAAttention(pool, dims, cuda_graph=cuda_graph)

@@ -19,7 +19,8 @@
   graph, verify beside decode) plan on shallow copies with their own ``graph_slot``
   (:func:`dsv3serve.engine.graph_capture.fork_attention`).
 
-Not supported: an fp8 KV cache (see :func:`check_pool`).
+Not supported: an fp8 KV cache (see :func:`check_pool`); ``create_attention_backend``
+serves one with :class:`~dsv3serve.attention.triton_mla.TritonMLAAttention`.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def check_pool(pool: MLAKVPool, dims: MLADims) -> None:
             "attention backend 'flashinfer' with an fp8 KV cache: the pool stores one "
             "float32 scale per token for all 576 values, while flashinfer 0.6.18's fp8 MLA "
             "takes c_kv scales per token per 128 channels and a single per-tensor k_pe "
-            "scale; use kv_cache_dtype='auto' (bf16) or the 'torch' backend"
+            "scale; create_attention_backend('flashinfer', ...) serves an fp8 pool with "
+            "TritonMLAAttention"
         )
     if pool.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"flashinfer needs a bf16 or fp16 KV cache, got {pool.dtype}")

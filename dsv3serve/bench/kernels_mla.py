@@ -1,26 +1,31 @@
-"""``dsv3serve bench kernels --only mla``: MLA decode through the flashinfer backend.
+"""``dsv3serve bench kernels --only mla``: MLA decode through the attention backends.
 
-DeepSeek-V3 shapes (128 heads, latent 512 + rope 64, bf16), one new token per sequence
-over a paged cache whose pages are shuffled as an engine's would be. Each point plans
-once, then times ``forward_absorbed`` as the model calls it, in a CUDA graph (see
+DeepSeek-V3 shapes (128 heads, latent 512 + rope 64, bf16 queries), one new token per
+sequence over a paged cache whose pages are shuffled as an engine's would be. Rows:
+flashinfer (bf16 pool; page or token indices) and our Triton kernel
+(:mod:`dsv3serve.kernels.mla_decode`) on bf16 and fp8 pools. Each point plans once, then
+times ``forward_absorbed`` as the model calls it, in a CUDA graph (see
 ``kernels.graph_us``); consecutive calls read different layers of the pool, together
 over 4x the L2 cache, so each call reads its KV from device memory.
 
-Bandwidth: bytes read (the cached latents of every sequence, 576 bf16 values per token,
-plus q) over the time, as a percentage of the same run's device copy bandwidth.
+Bandwidth: bytes moved at least (the cached latents of every sequence, 576 values per
+token, with fp8 its float32 scale; plus q and the bf16 output) over the time, as a
+percentage of the same run's device copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from typing import Any
 
 import torch
 
-from dsv3serve.attention.base import MLADims
+from dsv3serve.attention.base import AttentionBackend, MLADims
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
-from dsv3serve.kvcache.pool import MLAKVPool
+from dsv3serve.kernels.mla_decode import MLADecodeConfig, decode_bytes
+from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
 
 MLA_BATCHES = (1, 32, 128)
 MLA_CONTEXTS = (1024, 4096, 16384)
@@ -39,8 +44,31 @@ def add_mla_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=["page", "token"],
         default=["page", "token"],
-        help="KV indices by page, or one per token slot (page_size 1)",
+        help="flashinfer: KV indices by page, or one per token slot (page_size 1)",
     )
+    p.add_argument(
+        "--mla-kernels",
+        nargs="+",
+        choices=["flashinfer", "triton-bf16", "triton-fp8"],
+        default=["flashinfer", "triton-bf16", "triton-fp8"],
+        help="flashinfer on a bf16 pool; our Triton kernel on a bf16 or fp8 pool",
+    )
+    d = MLADecodeConfig()
+    for name, default in (
+        ("block-h", d.block_h),
+        ("block-n", d.block_n),
+        ("warps", d.num_warps),
+        ("stages", d.num_stages),
+        ("min-split", d.min_split_tokens),
+        ("programs-per-sm", d.target_programs),
+    ):
+        p.add_argument(
+            f"--mla-triton-{name}",
+            type=int,
+            nargs="+",
+            default=[default],
+            help=f"Triton kernel launch parameter (swept; default {default})",
+        )
 
 
 def decode_batch(
@@ -58,26 +86,48 @@ def decode_batch(
     return ForwardBatch.build(spans, device)
 
 
-def _pool(batch_size: int, context: int, page_size: int) -> MLAKVPool:
+def _pool(
+    batch_size: int, context: int, page_size: int, dtype: torch.dtype = torch.bfloat16
+) -> MLAKVPool:
     """Enough layers (copies) that one graph's calls read over 4x the L2 cache."""
     pages = batch_size * -(-context // page_size)
-    layer_bytes = pages * page_size * DIMS.kv_cache_dim * 2
+    layer_bytes = pages * bytes_per_page(1, page_size, dtype, DIMS.kv_cache_dim)
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     copies = max(1, min(MAX_COPIES, -(-4 * l2 // layer_bytes)))
-    pool = MLAKVPool(copies, pages, page_size, DIMS.kv_cache_dim, torch.bfloat16, "cuda")
+    pool = MLAKVPool(copies, pages, page_size, DIMS.kv_cache_dim, dtype, "cuda")
     for layer in range(copies):
-        pool.kv_buffer(layer).normal_()
+        if pool.is_fp8:  # e4m3 of N(0, 1) values, with scales like the pool writes
+            pool.kv_buffer(layer).copy_(torch.randn(pool.kv_buffer(layer).shape, device="cuda"))
+            pool.scale_buffer(layer).uniform_(0.005, 0.02)
+        else:
+            pool.kv_buffer(layer).normal_()
     return pool
 
 
+def _backend(kernel: str, pool: MLAKVPool, index: str, cfg: MLADecodeConfig) -> AttentionBackend:
+    if kernel == "flashinfer":
+        from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
+
+        return FlashInferMLAAttention(pool, DIMS, paged=index == "page")
+    from dsv3serve.attention.triton_mla import TritonMLAAttention
+
+    return TritonMLAAttention(pool, DIMS, config=cfg)
+
+
 def bench_point(
-    batch: ForwardBatch, pool: MLAKVPool, index: str, ceil: dict, replays: int
+    batch: ForwardBatch,
+    pool: MLAKVPool,
+    index: str,
+    ceil: dict,
+    replays: int,
+    kernel: str = "flashinfer",
+    cfg: MLADecodeConfig | None = None,
 ) -> dict[str, Any]:
     """Time one decode attention call; bandwidth as a share of the copy ceiling."""
-    from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
     from dsv3serve.bench.kernels import graph_us
 
-    attn = FlashInferMLAAttention(pool, DIMS, paged=index == "page")
+    cfg = cfg or MLADecodeConfig()
+    attn = _backend(kernel, pool, index, cfg)
     attn.plan(batch)
     bs, heads = batch.batch_size, DIMS.num_heads
     q = torch.randn(bs, heads, DIMS.kv_cache_dim, device="cuda").to(torch.bfloat16)
@@ -92,12 +142,17 @@ def bench_point(
     except Exception as err:  # a capture failure: time eagerly, and say so
         print(f"CUDA graph capture failed ({err}); timing eager calls")
         us, timing = _eager_us(call, max(layers, 4), replays), "eager"
-    read = batch.kv_slots.numel() * DIMS.kv_cache_dim * 2 + q.numel() * 2
+    row_bytes = bytes_per_page(1, 1, pool.dtype, DIMS.kv_cache_dim)
+    read = decode_bytes(batch.kv_slots.numel(), row_bytes, q_latent, DIMS.kv_lora_rank)
+    read += q_pe.numel() * q_pe.element_size()
     tbps = read / us / 1e6
     return {
+        "kernel": kernel,
+        "kv_dtype": "fp8" if pool.is_fp8 else "bf16",
+        "config": vars(cfg) if kernel != "flashinfer" else None,
         "batch": bs,
         "context": batch.kv_indptr[1],
-        "index": attn.index_mode,
+        "index": getattr(attn, "index_mode", ""),
         "us": us,
         "bytes_read": read,
         "TBps": tbps,
@@ -131,11 +186,8 @@ def bench_mla(args: argparse.Namespace, ceil: dict) -> dict[str, Any]:
     for context in args.mla_context:
         for bs in args.mla_batch:
             batch = decode_batch(bs, context, args.mla_page_size)
-            pool = _pool(bs, context, args.mla_page_size)
-            for index in args.mla_index:
-                rows.append(bench_point(batch, pool, index, ceil, args.replays))
-                print({k: rows[-1][k] for k in ("batch", "context", "index", "us")}, flush=True)
-            del pool
+            for kernel in args.mla_kernels:
+                rows += _kernel_rows(kernel, batch, bs, context, args, ceil)
             torch.cuda.empty_cache()
     return {
         "flashinfer": flashinfer.__version__,
@@ -146,18 +198,62 @@ def bench_mla(args: argparse.Namespace, ceil: dict) -> dict[str, Any]:
     }
 
 
+def _triton_configs(args: argparse.Namespace) -> list[MLADecodeConfig]:
+    sweep = itertools.product(
+        args.mla_triton_block_h,
+        args.mla_triton_block_n,
+        args.mla_triton_warps,
+        args.mla_triton_stages,
+        args.mla_triton_min_split,
+        args.mla_triton_programs_per_sm,
+    )
+    return [
+        MLADecodeConfig(
+            block_h=h, block_n=n, num_warps=w, num_stages=s, min_split_tokens=m, target_programs=p
+        )
+        for h, n, w, s, m, p in sweep
+    ]
+
+
+def _kernel_rows(
+    kernel: str, batch: ForwardBatch, bs: int, context: int, args: argparse.Namespace, ceil: dict
+) -> list[dict[str, Any]]:
+    """One kernel's rows at one (batch, context): index modes or Triton configs."""
+    dtype = torch.float8_e4m3fn if kernel == "triton-fp8" else torch.bfloat16
+    pool = _pool(bs, context, args.mla_page_size, dtype)
+    if kernel == "flashinfer":
+        points = [(index, None) for index in args.mla_index]
+    else:
+        points = [("page", cfg) for cfg in _triton_configs(args)]
+    rows = []
+    for index, cfg in points:
+        try:
+            rows.append(bench_point(batch, pool, index, ceil, args.replays, kernel, cfg))
+        except Exception as err:  # a launch config that does not fit: report, go on
+            print(f"{kernel} {cfg} failed: {err}")
+            continue
+        keys = ("kernel", "batch", "context", "index", "us", "pct_copy_bw")
+        print({k: rows[-1][k] for k in keys}, flush=True)
+    del pool
+    return rows
+
+
 def print_mla_table(ceil: dict, mla: dict) -> None:
     if "skipped" in mla:
         print(f"MLA decode: skipped ({mla['skipped']})")
         return
     print(
-        f"MLA decode, flashinfer {mla['flashinfer']}: 128 heads, 512+64, bf16, page "
+        f"MLA decode (flashinfer {mla['flashinfer']}, Triton): 128 heads, 512+64, page "
         f"{mla['page_size']}; copy ceiling {ceil['copy_TBps']:.2f} TB/s; "
         f"target >= {TARGET_PCT:.0f}% at batch >= 32"
     )
-    print(f"{'batch':>5} {'context':>7} {'index':>5} {'us':>9} {'TB/s':>6} {'%copy':>6}")
+    head = f"{'kernel':>11} {'kv':>6} {'batch':>5} {'context':>7} {'index':>5}"
+    print(f"{head} {'us':>9} {'TB/s':>6} {'%copy':>6}  config")
     for r in mla["rows"]:
+        cfg = r.get("config") or {}
+        tiles = "/".join(str(cfg[k]) for k in ("block_h", "block_n", "num_warps")) if cfg else ""
         print(
+            f"{r.get('kernel', 'flashinfer'):>11} {r.get('kv_dtype', 'bf16'):>6} "
             f"{r['batch']:>5} {r['context']:>7} {r['index']:>5} {r['us']:>9.1f} "
-            f"{r['TBps']:>6.2f} {r['pct_copy_bw']:>6.1f}"
+            f"{r['TBps']:>6.2f} {r['pct_copy_bw']:>6.1f}  {tiles}"
         )

@@ -89,11 +89,6 @@ class EngineConfig(BaseModel):
                 "attention_backend 'flashinfer': found dtype 'float32', "
                 "expected 'auto' or 'bfloat16'"
             )
-        if self.kv_cache_dtype == "fp8_e4m3":
-            raise ValueError(
-                "attention_backend 'flashinfer': found kv_cache_dtype 'fp8_e4m3', "
-                "expected 'auto' (the fp8 pool layout is not supported yet)"
-            )
 
     def _check_speculative(self) -> None:
         spec_fields = (

@@ -1,0 +1,239 @@
+"""MLA attention whose absorbed form (decode, speculative verify) runs our Triton kernel.
+
+The fast backend for an fp8 KV cache (``attention_backend='flashinfer'`` with
+``kv_cache_dtype='fp8_e4m3'``), which flashinfer's MLA kernels cannot read as the pool lays
+it out; it reads bf16 pools too (for comparison with flashinfer).
+
+- Absorbed form: :func:`dsv3serve.kernels.mla_decode.mla_decode` reads the pool in place
+  (e4m3 rows and their per-token scales, dequantised in registers). Causal, bottom-right
+  aligned for several new tokens per sequence (verify). KV is indexed by page when every
+  sequence fills its pages in order, else token by token (each slot a page of one row).
+- MHA form (prefill, extend): on CUDA, flashinfer's ragged prefill
+  (:class:`~dsv3serve.attention.flashinfer_mha.FlashInferExtend`) over the latents
+  ``MLAKVPool.read`` dequantises to bf16 for just the slots a step needs; elsewhere (CPU
+  tests) the torch reference.
+- CUDA graphs: with :class:`~dsv3serve.attention.flashinfer_backend.CudaGraphLimits`, a
+  batch of up to ``max_batch_size`` sequences plans into fixed device buffers, one set per
+  (``graph_slot``, token count) for the per-token metadata and one page-id buffer per
+  ``graph_slot``; the number of KV splits depends only on the token count. So a graph
+  captured after one ``plan()`` replays correctly after a later ``plan()`` of the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
+from dsv3serve.attention.flashinfer_meta import (
+    KVIndex,
+    paged_kv_index,
+    pages_kv_index,
+    seq_lens,
+    token_kv_index,
+)
+from dsv3serve.forward_batch import ForwardBatch
+from dsv3serve.kernels.mla_decode import (
+    MLADecodeConfig,
+    MLADecodeMeta,
+    mla_decode,
+    num_splits_for,
+)
+
+if TYPE_CHECKING:
+    from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+    from dsv3serve.kvcache.pool import MLAKVPool
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SMS = 132  # H100 / H200 multiprocessors, where the device cannot say (CPU)
+
+
+def token_meta(qo_indptr: list[int], index: KVIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query token (host int32): its sequence's first page in ``index.indices`` and the
+    number of cached tokens it sees (bottom-right causal: query ``j`` of ``n`` new tokens
+    of a sequence of ``L`` sees ``L - n + 1 + j``)."""
+    q_lens = seq_lens(qo_indptr)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    j = torch.arange(int(q_lens.sum())) - torch.tensor(qo_indptr[:-1])[seq]
+    kv_len = index.lens.long()[seq] - q_lens[seq] + 1 + j
+    return index.indptr.long()[seq].int(), kv_len.int()
+
+
+class _GraphMeta:
+    """Fixed metadata buffers of the CUDA-graph path, by slot and token count."""
+
+    def __init__(self, limits: CudaGraphLimits, device: torch.device) -> None:
+        self.limits, self.device = limits, device
+        self._indices: dict[str, torch.Tensor] = {}
+        self._per_token: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.limits.max_batch_size
+
+    def load(
+        self, slot: str, indices: torch.Tensor, page_start: torch.Tensor, kv_len: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copy a plan (device tensors) into the slot's buffers: stream-ordered, so after
+        earlier replays read them."""
+        n = int(indices.shape[0])
+        if n > self.limits.max_kv_indices:
+            raise ValueError(
+                f"expected at most {self.limits.max_kv_indices} KV indices for a CUDA-graph "
+                f"batch (CudaGraphLimits.max_kv_indices), got {n}"
+            )
+        if slot not in self._indices:
+            self._indices[slot] = self._zeros(self.limits.max_kv_indices)
+        key = (slot, int(kv_len.shape[0]))
+        if key not in self._per_token:
+            self._per_token[key] = (self._zeros(key[1]), self._zeros(key[1]))
+        buf_idx, (buf_start, buf_len) = self._indices[slot], self._per_token[key]
+        buf_idx[:n].copy_(indices)
+        buf_start.copy_(page_start)
+        buf_len.copy_(kv_len)
+        return buf_idx, buf_start, buf_len
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+
+class TritonMLAAttention(AttentionBackend):
+    """MLA over the paged latent cache (bf16 or fp8): Triton absorbed form, see module doc."""
+
+    def __init__(
+        self,
+        pool: MLAKVPool,
+        dims: MLADims,
+        *,
+        cuda_graph: CudaGraphLimits | None = None,
+        config: MLADecodeConfig | None = None,
+        paged: bool = True,
+        extend: AttentionBackend | None = None,
+    ) -> None:
+        """``extend``: the MHA-form backend (default: flashinfer on CUDA, else torch)."""
+        if pool.kv_dim != dims.kv_cache_dim:
+            raise ValueError(
+                f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + "
+                f"qk_rope_head_dim = {dims.kv_cache_dim}"
+            )
+        self.pool, self.dims, self.paged = pool, dims, paged
+        self.config = config or MLADecodeConfig()
+        self._graph = None if cuda_graph is None else _GraphMeta(cuda_graph, pool.device)
+        self._extend = extend or _default_extend(pool, dims)
+        self._sms = _num_sms(pool.device)
+        self._batch: ForwardBatch | None = None
+        self._meta: MLADecodeMeta | None = None
+        self._mha_planned = False
+        self._warned_unaligned = False
+        self.graph_slot = "decode"  # CUDA-graph buffers this instance plans into
+        self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
+
+    # ---- planning ------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch) -> None:
+        self._batch, self._meta, self._mha_planned = batch, None, False
+        if batch.is_decode:
+            self._meta = self._plan_absorbed(batch)
+        else:
+            self._extend.plan(batch)
+            self._mha_planned = True
+
+    def _kv_index(self, batch: ForwardBatch) -> KVIndex:
+        pages = batch.kv_pages
+        if self.paged and pages is not None and pages.page_size == self.pool.page_size:
+            return pages_kv_index(pages)
+        if self.paged and batch.kv_slots_host is not None:
+            try:
+                return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, self.pool.page_size)
+            except ValueError as err:
+                if not self._warned_unaligned:
+                    logger.warning("triton MLA: %s; using token-granular KV indices", err)
+                    self._warned_unaligned = True
+        return token_kv_index(batch.kv_indptr, batch.kv_slots)
+
+    def _plan_absorbed(self, batch: ForwardBatch) -> MLADecodeMeta:
+        index = self._kv_index(batch)
+        page_start, kv_len = token_meta(batch.qo_indptr, index)
+        indices, page_start, kv_len = _to_device(
+            [index.indices, page_start, kv_len], self.pool.device
+        )
+        if self._graph is not None and self._graph.fits(batch.batch_size):
+            indices, page_start, kv_len = self._graph.load(
+                self.graph_slot, indices, page_start, kv_len
+            )
+        self.index_mode = "token" if index.page_size == 1 else "page"
+        splits = num_splits_for(batch.num_tokens, self.dims.num_heads, self.config, self._sms)
+        return MLADecodeMeta(indices, page_start, kv_len, index.page_size, splits)
+
+    # ---- per layer -----------------------------------------------------------------------
+    def _need_batch(self) -> ForwardBatch:
+        if self._batch is None:
+            raise RuntimeError("plan(batch) must be called before forward")
+        return self._batch
+
+    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
+        self.pool.write(layer_id, self._need_batch().out_slots, latent)
+
+    def forward_absorbed(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float
+    ) -> torch.Tensor:
+        batch = self._need_batch()
+        if self._meta is None:  # a forced absorbed form on an extend batch
+            self._meta = self._plan_absorbed(batch)
+        kv = self.pool.kv_buffer(layer_id)
+        if self._meta.page_size == 1:
+            kv = kv.view(-1, 1, kv.shape[-1])
+        scales = self.pool.scale_buffer(layer_id)
+        return mla_decode(
+            _unit_last_stride(q_latent),
+            _unit_last_stride(q_pe),
+            kv,
+            scales,
+            self._meta,
+            scale,
+            self.config,
+        )
+
+    def forward_mha(
+        self, q: torch.Tensor, layer_id: int, scale: float, expand_kv: ExpandKV
+    ) -> torch.Tensor:
+        batch = self._need_batch()
+        if not self._mha_planned:  # a forced MHA form on a decode batch
+            self._extend.plan(batch)
+            self._mha_planned = True
+        return self._extend.forward_mha(q, layer_id, scale, expand_kv)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """int32 copies on ``device``; the host ones travel together in one pinned,
+    asynchronous copy (no host sync, so planning can overlap the previous step)."""
+    out = [t if t.device.type != "cpu" else None for t in tensors]
+    host = [t.to(torch.int32).flatten() for t in tensors if t.device.type == "cpu"]
+    if host:
+        flat = torch.cat(host)
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        moved = iter(flat.to(device, non_blocking=True).split([t.numel() for t in host]))
+        out = [next(moved) if t is None else t for t in out]
+    return [t.to(torch.int32) for t in out]
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_extend(pool: MLAKVPool, dims: MLADims) -> AttentionBackend:
+    if pool.device.type == "cuda":
+        from dsv3serve.attention.triton_mla_extend import FlashInferExtendBackend
+
+        return FlashInferExtendBackend(pool, dims)
+    from dsv3serve.attention.ref import TorchRefAttention
+
+    return TorchRefAttention(pool, dims.kv_lora_rank)
