@@ -11,7 +11,8 @@ that a property of the setup rather than luck:
   MoE kernels still gather, run and combine the chosen experts of every token).
 - ``select_prompts``: each prompt's random suffix is the first candidate (seeds in a
   fixed order) whose reference generation has a smallest margin of at least
-  ``min_margin``. The rule only reads the reference engine.
+  ``min_margin``, else the candidate with the largest smallest margin. The rule only
+  reads the reference engine.
 
 ``assert_same_greedy`` then checks the precondition against the measured error (the
 first step's largest logit difference between the engines) before it asserts that the
@@ -121,23 +122,31 @@ def prompt_shapes() -> list[tuple[bool, int]]:
 def select_prompts(
     ref: Engine, new: int, min_margin: float, max_tries: int = 12
 ) -> tuple[list[list[int]], Generation]:
-    """Prompts by the stated rule (see module docstring) and the reference's generation."""
+    """Prompts by the stated rule (see module docstring) and the reference's generation.
+
+    Per prompt shape, candidates are tried in a fixed seed order; the first whose smallest
+    margin reaches ``min_margin`` is taken, else the one with the largest smallest margin
+    of ``max_tries``. Either way ``assert_same_greedy``'s precondition (margin above a
+    multiple of the measured error) decides whether the comparison is meaningful.
+    """
     shared = random.Random(0).sample(range(VOCAB_LO, VOCAB_HI), SHARED_PREFIX)
     prompts, tokens, margins = [], [], []
     for i, (prefixed, n) in enumerate(prompt_shapes()):
+        best: tuple[float, list[int], list[int], list[float]] | None = None
         for j in range(max_tries):
             rng = random.Random(1000 * i + j)
             prompt = (shared if prefixed else []) + [
                 rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)
             ]
             toks, marg = generate_one(ref, f"select-{i}-{j}", prompt, new)
+            if best is None or min(marg) > best[0]:
+                best = (min(marg), prompt, toks, marg)
             if min(marg) >= min_margin:
                 break
-        else:
-            raise AssertionError(f"prompt {i}: no candidate in {max_tries} has margin {min_margin}")
-        prompts.append(prompt)
-        tokens.append(toks)
-        margins.append(marg)
+        assert best is not None
+        prompts.append(best[1])
+        tokens.append(best[2])
+        margins.append(best[3])
     return prompts, Generation(tokens, margins)
 
 
