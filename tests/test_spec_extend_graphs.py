@@ -130,15 +130,40 @@ def _compare_states(graphed: Engine, eager: Engine) -> None:
         torch.testing.assert_close(g_rows[seq_id], want, **TOL)
 
 
-def _params(reference: dict[str, list[int]]) -> list[SamplingParams]:
-    """Varied max_new_tokens (some finish while others run); q1 stops at its first new
-    output token after the first (a decode step where every item has the full lookahead)."""
-    params = [SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True)
-              for m in (5, 9, 13, 7)]  # fmt: skip
+MAX_NEW = (5, 8, 10, 6)
+
+
+def _stop_run(reference: dict[str, list[int]]) -> tuple[list[SamplingParams], dict]:
+    """q1 also stops at its first new output token after the first (a decode step where
+    every item has the full lookahead): the params, and the reference cut there."""
+    params = [SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     out = reference["q1"]
-    stop = next(t for i, t in enumerate(out) if i > 0 and t not in out[:i])
-    params[1] = SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=[stop])
-    return params
+    at = next(i for i, t in enumerate(out) if i > 0 and t not in out[:i])
+    params[1] = SamplingParams(
+        temperature=0, max_new_tokens=MAX_NEW[1], ignore_eos=True, stop_token_ids=[out[at]]
+    )
+    return params, {**reference, "q1": out[: at + 1]}
+
+
+def _oracle_drafts(engine: Engine, reference: dict[str, list[int]], seed: int) -> None:
+    """Replace each chain's drafts by the greedy continuation cut at a random draft (made
+    wrong), so that steps accept 0 .. k drafts; lengths (and so graph paths) unchanged."""
+    propose, rng = engine.spec.propose, random.Random(seed)
+
+    def oracle(items):
+        drafts = propose(items)
+        for item in items:
+            row = drafts.get(item.seq_id)
+            if row:
+                done = len(item.seq.output_ids)
+                want = reference[item.seq.request_id][done : done + len(row)]
+                row[:] = want + [0] * (len(row) - len(want))
+                cut = rng.randint(0, len(row))
+                if cut < len(row):
+                    row[cut] = (row[cut] + 1) % 1000
+        return drafts
+
+    engine.spec.propose = oracle
 
 
 def _add(engine: Engine, batch: list[list[int]], params: list[SamplingParams]) -> None:
@@ -147,19 +172,19 @@ def _add(engine: Engine, batch: list[list[int]], params: list[SamplingParams]) -
 
 
 def test_engine_with_the_padded_extend_keeps_the_eager_states() -> None:
-    """Lockstep: after every step the padded-extend engine has the eager-extend engine's
-    outputs, draft states and committed draft KV; both equal plain greedy decoding; the
-    padded extend served steps, also one where a sequence stopped; no page leaks."""
+    """Lockstep, with drafts that accept 0 .. k tokens: after every step the padded-extend
+    engine has the eager-extend engine's outputs, draft states and committed draft KV;
+    both equal plain greedy decoding; the padded extend served steps, also one where a
+    sequence stopped; no page leaks."""
     batch = prompts(4, seed=41, hi=24)
     plain = make_engine(enable_prefix_caching=False)
-    long = [SamplingParams(temperature=0, max_new_tokens=13, ignore_eos=True)] * 4
-    _add(plain, batch, long)
-    reference = _drain(plain)
-    params = _params(reference)
-    plain = make_engine(enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     _add(plain, batch, params)
-    reference = _drain(plain)
+    full = _drain(plain)
+    params, reference = _stop_run(full)
     (graphed, g_scratch), (eager, e_scratch) = _spec_engine(True), _spec_engine(False)
+    _oracle_drafts(graphed, full, seed=7)
+    _oracle_drafts(eager, full, seed=7)
     _add(graphed, batch, params)
     _add(eager, batch, params)
     got: dict[str, list[int]] = {}
@@ -176,6 +201,8 @@ def test_engine_with_the_padded_extend_keeps_the_eager_states() -> None:
             got.setdefault(o.request_id, []).extend(o.token_ids)
     assert got == reference
     assert extend.runs > 0 and stopped_in_graph
+    stats = graphed.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens and stats.accepted_at[-1] > 0
     for done, scratch in ((graphed, g_scratch), (eager, e_scratch)):
         done.release_reservation(scratch)
         kv = done.scheduler.kv
