@@ -14,7 +14,9 @@ Per sequence, with committed tokens ``t[0..n]`` and target KV for ``0..n-1``, a 
 4. ``extend``: one draft forward over every position the step committed, each ``p`` with
    the target's ``h[p]`` and the now-known ``t[p+1]``. It rewrites the draft KV there
    (the chain's rows were written from draft hidden states) and, for sequences ready to
-   decode, leaves the next round's :class:`DraftState`.
+   decode, leaves the next round's :class:`DraftState`. After an all-decode step that
+   verified ``k + 1`` positions everywhere it runs over all of them, a fixed shape that
+   CUDA graphs capture (:mod:`~dsv3serve.engine.spec.extend_graphs`).
 
 So a position's draft KV always comes from the target's hidden state once committed, as
 if the draft had run over the whole sequence, and pages reach the prefix cache (and PD
