@@ -154,6 +154,22 @@ def test_graph_round_is_chain_plus_eager_extend_plus_verify() -> None:
     assert rows == {1: costs}
 
 
+def test_graph_round_uses_the_graphed_extend_where_measured() -> None:
+    """k = 3: chain 1.5 ms + graphed extend 0.8 ms + verify 4 ms; k = 1 has no graphed
+    extend measured, so the eager draft step (2 ms) stands for it; the 61-layer round
+    keeps the measured (one-layer) extend."""
+    graph = {"decode_ms": 2.5, "verify_ms": {"1": 3.0, "3": 4.0}, "chain_ms": {"3": 1.5},
+             "extend_ms": {"3": 0.8}}  # fmt: skip
+    full = {"decode_ms": 20.0, "verify_ms": {"1": 30.0, "3": 40.0}}
+    rows = [{"batch_size": 1, "draft_ms": 2.0, "graph": {**graph, "projected_61": full}}]
+    costs = graph_costs(rows)[1]
+    assert costs.round_ms(3) == pytest.approx(1.5 + 0.8 + 4.0)
+    assert costs.round_ms(1) == pytest.approx(2.0 + 3.0)
+    full_costs = graph_costs(rows, projected=True)[1]
+    assert full_costs.round_ms(3) == pytest.approx(1.5 + 0.8 + 40.0)
+    assert full_costs.break_even(3) == pytest.approx(42.3 / 20.0)
+
+
 def test_graphed_steps_projected_to_61_layers() -> None:
     """1 dense + 2 MoE layers measured: 61 layers add 2 dense and 56 MoE layers, each at
     the graphed single-layer time of the step's width (1 token decode, k + 1 verify)."""

@@ -1,7 +1,7 @@
 """Speculative decoding's CUDA-graph paths on the CPU, capture off (the padding and
 static buffers run eagerly): the padded verify and the padded one-graph draft chain give
 the eager path's logits and tokens and write only the scratch page besides the real
-slots; the engine stays lossless (greedy) with both in use."""
+slots; the engine stays lossless (greedy) with them and the padded extend in use."""
 
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def test_engine_through_the_padded_paths_is_lossless() -> None:
     assert _run(engine, batch) == reference
     graphs = engine.spec.graphs
     assert graphs.verify.runs > 0 and graphs.chain is not None and graphs.chain.runs > 0
-    assert graphs.verify.replays == graphs.chain.replays == 0  # nothing captured on a CPU
+    assert graphs.extend is not None and graphs.extend.runs > 0
+    assert graphs.verify.replays == graphs.chain.replays == graphs.extend.replays == 0
     engine.release_reservation(scratch)
     kv = engine.scheduler.kv
     assert kv.used_pages == 0

@@ -1,6 +1,7 @@
 """Speculative decoding's CUDA graphs on a GPU: the replayed verify gives the eager verify's
-logits and hidden states, the one-graph draft chain the eager chain's tokens, and an
-engine speculating through graphs the greedy tokens of one speculating eagerly.
+logits and hidden states, the one-graph draft chain the eager chain's tokens, the replayed
+draft extend the eager extend's next draft states, and an engine speculating through all
+three graphs the greedy tokens of one speculating eagerly.
 
 The tiny checkpoint of ``test_cuda_graph_gpu.py`` (DeepSeek-V3's attention shapes, FP8
 weights, MoE layers and the NextN layer), flashinfer attention and Triton MoE.
@@ -48,8 +49,9 @@ def _prefill(runner: ModelRunner, lens: list[int], rng: random.Random) -> list[l
 
 def test_spec_graphs_are_captured_beside_the_decode_graphs(engine: Engine) -> None:
     graphs = engine.spec.graphs
-    assert graphs is not None and graphs.chain is not None
-    assert graphs.verify.sizes == graphs.chain.sizes == engine.runner.graphs.sizes
+    assert graphs is not None and graphs.chain is not None and graphs.extend is not None
+    sizes = engine.runner.graphs.sizes
+    assert graphs.verify.sizes == graphs.chain.sizes == graphs.extend.sizes == sizes
     assert engine.runner.num_pages == engine.runner.pool.num_pages - 1  # k + 1 <= PAGE
 
 
@@ -142,18 +144,22 @@ def _generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPar
 
 
 def test_engine_speculates_through_graphs(ckpt, engine: Engine) -> None:  # noqa: F811
-    """Six concurrent greedy requests: verify and chain steps replay graphs; the engine
+    """Six concurrent greedy requests: verify, chain and extend replay graphs; the engine
     speculating eagerly (``disable_cuda_graph``) gives the same tokens; no page leaks."""
     params = [
         SamplingParams(temperature=0, max_new_tokens=12 + i, ignore_eos=True) for i in range(6)
     ]
     rng = random.Random(17)
     prompts = [[rng.randrange(2, 100000) for _ in range(rng.randint(3, 200))] for _ in params]
-    verify, chain = engine.spec.graphs.verify, engine.spec.graphs.chain
-    v0, c0 = verify.replays, chain.replays
+    graphs = engine.spec.graphs
+    verify, chain, extend = graphs.verify, graphs.chain, graphs.extend
+    v0, c0, e0 = verify.replays, chain.replays, extend.replays
     graphed = _generate(engine, prompts, params)
-    print(f"verify replays {verify.replays - v0}, chain replays {chain.replays - c0}")
-    assert verify.replays > v0 and chain.replays > c0
+    print(
+        f"verify replays {verify.replays - v0}, chain replays {chain.replays - c0}, "
+        f"extend replays {extend.replays - e0}"
+    )
+    assert verify.replays > v0 and chain.replays > c0 and extend.replays > e0
     assert [len(graphed[f"s{i}"]) for i in range(6)] == [12 + i for i in range(6)]
     kv = engine.scheduler.kv
     assert kv.used_pages == 0
@@ -165,3 +171,48 @@ def test_engine_speculates_through_graphs(ckpt, engine: Engine) -> None:  # noqa
     same = sum(graphed[k] == eager[k] for k in eager)
     print(f"spec graph vs spec eager greedy completions identical: {same}/6")
     assert same >= 5  # a random bf16 model may flip one near-tie; logits are checked above
+
+
+def _eager_extend(engine: Engine, spans: list[SeqSpan], hidden: torch.Tensor, accepted):
+    """The eager extend (MHA form) over each span's committed positions only: the hidden
+    states [n, H] at the last committed one, and the logits there."""
+    runner, draft, width = engine.runner, engine.spec.draft, STEPS + 1
+    committed = [
+        SeqSpan(s.token_ids[: a + 1], s.start, s.kv_slots[: s.start + a + 1])
+        for s, a in zip(spans, accepted, strict=True)
+    ]
+    rows = [i * width + j for i, a in enumerate(accepted) for j in range(a + 1)]
+    batch = ForwardBatch.build(committed, runner.device)
+    out = draft.forward(batch, hidden[torch.tensor(rows, device=runner.device)], runner.attn)
+    last = out[batch.logits_indices]
+    return last, draft.compute_logits(last)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_extend_replay_gives_the_eager_extend_states(engine: Engine, batch_size: int) -> None:
+    """Random accept counts: the replayed padded extend's hidden state and token at each
+    sequence's last committed position match the eager extend's (a near-tie may flip)."""
+    runner, rng, extend = engine.runner, random.Random(20 + batch_size), engine.spec.graphs.extend
+    width = STEPS + 1
+    lens = [rng.randint(1, 300) for _ in range(batch_size)]
+    tables = _prefill(runner, lens, rng)
+    accepted = [rng.randint(0, STEPS) for _ in lens]
+    spans = [
+        SeqSpan([rng.randrange(2, 100000) for _ in range(width)], n,
+                kv_slots(t, PAGE, n + width), False)
+        for n, t in zip(lens, tables, strict=True)
+    ]  # fmt: skip
+    g = torch.Generator(device=runner.device).manual_seed(batch_size)
+    size = (batch_size * width, runner.model_cfg.hidden_size)
+    hidden = torch.randn(size, generator=g, device=runner.device).to(runner.dtype)
+    replays = extend.replays
+    rows = [i * width + a for i, a in enumerate(accepted)]
+    got_hidden, got_tokens = extend.run(spans, hidden, rows)
+    assert extend.replays == replays + 1
+    want_hidden, want_logits = _eager_extend(engine, spans, hidden, accepted)
+    _close(got_hidden, want_hidden)
+    top = want_logits.topk(2, dim=-1)
+    for got, want, (v0, v1) in zip(
+        got_tokens.tolist(), top.indices[:, 0].tolist(), top.values.tolist(), strict=True
+    ):
+        assert got == want or v0 - v1 < 0.05, (got, want, v0 - v1)

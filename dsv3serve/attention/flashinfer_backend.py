@@ -16,7 +16,8 @@
   buffers, one set per slot (flashinfer's ``use_cuda_graph=True`` mode), so a graph
   captured after ``plan()`` replays correctly after later ``plan()`` calls of the same
   batch size. Layouts that must stay planned together (the chained draft steps of one
-  graph, verify beside decode) plan on shallow copies with their own ``graph_slot``
+  graph, verify beside decode, the speculative draft extend: slot ``"extend"``) plan on
+  shallow copies with their own ``graph_slot``
   (:func:`dsv3serve.engine.graph_capture.fork_attention`).
 
 Not supported: an fp8 KV cache (see :func:`check_pool`); ``create_attention_backend``

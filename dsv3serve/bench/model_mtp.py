@@ -8,10 +8,11 @@ average (the accept length, ``1 <= a <= k + 1``), where plain decoding commits o
     speedup(a) = a * t_decode / (k * t_draft + t_verify(k)),   break-even a = cost / t_decode.
 
 Through CUDA graphs (:class:`GraphSpecCosts`) the ``k - 1`` chained proposals are one
-graph replay (``t_chain(k)``), the verify a graph (``t_verify_graph(k)``) and plain decoding
-a graph too; the extend stays eager (one eager draft step stands for it):
+graph replay (``t_chain(k)``), the verify a graph (``t_verify_graph(k)``), the extend a
+graph over all ``k + 1`` positions per sequence (``t_extend_graph(k)``; where it was not
+measured, one eager draft step stands for it) and plain decoding a graph too:
 
-    round(k) = t_chain(k) + t_draft_eager + t_verify_graph(k).
+    round(k) = t_chain(k) + t_extend_graph(k) + t_verify_graph(k).
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ class SpecCosts:
 @dataclass(frozen=True)
 class GraphSpecCosts(SpecCosts):
     """:class:`SpecCosts` through CUDA graphs: ``decode_ms`` and ``verify_ms`` graphed,
-    ``draft_ms`` the eager draft step (the extend), ``chain_ms[k]`` the graphed ``k - 1``
-    chained steps (absent, i.e. 0, for ``k = 1``)."""
+    ``draft_ms`` the eager draft step, ``chain_ms[k]`` the graphed ``k - 1`` chained steps
+    (absent, i.e. 0, for ``k = 1``), ``extend_ms[k]`` the graphed extend (absent: the
+    eager draft step stands for it)."""
 
     chain_ms: dict[int, float] = field(default_factory=dict)
+    extend_ms: dict[int, float] = field(default_factory=dict)
 
     def round_ms(self, k: int) -> float:
-        return self.chain_ms.get(k, 0.0) + self.draft_ms + self.verify_ms[k]
+        extend = self.extend_ms.get(k, self.draft_ms)
+        return self.chain_ms.get(k, 0.0) + extend + self.verify_ms[k]
 
 
 def speedup_rows(

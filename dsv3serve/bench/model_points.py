@@ -139,8 +139,8 @@ class ModelBench:
         }
 
     def _spec_graph_costs(self, batch_size: int, decode: dict[str, Any]) -> dict[str, Any] | None:
-        """Graphed draft step, chain and verify beside the graphed decode step, or None
-        without decode graphs for ``batch_size``."""
+        """Graphed draft step, chain, extend and verify beside the graphed decode step, or
+        None without decode graphs for ``batch_size``."""
         timer = SpecGraphTimer(self.runner, self.plan.warmup, self.plan.iters)
         if decode.get("graph_ms") is None or not timer.available(batch_size):
             return None
@@ -190,9 +190,9 @@ def spec_summary(rows: list[dict[str, Any]], context: int, steps: list[int]) -> 
 
 
 def graph_costs(rows: list[dict[str, Any]], projected: bool = False) -> dict[int, GraphSpecCosts]:
-    """Round costs through CUDA graphs of the rows that measured them (the extend eager);
-    ``projected``: with the decode and verify steps projected to 61 layers (rows whose
-    layer graphs failed are left out)."""
+    """Round costs through CUDA graphs of the rows that measured them (the graphed extend
+    where measured, else the eager draft step); ``projected``: with the decode and verify
+    steps projected to 61 layers (rows whose layer graphs failed are left out)."""
     out = {}
     for r in rows:
         g = r.get("graph")
@@ -201,5 +201,8 @@ def graph_costs(rows: list[dict[str, Any]], projected: bool = False) -> dict[int
         if g is not None:
             verify = {int(k): v for k, v in g["verify_ms"].items()}
             chain = {int(k): v for k, v in g["chain_ms"].items()}
-            out[r["batch_size"]] = GraphSpecCosts(g["decode_ms"], r["draft_ms"], verify, chain)
+            extend = {int(k): v for k, v in g.get("extend_ms", {}).items()}
+            out[r["batch_size"]] = GraphSpecCosts(
+                g["decode_ms"], r["draft_ms"], verify, chain, extend
+            )
     return out

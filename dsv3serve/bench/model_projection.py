@@ -51,8 +51,8 @@ def project_graph_costs(
     """The graphed decode and verify steps of a ``bench model`` MTP row (``graph``:
     ``decode_ms``, ``verify_ms`` by k) at 61 layers, from the graphed layer times
     ``layer_ms[kind][tokens per sequence]`` (kind ``dense`` / ``moe``; 1 for decode,
-    ``k + 1`` for verify k). Draft chain and extend are not scaled (one layer in the
-    full model too)."""
+    ``k + 1`` for verify k). Draft chain and extend (``chain_ms``, ``extend_ms``) are not
+    scaled (one layer in the full model too): the projected row keeps the measured ones."""
 
     def full(ms: float, width: int) -> float:
         key = str(width)

@@ -1,4 +1,5 @@
-"""``bench model``'s MTP steps through CUDA graphs: a draft step, the chain, the verify.
+"""``bench model``'s MTP steps through CUDA graphs: a draft step, the chain, the verify,
+the draft extend.
 
 Each is timed as the engine runs it (host padding, copies and planning included, then
 the replay), with graphs captured for the measured batch size only, in a memory pool of
@@ -16,6 +17,7 @@ import torch
 from dsv3serve.bench.model_batches import context_spans
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
 from dsv3serve.engine.spec.graphs import DraftChainGraphs, VerifyGraphs
 from dsv3serve.forward_batch import SeqSpan
 
@@ -94,13 +96,28 @@ class SpecGraphTimer:
         assert verify.replays > 0, "the verify did not replay its graph"
         return ms
 
+    def extend_ms(self, batch_size: int, context: int, num_steps: int) -> float:
+        """The draft over all ``num_steps + 1`` positions per sequence after a verify, the
+        next draft states gathered at the last (the cost does not depend on which)."""
+        r, width = self.runner, num_steps + 1
+        scratch = r.scratch_slots(width)
+        extend = ExtendGraphs(self.draft, r.attn, num_steps, [batch_size], scratch)
+        spans = self._spans(batch_size, context, num_steps)
+        hidden = self._hidden(batch_size * width)
+        rows = [i * width + num_steps for i in range(batch_size)]
+        ms = median_call_ms(lambda: extend.run(spans, hidden, rows), self.warmup, self.iters)
+        assert extend.replays > 0, "the extend did not replay its graph"
+        return ms
+
     def costs(self, batch_size: int, context: int, steps: list[int]) -> dict[str, Any]:
-        """Graphed draft step, chain and verify per ``k`` (ms); graphs freed afterwards."""
+        """Graphed draft step, chain, verify and extend per ``k`` (ms); graphs freed
+        afterwards."""
         try:
             return {
                 "draft_ms": self.chain_ms(batch_size, context, 2),
                 "chain_ms": {str(k): self.chain_ms(batch_size, context, k) for k in steps if k > 1},
                 "verify_ms": {str(k): self.verify_ms(batch_size, context, k) for k in steps},
+                "extend_ms": {str(k): self.extend_ms(batch_size, context, k) for k in steps},
             }
         finally:
             torch.cuda.synchronize()

@@ -16,7 +16,8 @@ Both pad a step of ``b`` sequences to a captured size ``B >= b`` as
   padding sequence is one token at position 0 of the scratch page in every step.
 
 Mixed steps (prefill chunks beside decode), rows with fewer drafts than ``k``, and
-batches over the largest size stay eager. ``extend`` always stays eager.
+batches over the largest size stay eager. The draft extend after a verify of this kind
+has graphs of its own (:mod:`dsv3serve.engine.spec.extend_graphs`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dsv3serve.engine.graph_capture import (
     padded_size,
 )
 from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -195,10 +197,11 @@ class DraftChainGraphs:
 
 @dataclasses.dataclass
 class SpecGraphs:
-    """The verify graphs, and the draft-chain graphs when ``k >= 2``."""
+    """The verify and draft-extend graphs, and the draft-chain graphs when ``k >= 2``."""
 
     verify: VerifyGraphs
     chain: DraftChainGraphs | None
+    extend: ExtendGraphs | None = None
 
     @classmethod
     def build(
@@ -211,11 +214,12 @@ class SpecGraphs:
         capture: bool = True,
         mempool: Any = None,
     ) -> SpecGraphs:
-        """Capture (or with ``capture=False`` only prepare) both kinds of graphs."""
+        """Capture (or with ``capture=False`` only prepare) every kind of graph."""
         model = draft.target
         verify = VerifyGraphs(model, attn, num_steps, sizes, scratch_slots, capture, mempool)
         chain = None
         if num_steps >= 2:
             slot = scratch_slots[0]
             chain = DraftChainGraphs(draft, attn, num_steps, sizes, slot, capture, mempool)
-        return cls(verify, chain)
+        extend = ExtendGraphs(draft, attn, num_steps, sizes, scratch_slots, capture, mempool)
+        return cls(verify, chain, extend)

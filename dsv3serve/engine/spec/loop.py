@@ -14,7 +14,9 @@ Per sequence, with committed tokens ``t[0..n]`` and target KV for ``0..n-1``, a 
 4. ``extend``: one draft forward over every position the step committed, each ``p`` with
    the target's ``h[p]`` and the now-known ``t[p+1]``. It rewrites the draft KV there
    (the chain's rows were written from draft hidden states) and, for sequences ready to
-   decode, leaves the next round's :class:`DraftState`.
+   decode, leaves the next round's :class:`DraftState`. After an all-decode step that
+   verified ``k + 1`` positions everywhere it runs over all of them, a fixed shape that
+   CUDA graphs capture (:mod:`~dsv3serve.engine.spec.extend_graphs`).
 
 So a position's draft KV always comes from the target's hidden state once committed, as
 if the draft had run over the whole sequence, and pages reach the prefix cache (and PD
@@ -32,6 +34,7 @@ from dsv3serve.engine.model_runner import ModelRunner, kv_slots
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
+from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
 from dsv3serve.engine.spec.graphs import SpecGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 
@@ -180,9 +183,15 @@ class SpecDecoder:
     def extend(self, items: list[ScheduledItem], target: TargetPass) -> None:
         """Draft KV for every position the step committed; next states for decode-ready.
 
-        Always eager, CUDA graphs or not: after an all-decode step it is a draft forward
-        over each sequence's 1 .. k+1 accepted positions (ragged; the MHA extend form).
+        After an all-decode step whose items each verified ``k + 1`` positions, one padded
+        draft forward over all of them (graphed where captured: see
+        :mod:`~dsv3serve.engine.spec.extend_graphs`); otherwise eager, over each
+        sequence's committed positions only (ragged; the MHA extend form).
         """
+        graphs = None if self.graphs is None else self.graphs.extend
+        if graphs is not None and self._extend_graphable(items, target, graphs):
+            self._extend_graphed(items, target, graphs)
+            return
         spans, rows, ready = [], [], []
         for item, first_row in zip(items, target.row_starts, strict=True):
             seq = item.seq
@@ -205,6 +214,47 @@ class SpecDecoder:
         tokens = self.draft.compute_logits(last).argmax(-1).tolist()
         for seq, token, hidden in zip(ready, tokens, last, strict=True):
             self._states[seq.seq_id] = DraftState(seq.num_tokens, token, hidden.clone())
+
+    @staticmethod
+    def _extend_graphable(
+        items: list[ScheduledItem], target: TargetPass, graphs: ExtendGraphs
+    ) -> bool:
+        """All decode items, each with ``k + 1`` verified rows, within the graphs' sizes.
+
+        A decode item verifies at most ``1 + k`` rows, so rows starting every ``k + 1``
+        and ``n * (k + 1)`` rows in all mean each verified exactly ``k + 1``.
+        """
+        n, width = len(items), graphs.width
+        return (
+            graphs.can_run(n)
+            and all(item.is_decode for item in items)
+            and target.hidden.shape[0] == n * width
+            and target.row_starts == list(range(0, n * width, width))
+        )
+
+    def _extend_graphed(
+        self, items: list[ScheduledItem], target: TargetPass, graphs: ExtendGraphs
+    ) -> None:
+        """The padded extend over all ``k + 1`` positions of every item; a sequence with
+        nothing committed or no pages left runs as padding and gets no state."""
+        spans, rows, ready = [], [], []
+        for i, item in enumerate(items):
+            seq, width = item.seq, graphs.width
+            new = seq.num_computed_tokens - item.start
+            if new <= 0 or not seq.page_table:
+                spans.append(graphs.dummy)
+                rows.append(i * width)
+                continue
+            ids = seq.token_ids(item.start + 1, item.start + 1 + new) + [0] * (width - new)
+            end = item.start + width
+            spans.append(SeqSpan(ids, item.start, self._slots(item, end), False))
+            rows.append(i * width + new - 1)
+            if seq.num_computed_tokens == seq.num_tokens - 1:
+                ready.append((i, seq))
+        hidden, tokens = graphs.run(spans, target.hidden, rows)
+        token_list = tokens.tolist()
+        for i, seq in ready:
+            self._states[seq.seq_id] = DraftState(seq.num_tokens, token_list[i], hidden[i])
 
     # ---- helpers -------------------------------------------------------------------------
     def _fresh_state(self, item: ScheduledItem) -> DraftState | None:
