@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv3serve.engine.model_runner import ModelRunner, kv_slots
+from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
@@ -161,8 +161,7 @@ class SpecDecoder:
         spans, rows, starts, offset = [], [], [], 0
         for item in items:
             tokens = item.token_ids + drafts.get(item.seq_id, [])
-            end = item.start + len(tokens)
-            spans.append(SeqSpan(tokens, item.start, self._slots(item, end), item.sample))
+            spans.append(self._span(item, tokens, item.start, item.sample))
             if item.sample:
                 verified = len(tokens) if item.is_decode else 1
                 rows.extend(range(offset + len(tokens) - verified, offset + len(tokens)))
@@ -201,7 +200,7 @@ class SpecDecoder:
             end = item.start + new
             decode_ready = end == seq.num_tokens - 1
             next_tokens = seq.token_ids(item.start + 1, end + 1)
-            spans.append(SeqSpan(next_tokens, item.start, self._slots(item, end), decode_ready))
+            spans.append(self._span(item, next_tokens, item.start, decode_ready))
             rows.extend(range(first_row, first_row + new))
             if decode_ready:
                 ready.append(seq)
@@ -246,8 +245,7 @@ class SpecDecoder:
                 rows.append(i * width)
                 continue
             ids = seq.token_ids(item.start + 1, item.start + 1 + new) + [0] * (width - new)
-            end = item.start + width
-            spans.append(SeqSpan(ids, item.start, self._slots(item, end), False))
+            spans.append(self._span(item, ids, item.start, False))
             rows.append(i * width + new - 1)
             if seq.num_computed_tokens == seq.num_tokens - 1:
                 ready.append((i, seq))
@@ -261,11 +259,12 @@ class SpecDecoder:
         state = self._states.get(item.seq_id)
         return state if state is not None and state.num_tokens == item.seq.num_tokens else None
 
-    def _slots(self, item: ScheduledItem, end: int) -> list[int]:
-        return kv_slots(item.seq.page_table, self.runner.cfg.page_size, end)
+    def _span(self, item: ScheduledItem, tokens: list[int], start: int, sample: bool) -> SeqSpan:
+        """``tokens`` at ``start ..`` of the item's sequence, addressed by its page table."""
+        page_table, page_size = item.seq.page_table, self.runner.cfg.page_size
+        return SeqSpan.from_pages(tokens, start, page_table, page_size, sample)
 
     def _chain_span(self, item: ScheduledItem, token: int, step: int) -> SeqSpan:
         """Chained draft step ``step`` (1-based after d1): input ``token`` (``d[step]``) at
         position ``n+step-1``."""
-        position = item.start + step - 1
-        return SeqSpan([token], position, self._slots(item, position + 1))
+        return self._span(item, [token], item.start + step - 1, True)
