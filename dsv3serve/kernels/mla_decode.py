@@ -44,9 +44,11 @@ LOG2E = 1.4426950408889634  # 1 / ln 2: the kernel works in base 2
 class MLADecodeConfig:
     """Launch parameters (tune with ``bench kernels --only mla``)."""
 
-    block_h: int = 32  # heads per program (one KV tile load serves them all)
-    block_n: int = 32  # cached tokens per tile
-    num_warps: int = 4  # block_h 64 wants 8: its [64, 512] float32 accumulator
+    # Best of a 2x2x2 sweep (block_h 32/64, block_n 32/64, warps 4/8) on an H200 at
+    # batch 32/128 x 4K, bf16 and fp8 pools (docs/perf/hopper_h200.md), 2026-11-24.
+    block_h: int = 64  # heads per program (one KV tile load serves them all)
+    block_n: int = 64  # cached tokens per tile
+    num_warps: int = 8  # its [64, 512] float32 accumulator
     num_stages: int = 2
     max_splits: int = 32  # KV splits per query token at most
     min_split_tokens: int = 256  # a split holds at least this many tokens
