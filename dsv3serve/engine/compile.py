@@ -35,12 +35,14 @@ class CompiledDecodeModel:
         self,
         model: DeepseekV3ForCausalLM,
         max_bs: int,
-        compiler: Callable[..., Any] = torch.compile,
+        compiler: Callable[..., Any] | None = None,
         **compile_kwargs: Any,
     ) -> None:
+        """``compiler`` (default ``torch.compile``) gets the forward and ``compile_kwargs``
+        over the defaults ``mode=COMPILE_MODE, dynamic=False``."""
         self.model, self.max_bs = model, max_bs
         kwargs = {"mode": COMPILE_MODE, "dynamic": False} | compile_kwargs
-        self._compiled = compiler(model.forward, **kwargs)
+        self._compiled = (compiler or torch.compile)(model.forward, **kwargs)
 
     def __call__(
         self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False
