@@ -25,7 +25,7 @@ from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampling_params import SamplingParams
 
 CHUNKED = (("chunked_prefill_size", 8), ("max_num_batched_tokens", 16))
-SMALL_KV = (("num_kv_tokens", 96), ("enable_prefix_caching", False))
+SMALL_KV = (("num_kv_tokens", 64), ("enable_prefix_caching", False))
 
 
 @cache
@@ -138,7 +138,7 @@ def test_mixed_batch_with_late_arrivals_matches_no_overlap() -> None:
 
 
 def test_chunked_prefill_and_prefix_cache_hits_match_no_overlap() -> None:
-    shared = prompts(1, seed=5, lo=30, hi=30)[0]
+    shared = prompts(1, seed=5, lo=13, hi=13)[0]
 
     def make():
         first = [Request(f"p{i}", GREEDY, prompt_ids=shared + p) for i, p in enumerate(prompts(2))]
@@ -152,7 +152,7 @@ def test_chunked_prefill_and_prefix_cache_hits_match_no_overlap() -> None:
     hits = on.scheduler.prefix_hit_tokens
     got, want = both(make, CHUNKED)
     assert_same(got, want)
-    assert on.scheduler.prefix_hit_tokens - hits >= 28  # later requests reused the prefix
+    assert on.scheduler.prefix_hit_tokens - hits >= 12  # later requests reused the prefix
 
 
 def test_stop_tokens_strings_and_max_tokens_match_no_overlap() -> None:
@@ -185,7 +185,7 @@ def test_preemption_under_a_tiny_pool_matches_no_overlap() -> None:
     before = on.scheduler.num_preemptions
 
     def make():
-        return [Request(f"r{i}", GREEDY, prompt_ids=p) for i, p in enumerate(prompts(8))], []
+        return [Request(f"r{i}", GREEDY, prompt_ids=p) for i, p in enumerate(prompts(5, hi=25))], []
 
     got, want = both(make, SMALL_KV)
     assert_same(got, want)
