@@ -123,7 +123,9 @@ class Engine:
         self._overlap: OverlapLoop | None = None
         if self.runner.future is not None:
             self._overlap = OverlapLoop(self, self.runner.future)
-        elif cfg.spec_num_steps and not cfg.disable_overlap_schedule:
+        elif cfg.spec_num_steps and (
+            cfg.force_overlap_schedule or self.runner.device.type == "cuda"
+        ):
             logger.info("overlap schedule off: speculative decoding runs without it")
 
     @property
