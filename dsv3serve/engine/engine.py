@@ -123,9 +123,7 @@ class Engine:
         self._overlap: OverlapLoop | None = None
         if self.runner.future is not None:
             self._overlap = OverlapLoop(self, self.runner.future)
-        elif cfg.spec_num_steps and (
-            cfg.force_overlap_schedule or self.runner.device.type == "cuda"
-        ):
+        elif cfg.model_copy(update={"speculative_algorithm": None}).overlap_schedule:
             logger.info("overlap schedule off: speculative decoding runs without it")
 
     @property
