@@ -132,15 +132,18 @@ def test_mixed_lengths_stops_and_seeds_match(engines) -> None:
 
 
 def test_torch_compile_decode_matches_eager(ckpt, engines) -> None:
-    """``enable_torch_compile`` compiles the captured decode forward (sizes <= 4 here)."""
+    """``enable_torch_compile`` compiles the captured decode forward (sizes 1 and 2 here;
+    max-autotune makes each compile slow, so the batch stays at 2)."""
     plain, _ = engines
-    compiled = _engine(ckpt, enable_torch_compile=True, torch_compile_max_bs=4)
+    compiled = _engine(ckpt, enable_torch_compile=True, torch_compile_max_bs=2)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
     def make() -> list[Request]:
-        return [Request(f"c{i}", params, prompt_ids=p) for i, p in enumerate(_prompts(3, 3))]
+        return [Request(f"c{i}", params, prompt_ids=p) for i, p in enumerate(_prompts(2, 3))]
 
+    replays = compiled.runner.graphs.replays
     got, want = _run(compiled, make()), _run(plain, make())
+    assert compiled.runner.graphs.replays - replays >= 7
     same = sum(got[k] == want[k] for k in want)
-    print(f"compiled vs eager-graph identical completions: {same}/{len(want)}")
+    print(f"compiled vs uncompiled identical completions: {same}/{len(want)}")
     assert same >= len(want) - 1
