@@ -47,6 +47,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly (graphs need CUDA and --attention-backend flashinfer)",
     )
     p.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest captured batch")
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run schedule, forward and output processing back to back (overlap: CUDA only)",
+    )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="torch.compile the CUDA-graph decode forward (CUDA graphs on)",
+    )
+    p.add_argument(
+        "--torch-compile-max-bs", type=int, default=32, help="largest compiled decode batch"
+    )
     _speculative_args(p)
     p.add_argument(
         "--hf-overrides",
@@ -100,6 +113,9 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
+        "enable_torch_compile": args.enable_torch_compile,
+        "torch_compile_max_bs": args.torch_compile_max_bs,
         "hf_overrides": args.hf_overrides,
     } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
     return EngineConfig(**(fields | extra))

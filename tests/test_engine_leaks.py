@@ -1,7 +1,8 @@
 """Property test: random requests, random aborts, a small pool — pages always come back.
 
 Also with speculative decoding, whose decodes hold lookahead pages and roll back
-rejected draft slots every round.
+rejected draft slots every round, and with the overlap scheduler, whose sequences may
+finish or be aborted while their next step is in flight.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from dsv3serve.engine.sampling_params import SamplingParams
 SMALL = {"num_kv_tokens": 160, "chunked_prefill_size": 8, "max_num_batched_tokens": 16}
 
 
-@pytest.fixture(scope="module", params=["plain", "speculative"])
+@pytest.fixture(scope="module", params=["plain", "speculative", "overlap"])
 def engine(request: pytest.FixtureRequest) -> Engine:
-    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
-    return make_engine(**SMALL, **(spec if request.param == "speculative" else {}))
+    extra = {
+        "plain": {},
+        "speculative": {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2},
+        "overlap": {"force_overlap_schedule": True},  # aborts land while a step is in flight
+    }[request.param]
+    return make_engine(**SMALL, **extra)
 
 
 request_st = st.tuples(

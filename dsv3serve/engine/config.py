@@ -42,6 +42,12 @@ class EngineConfig(BaseModel):
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = Field(64, ge=1, description="largest captured decode batch")
     fp8_act_quant: bool = True
+    # overlap scheduler (SGLang's): the host schedules step n+1 while the device runs step n
+    disable_overlap_schedule: bool = False
+    force_overlap_schedule: bool = False  # also off CUDA (CPU tests); on CUDA it is the default
+    # torch.compile of the CUDA-graph-captured decode forward, batch sizes <= torch_compile_max_bs
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = Field(32, ge=1)
     # speculative decoding with the checkpoint's NextN (MTP) layer as the draft
     speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None  # EAGLE: alias of NEXTN
     speculative_num_steps: int | None = Field(None, ge=1, description="draft steps per round")
@@ -63,6 +69,17 @@ class EngineConfig(BaseModel):
             return max(1, self.speculative_num_draft_tokens - 1)
         return DEFAULT_SPEC_STEPS
 
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the engine overlaps host scheduling with device steps.
+
+        On by default on CUDA (``disable_overlap_schedule`` turns it off), off elsewhere
+        unless ``force_overlap_schedule``; speculative decoding always runs without it.
+        """
+        if self.disable_overlap_schedule or self.spec_num_steps:
+            return False
+        return self.force_overlap_schedule or self.device.startswith("cuda")
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.load_format != "dummy" and self.model == "":
@@ -71,6 +88,11 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"chunked_prefill_size: found {self.chunked_prefill_size}, "
                 f"expected <= 0 (off) or >= page_size {self.page_size}"
+            )
+        if self.disable_overlap_schedule and self.force_overlap_schedule:
+            raise ValueError(
+                "force_overlap_schedule: found it set together with disable_overlap_schedule, "
+                "expected at most one of them"
             )
         self._check_attention()
         self._check_speculative()

@@ -1,13 +1,16 @@
 """The engine: scheduler + model runner + sampler + detokenizer, one ``step()`` at a time.
 
 A step is schedule (CPU), run (device: forward and sample), then process (CPU: stop checks,
-detokenize). They run back to back: there is no overlap scheduler yet. Overlapping step
-n+1's scheduling with step n's device work needs placeholders for step n's sampled tokens,
-which the scheduler does not have yet.
+detokenize). Without overlap they run back to back. With the overlap scheduler (on by default
+on CUDA, ``disable_overlap_schedule`` turns it off, ``force_overlap_schedule`` turns it on off
+CUDA) the host schedules and launches step n+1 before it processes step n, whose tokens the
+new step reads through device-side placeholders: see ``engine/overlap.py``. Speculative
+decoding and multi-rank groups (``use_runner``) always run without overlap.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,7 @@ import torch
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
+from dsv3serve.engine.overlap import OverlapLoop
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
 from dsv3serve.engine.sampling_params import SamplingParams
@@ -30,6 +34,8 @@ from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
 from dsv3serve.metrics import EngineState, Metrics
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from dsv3serve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
@@ -114,6 +120,16 @@ class Engine:
         self._pending: list[TokenOutput] = []
         self._exports: dict[str, KVExport] = {}
         self.metrics: Metrics | None = None  # set by the serving layer
+        self._overlap: OverlapLoop | None = None
+        if self.runner.future is not None:
+            self._overlap = OverlapLoop(self, self.runner.future)
+        elif cfg.model_copy(update={"speculative_algorithm": None}).overlap_schedule:
+            logger.info("overlap schedule off: speculative decoding runs without it")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps run with the overlap scheduler."""
+        return self._overlap is not None
 
     def use_runner(self, runner: Any) -> None:
         """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``)."""
@@ -122,6 +138,11 @@ class Engine:
                 "speculative_algorithm: speculative decoding runs on one rank only; a "
                 "multi-rank group does not replicate the draft steps yet"
             )
+        if self._overlap is not None:
+            if self._overlap.launched is not None:
+                raise RuntimeError("use_runner: a step is in flight; call it before any step")
+            logger.info("overlap schedule off: multi-rank groups run without it")
+            self._overlap = None
         self.runner = runner
 
     # ---- requests -------------------------------------------------------------------
@@ -178,6 +199,8 @@ class Engine:
         """Abort every sequence of ``request_id`` in any state; frees all its pages."""
         states = [s for s in self._states.values() if s.seq.request_id == request_id]
         self._exports.pop(request_id, None)
+        for s in states:
+            self._rollback(s.seq)
         found = self.scheduler.abort(request_id)
         for s in states:
             del self._states[s.seq.seq_id]
@@ -197,11 +220,18 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether any sequence still needs steps (exported prefills do not)."""
-        return bool(self._pending) or any(not s.seq.is_finished for s in self._states.values())
+        if self._pending or (self._overlap is not None and self._overlap.launched is not None):
+            return True
+        return any(not s.seq.is_finished for s in self._states.values())
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
-        """Run one scheduler iteration; returns the new outputs of every sequence."""
+        """Run one scheduler iteration; returns the new outputs of every sequence.
+
+        With the overlap scheduler the outputs are those of the previous step's tokens.
+        """
+        if self._overlap is not None:
+            return self._overlap.step()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch is not None and self.spec is not None:
@@ -312,13 +342,19 @@ class Engine:
         return dict(zip(tops[1][row][:k], tops[0][row][:k], strict=True))
 
     def _emit(
-        self, state: _SeqState, logprobs: list[float], tops: list[dict[int, float]]
+        self,
+        state: _SeqState,
+        logprobs: list[float],
+        tops: list[dict[int, float]],
+        end: int | None = None,
     ) -> TokenOutput:
-        """Report the last ``len(logprobs)`` output tokens, up to the first that stops."""
+        """Report the ``len(logprobs)`` output tokens before ``end`` (default: the last
+        ones), up to the first that stops."""
         seq, params = state.seq, state.params
-        done = len(seq.output_ids) - len(logprobs)
+        end = len(seq.output_ids) if end is None else end
+        done = end - len(logprobs)
         text, reason, kept = "", None, 0
-        while reason is None and done + kept < len(seq.output_ids):
+        while reason is None and done + kept < end:
             token = seq.output_ids[done + kept]
             kept += 1
             reason = check_stop_token(token, done + kept, params, self.tokenizer.eos_token_id)
@@ -359,11 +395,17 @@ class Engine:
 
     def _finish(self, state: _SeqState, reason: str) -> None:
         seq = state.seq
+        self._rollback(seq)
         if seq.prefill_only and seq.finish_reason == "prefilled":
             self.scheduler.release_exported(seq)
         else:
             self.scheduler.finish(seq, reason)
         self._states.pop(seq.seq_id, None)
+
+    def _rollback(self, seq: Sequence) -> None:
+        """Overlap mode: drop the in-flight step's work for ``seq`` before it ends."""
+        if self._overlap is not None:
+            self._overlap.rollback(seq.seq_id)
 
     def _scheduler_finished(self) -> list[TokenOutput]:
         """Outputs for sequences the scheduler ended itself (context outgrew the pool)."""

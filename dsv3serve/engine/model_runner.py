@@ -10,8 +10,10 @@ import torch
 
 from dsv3serve.attention import MLADims, create_attention_backend
 from dsv3serve.config import ModelConfig
+from dsv3serve.engine.compile import decode_model, warn_if_compile_unused
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
+from dsv3serve.engine.overlap import FutureTokens
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
@@ -61,7 +63,12 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = DeepseekV3ForCausalLM(model_cfg, opts)
         load_weights(self.model, model_dir, cfg.load_format)
+        self.future: FutureTokens | None = None  # overlap scheduler's placeholder tokens
+        if cfg.overlap_schedule:
+            self.future = FutureTokens(3 * cfg.max_running_requests + 1, self.device)
+            self.future.install(self.model.embed_tokens)
         use_graphs = self._use_cuda_graphs()
+        warn_if_compile_unused(cfg, use_graphs)
         self._scratch_pages = self._num_scratch_pages() if use_graphs else 0
         self.pool = self._make_pool()
         self.attn = create_attention_backend(
@@ -75,11 +82,12 @@ class ModelRunner:
         self.graph_pool: Any = None  # the memory pool every CUDA graph of this rank shares
         if use_graphs:
             self.graph_pool = torch.cuda.graph_pool_handle()
+            sizes = capture_sizes(self._graph_max_bs())
             self.graphs = DecodeGraphs(
-                self.model,
+                decode_model(self.model, cfg, sizes),
                 self.attn,
                 self.device,
-                capture_sizes(self._graph_max_bs()),
+                sizes,
                 self.scratch_slots(1)[0],
                 mempool=self.graph_pool,
             )

@@ -123,15 +123,56 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            if seq.num_computed_tokens != item.start:
-                raise RuntimeError(
-                    f"sequence {seq.seq_id}: item starts at {item.start} but "
-                    f"{seq.num_computed_tokens} tokens are computed (step reported twice?)"
-                )
+            self._check_start(item)
             tokens = self._sampled_tokens(item, sampled) if item.sample else []
             seq.num_computed_tokens = item.start + item.num_tokens + max(0, len(tokens) - 1)
             if item.sample:
                 self._on_sampled(item, tokens)
+
+    def on_step_launched(self, batch: ScheduledBatch, placeholders: Mapping[str, int]) -> None:
+        """Overlap mode: ``batch`` is queued on the device, its sampled tokens unknown yet.
+
+        Advances KV progress as ``on_step_done`` does and appends ``placeholders[seq_id]``
+        (a negative id, see ``engine/overlap.py``) for each sampled item, so the next
+        ``schedule()`` can already give the sequence its decode. A prefill-only sequence
+        is exported now; other prefix-cache inserts wait for ``resolve_token``. Lookahead
+        (speculative) items are not supported here.
+        """
+        for item in batch.items:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self._check_start(item)
+            if item.num_lookahead:
+                raise ValueError(f"sequence {seq.seq_id}: lookahead items cannot overlap")
+            seq.num_computed_tokens = item.start + item.num_tokens
+            if item.sample:
+                seq.append_token(placeholders[seq.seq_id])
+                if seq.prefill_only:
+                    self._commit_prefix(seq)
+                    self._export_prefilled(seq)
+
+    def resolve_token(self, item: ScheduledItem, placeholder: int, token: int) -> bool:
+        """Overlap mode: put ``token`` where ``item``'s launch appended ``placeholder``.
+
+        Returns False (a no-op) when the placeholder is gone: the launch was rolled back.
+        A finished prefill chunk of a running sequence then enters the prefix cache.
+        """
+        seq = item.seq
+        index = item.start + item.num_tokens - len(seq.prompt_ids)
+        if index >= len(seq.output_ids) or seq.output_ids[index] != placeholder:
+            return False
+        seq.output_ids[index] = token
+        if seq.status is SequenceStatus.RUNNING and not item.is_decode:
+            self._commit_prefix(seq, item.start + item.num_tokens)
+        return True
+
+    def rollback_launch(self, item: ScheduledItem) -> None:
+        """Overlap mode: undo ``on_step_launched`` for ``item`` (its sequence ends now)."""
+        seq = item.seq
+        seq.num_computed_tokens = min(seq.num_computed_tokens, item.start)
+        if item.sample:
+            del seq.output_ids[item.start + item.num_tokens - len(seq.prompt_ids) :]
 
     def finish(self, seq: Sequence, reason: str) -> bool:
         """End ``seq`` in any state, caching its full pages and freeing the rest.
@@ -266,6 +307,8 @@ class Scheduler:
     def _schedule_decode(self, seq: Sequence, plan: StepPlan) -> None:
         if seq.status is not SequenceStatus.RUNNING or plan.tokens_left < 1:
             return
+        if seq.num_generation_slots_left <= 0:
+            return  # overlap mode: its last token is in flight and will finish it
         if self._outgrows_pool(seq):
             self._finish_here(seq, "length")
         elif self._grow(seq, 1, plan, preempt=True):
@@ -412,6 +455,15 @@ class Scheduler:
             )
         return tokens
 
+    @staticmethod
+    def _check_start(item: ScheduledItem) -> None:
+        seq = item.seq
+        if seq.num_computed_tokens != item.start:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: item starts at {item.start} but "
+                f"{seq.num_computed_tokens} tokens are computed (step reported twice?)"
+            )
+
     def _on_sampled(self, item: ScheduledItem, tokens: list[int]) -> None:
         seq = item.seq
         for token in tokens:
@@ -419,15 +471,21 @@ class Scheduler:
         if not item.is_decode:
             self._commit_prefix(seq)
         if seq.prefill_only:
-            self._running.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "prefilled"
-            self._exported[seq.seq_id] = seq
-            self._finished_here.append(seq)
+            self._export_prefilled(seq)
 
-    def _commit_prefix(self, seq: Sequence) -> None:
-        """Hand the sequence's computed full pages to the prefix cache (if enabled)."""
-        full = seq.num_computed_tokens // self.config.page_size
+    def _export_prefilled(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "prefilled"
+        self._exported[seq.seq_id] = seq
+        self._finished_here.append(seq)
+
+    def _commit_prefix(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Hand the computed full pages (of the first ``num_tokens``) to the prefix cache."""
+        computed = seq.num_computed_tokens
+        full = (
+            computed if num_tokens is None else min(num_tokens, computed)
+        ) // self.config.page_size
         if not self.kv.prefix_cache_enabled or full <= seq.num_tree_pages:
             return
         tokens = seq.token_ids(0, full * self.config.page_size)

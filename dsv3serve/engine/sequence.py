@@ -123,6 +123,14 @@ class Sequence:
         """Whether the sequence has left the scheduler's queues."""
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def num_generation_slots_left(self) -> int:
+        """Tokens it may still generate: ``max_new_tokens`` minus its outputs (0 for a
+        prefill-only sequence that has its first token)."""
+        if self.prefill_only and self.output_ids:
+            return 0
+        return self.max_new_tokens - len(self.output_ids)
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list."""
         prompt_len = len(self.prompt_ids)

@@ -1,0 +1,210 @@
+"""Overlap scheduling: the host schedules step n+1 and processes step n-1 while the device
+runs step n (SGLang's overlap scheduler, vLLM's async scheduling).
+
+A step is launched, not awaited: the forward and the sampler are queued on the device, the
+sampled ids (with their logprobs) are copied to pinned host memory with ``non_blocking=True``
+and an event is recorded. The sampler also writes the ids into :class:`FutureTokens`, a small
+device ring buffer, and the scheduler appends a *placeholder* to each sampled sequence: the
+negative id ``-(slot + 1)`` of the ring slot that will hold the token. The next step's decode
+items carry those placeholders as input ids; an embedding pre-hook swaps them for the ring's
+values on the device, so nothing waits for the host between steps.
+
+Step ``n`` is resolved during the next ``Engine.step()``, after step ``n+1`` is launched: the
+host waits for step ``n``'s event, replaces the placeholders with the real ids, runs the stop
+checks and detokenizer, and emits. A sequence that turns out finished (stop token or string,
+``max_new_tokens``) may already be in step ``n+1``: that step's work for it is rolled back
+(its placeholder is dropped, its computed-token count restored) before its pages are freed,
+and its extra token is never emitted. Aborts between steps roll back the same way.
+
+Rows with repetition / frequency / presence penalties need their whole token history on the
+host, so a step that samples such a row after a step still in flight resolves that one first.
+Speculative decoding and multi-rank groups run without overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from dsv3serve.engine.request import TokenOutput
+from dsv3serve.engine.sampler import SampleOutput
+from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
+
+if TYPE_CHECKING:
+    from dsv3serve.engine.engine import Engine
+
+
+class FutureTokens:
+    """Device ring buffer of sampled token ids, addressed by negative placeholder ids.
+
+    ``buffer`` is [size] int64 on the model's device. A step that samples ``n`` rows
+    reserves ``n`` consecutive slots; placeholder ``-(slot + 1)`` stands for the token the
+    step writes into ``slot``. Only the placeholders of the two most recent steps are ever
+    live, so ``size >= 3 * max_rows + 1`` keeps them apart.
+    """
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        self._next = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.buffer.shape[0])
+
+    def reserve(self, num: int) -> int:
+        """First slot of ``num`` consecutive free slots (wrapping to 0 at the end)."""
+        if num > self.size:
+            raise ValueError(f"expected at most {self.size} sampled rows per step, got {num}")
+        if self._next + num > self.size:
+            self._next = 0
+        start, self._next = self._next, self._next + num
+        return start
+
+    @staticmethod
+    def placeholders(start: int, num: int) -> list[int]:
+        """The placeholder ids of slots ``start .. start+num-1``."""
+        return [-(start + i + 1) for i in range(num)]
+
+    def store(self, start: int, token_ids: Tensor) -> None:
+        """Write ``token_ids`` [n] int64 (on the buffer's device) into slots from ``start``."""
+        self.buffer[start : start + token_ids.shape[0]].copy_(token_ids)
+
+    def resolve(self, ids: Tensor) -> Tensor:
+        """``ids`` [T] int64 with each placeholder replaced by its slot's token (no sync)."""
+        return torch.where(ids < 0, self.buffer[(-1 - ids).clamp(min=0)], ids)
+
+    def install(self, embedding: nn.Module) -> RemovableHandle:
+        """Resolve placeholders in the input ids of every ``embedding`` call (graphs too)."""
+        return embedding.register_forward_pre_hook(lambda _m, args: (self.resolve(args[0]),))
+
+
+@dataclass
+class HostSample:
+    """A step's sampled ids, logprobs and top logprobs on their way to host memory."""
+
+    token_ids: Tensor
+    logprobs: Tensor
+    top_logprobs: tuple[Tensor, Tensor] | None
+    event: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, out: SampleOutput) -> HostSample:
+        """Queue the device-to-host copies (pinned, non-blocking) and record an event."""
+        if out.token_ids.device.type != "cuda":
+            return cls(out.token_ids, out.logprobs, out.top_logprobs)
+        top = out.top_logprobs
+        host = cls(_to_host(out.token_ids), _to_host(out.logprobs), None, torch.cuda.Event())
+        if top is not None:
+            host.top_logprobs = (_to_host(top[0]), _to_host(top[1]))
+        assert host.event is not None
+        host.event.record()
+        return host
+
+    def wait(self) -> tuple[list[int], list[float], tuple[list, list] | None]:
+        """Block until the copies landed; the ids, logprobs and top logprobs as lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        top = self.top_logprobs
+        tops = None if top is None else (top[0].tolist(), top[1].tolist())
+        return self.token_ids.tolist(), self.logprobs.tolist(), tops
+
+
+def _to_host(t: Tensor) -> Tensor:
+    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return dst.copy_(t, non_blocking=True)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued but whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    sampled_items: list[ScheduledItem]
+    placeholders: list[int]
+    host: HostSample
+    by_seq: dict[str, ScheduledItem] = field(default_factory=dict)
+
+    @property
+    def sampled_ids(self) -> set[str]:
+        return {item.seq_id for item in self.sampled_items}
+
+
+class OverlapLoop:
+    """``Engine.step()`` in overlap mode; see the module docstring."""
+
+    def __init__(self, engine: Engine, future: FutureTokens) -> None:
+        self.engine = engine
+        self.future = future
+        self.launched: LaunchedStep | None = None
+
+    def step(self) -> list[TokenOutput]:
+        """Schedule and launch step n+1, then resolve step n; returns step n's outputs."""
+        e = self.engine
+        outputs, e._pending = e._pending, []
+        batch = e.scheduler.schedule()
+        prev, self.launched = self.launched, None
+        if batch is not None and prev is not None and self._needs_history(batch, prev):
+            outputs += self._resolve(prev)
+            prev, batch = None, _running_only(batch)
+        if batch is not None:
+            e._observe(batch.items)
+            self.launched = self._launch(batch)
+        if prev is not None:
+            outputs += self._resolve(prev)
+        return outputs + e._scheduler_finished()
+
+    def rollback(self, item_seq_id: str) -> None:
+        """Undo the in-flight step's work for a sequence about to finish or abort."""
+        item = None if self.launched is None else self.launched.by_seq.get(item_seq_id)
+        if item is not None:
+            self.engine.scheduler.rollback_launch(item)
+
+    def _needs_history(self, batch: ScheduledBatch, prev: LaunchedStep) -> bool:
+        """Whether a penalised row of ``batch`` has an unresolved token of ``prev``."""
+        pending = prev.sampled_ids
+        for item in batch.sample_items:
+            state = self.engine._states.get(item.seq_id)
+            if state is not None and state.params.has_penalties and item.seq_id in pending:
+                return True
+        return False
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        e = self.engine
+        result = e.runner.run(batch.items)
+        sampled = e._sample(result)
+        start = self.future.reserve(len(result.sampled_items))
+        self.future.store(start, sampled.token_ids)
+        placeholders = self.future.placeholders(start, len(result.sampled_items))
+        e.scheduler.on_step_launched(
+            batch,
+            {item.seq_id: p for item, p in zip(result.sampled_items, placeholders, strict=True)},
+        )
+        host = HostSample.start(sampled)
+        by_seq = {item.seq_id: item for item in batch.items}
+        return LaunchedStep(batch, result.sampled_items, placeholders, host, by_seq)
+
+    def _resolve(self, step: LaunchedStep) -> list[TokenOutput]:
+        """Wait for ``step``'s tokens, put them in place of its placeholders and emit."""
+        e = self.engine
+        tokens, logprobs, tops = step.host.wait()
+        outputs = []
+        for row, item in enumerate(step.sampled_items):
+            if not e.scheduler.resolve_token(item, step.placeholders[row], tokens[row]):
+                continue  # rolled back: finished or aborted after the launch
+            state = e._states.get(item.seq_id)
+            if state is None:
+                continue
+            top = {} if tops is None else e._top_dict(state, tops, row)
+            end = item.start + item.num_tokens + 1 - len(item.seq.prompt_ids)
+            outputs.append(e._emit(state, [logprobs[row]], [top], end=end))
+        return outputs
+
+
+def _running_only(batch: ScheduledBatch) -> ScheduledBatch | None:
+    """``batch`` without the items of sequences that finished since it was scheduled."""
+    items = [item for item in batch.items if item.seq.status is SequenceStatus.RUNNING]
+    return ScheduledBatch(items) if items else None
