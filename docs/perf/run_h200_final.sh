@@ -15,6 +15,8 @@ stage_tests() {  # light files in parallel; the ones holding 45+ GB, or printing
   tail -3 "$OUT/gpu_tests_light.log"
   timeout -k 5 200 $PYT -s $HEAVY > "$OUT/gpu_tests_heavy.log" 2>&1; echo "heavy rc=$?"
   grep -E "rel_err|margin|identical|replays|passed|failed" "$OUT/gpu_tests_heavy.log" | tail -12
+  timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels_sm90.py \
+    > "$OUT/sm90.log" 2>&1; echo "sm90 rc=$?"; tail -1 "$OUT/sm90.log"
 }
 stage_kernels() {
   timeout -k 5 200 python3 -m dsv3serve.cli bench kernels --only fp8,moe,gate,mla \
