@@ -162,7 +162,7 @@ def print_mtp_graphs(mtp: dict[str, Any]) -> None:
             f"{r['batch_size']:>4} {g['decode_ms']:>8.3f} ({r['decode_ms']:>6.3f}) "
             f"{g['draft_ms']:>8.3f} ({r['draft_ms']:>6.3f}) {cells}"
         )
-    title = "CUDA graphs: chain + eager extend + verify vs graphed decode"
+    title = "CUDA graphs: chain + extend + verify vs graphed decode"
     _print_speedup(mtp["speedup_graph"], mtp["accept_lengths"], title)
     print_graph_projection(mtp, rows)
 
@@ -191,7 +191,7 @@ def print_graph_projection(mtp: dict[str, Any], rows: list[dict[str, Any]]) -> N
     title = (
         "CUDA graphs at 61 layers: decode_61 = graphed decode + (58 - n_moe) t_moe(bs, 1) "
         "+ (3 - n_dense) t_dense(bs, 1), verify_61(k) alike with t(bs, k + 1); "
-        "chain + eager extend as measured"
+        "chain + extend as measured"
     )
     _print_speedup(mtp.get("speedup_graph_61", []), mtp["accept_lengths"], title)
 

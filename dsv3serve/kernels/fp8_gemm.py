@@ -282,6 +282,7 @@ def fp8_block_gemm_deepgemm(
     return deepgemm.deepgemm_gemm(deepgemm.deepgemm_module(), xq, xs, w, ws)
 
 
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
 def fp8_block_gemm(
     x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, backend: Backend = "auto"
 ) -> torch.Tensor:

@@ -50,6 +50,7 @@ def _groups_per_program(m: int) -> int:
     return 1 if m < 256 else 4
 
 
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
 def quant_per_token_group_fp8(
     x: torch.Tensor, m_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -197,6 +197,7 @@ def _check(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, meta: MLA
         raise ValueError(f"metadata for {meta.kv_len.shape[0]} query tokens, got {t}")
 
 
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

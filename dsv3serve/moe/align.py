@@ -105,6 +105,7 @@ _scatter_kernel = triton.jit(_scatter_body) if HAS_TRITON else None
 _ASSIGN_BLOCK = 1024
 
 
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Sort assignments by expert with the Triton kernels (count, plan, scatter).
 

@@ -92,6 +92,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
 def grouped_topk_triton(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,

@@ -181,6 +181,7 @@ def _check_inputs(
     )
 
 
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
