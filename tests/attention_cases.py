@@ -19,6 +19,14 @@ from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool
 
 YARN_MSCALE = 0.1 * math.log(40) + 1  # DeepSeek-V3's rope factor 40, mscale_all_dim 1
+DEEPSEEK_ATTENTION = {  # tiny-checkpoint overrides: DeepSeek-V3's attention shapes
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
 DEEPSEEK_DIMS = MLADims(128, 512, 128, 64, 128, 192**-0.5 * YARN_MSCALE**2)
 SMALL_DIMS = MLADims(64, 32, 16, 16, 16, 32**-0.5)
 

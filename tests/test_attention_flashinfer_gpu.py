@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from attention_cases import DEEPSEEK_DIMS, compare_with_ref, make_case  # noqa: E402
+from attention_cases import DEEPSEEK_ATTENTION, DEEPSEEK_DIMS, compare_with_ref, make_case  # noqa: E402
 from attention_e2e import DENSE, assert_logits_close, step_logits  # noqa: E402
 
 from dsv3serve.attention.base import MLADims  # noqa: E402
@@ -39,14 +39,6 @@ pytestmark = pytest.mark.gpu
 
 DIMS = DEEPSEEK_DIMS
 PAGE = 64
-DEEPSEEK_ATTENTION = {  # tiny-checkpoint overrides: DeepSeek-V3's attention shapes
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
 
 
 def _context_lens(batch_size: int, seed: int) -> list[int]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from attention_cases import DEEPSEEK_ATTENTION
 
 from dsv3serve.bench.model import guarded
 from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
@@ -360,14 +361,7 @@ def test_build_retries_with_one_moe_layer_fewer_on_oom() -> None:
 
 
 # ---- GPU: flashinfer + Triton MoE on the tiny width with DeepSeek-V3's attention shapes ----
-GPU_ATTENTION = {
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
+GPU_ATTENTION = DEEPSEEK_ATTENTION
 GPU_CONTEXT = 100
 
 

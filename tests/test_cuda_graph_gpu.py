@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from attention_cases import DEEPSEEK_ATTENTION
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
@@ -25,14 +26,6 @@ from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 PAGE = 64
 MAX_BS = 8
-DEEPSEEK_ATTENTION = {
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
 
 
 @pytest.fixture(scope="module")

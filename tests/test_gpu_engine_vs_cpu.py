@@ -11,6 +11,7 @@ prefix-cache hit, a short prompt, a one-token extend over cached pages.
 from __future__ import annotations
 
 import pytest
+from attention_cases import DEEPSEEK_ATTENTION
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
@@ -26,14 +27,6 @@ from engine_margin import (  # noqa: E402
 from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 
-DEEPSEEK_ATTENTION = {
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
 NEW_TOKENS = 6
 MIN_MARGIN = 0.25  # selection threshold (logits); the CPU bf16 analogue's error is <= 0.1
 MULTIPLE = 3.0  # required margin / measured first-step error

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
-from attention_cases import DEEPSEEK_DIMS  # noqa: E402
+from attention_cases import DEEPSEEK_ATTENTION, DEEPSEEK_DIMS  # noqa: E402
 from attention_e2e import DENSE, assert_logits_close, step_logits  # noqa: E402
 from mla_decode_cases import fp8_case, rel_err  # noqa: E402
 
@@ -45,14 +45,6 @@ PAGE = 64
 RTOL = 1e-2
 ELEM_TOL = 0.016
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
-DEEPSEEK_ATTENTION = {  # tiny-checkpoint overrides: DeepSeek-V3's attention shapes
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
 
 
 def _context_lens(batch_size: int, seed: int) -> list[int]:
