@@ -37,12 +37,10 @@ import torch
 from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
+    batch_kv_index,
     int32_host,
-    paged_kv_index,
-    pages_kv_index,
     seq_lens_list,
     stage_host,
-    token_kv_index,
 )
 from dsv3serve.attention.flashinfer_mha import FlashInferExtend
 from dsv3serve.forward_batch import ForwardBatch
@@ -221,17 +219,11 @@ class FlashInferMLAAttention(AttentionBackend):
             self._planned.record()
 
     def _kv_index(self, batch: ForwardBatch) -> KVIndex:
-        pages = batch.kv_pages
-        if self.paged and pages is not None and pages.page_size == self.pool.page_size:
-            return pages_kv_index(pages)
-        if self.paged and batch.kv_slots_host is not None:
-            try:
-                return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, self.pool.page_size)
-            except ValueError as err:
-                if not self._warned_unaligned:
-                    logger.warning("flashinfer: %s; using token-granular KV indices", err)
-                    self._warned_unaligned = True
-        return token_kv_index(batch.kv_indptr, batch.kv_slots)
+        index, fallback = batch_kv_index(batch, self.pool.page_size, self.paged)
+        if fallback and not self._warned_unaligned:
+            logger.warning("flashinfer: %s; using token-granular KV indices", fallback)
+            self._warned_unaligned = True
+        return index
 
     def _plan_args(self, batch: ForwardBatch, index: KVIndex) -> list[torch.Tensor]:
         """qo_indptr, kv_indptr, kv_indices, kv_lens: host arrays in one (pinned) buffer;

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv3serve.forward_batch import KVPages
+from dsv3serve.forward_batch import ForwardBatch, KVPages
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,22 @@ def pages_kv_index(kv_pages: KVPages) -> KVIndex:
         kv_pages.kv_lens.int(),
         kv_pages.pages.int(),
     )
+
+
+def batch_kv_index(batch: ForwardBatch, page_size: int, paged: bool) -> tuple[KVIndex, str]:
+    """The batch's KV index, page-granular where possible: from its page tables, else from
+    page-aligned slot lists, else token-granular. Returns the index and, when a paged
+    backend had to fall back to tokens, why (empty otherwise)."""
+    pages = batch.kv_pages
+    if paged and pages is not None and pages.page_size == page_size:
+        return pages_kv_index(pages), ""
+    reason = ""
+    if paged and batch.kv_slots_host is not None:
+        try:
+            return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, page_size), ""
+        except ValueError as err:
+            reason = str(err)
+    return token_kv_index(batch.kv_indptr, batch.kv_slots), reason
 
 
 def stage_host(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:

@@ -29,10 +29,8 @@ import torch
 from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
-    paged_kv_index,
-    pages_kv_index,
+    batch_kv_index,
     seq_lens,
-    token_kv_index,
 )
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.kernels.mla_decode import (
@@ -140,17 +138,11 @@ class TritonMLAAttention(AttentionBackend):
             self._mha_planned = True
 
     def _kv_index(self, batch: ForwardBatch) -> KVIndex:
-        pages = batch.kv_pages
-        if self.paged and pages is not None and pages.page_size == self.pool.page_size:
-            return pages_kv_index(pages)
-        if self.paged and batch.kv_slots_host is not None:
-            try:
-                return paged_kv_index(batch.kv_indptr, batch.kv_slots_host, self.pool.page_size)
-            except ValueError as err:
-                if not self._warned_unaligned:
-                    logger.warning("triton MLA: %s; using token-granular KV indices", err)
-                    self._warned_unaligned = True
-        return token_kv_index(batch.kv_indptr, batch.kv_slots)
+        index, fallback = batch_kv_index(batch, self.pool.page_size, self.paged)
+        if fallback and not self._warned_unaligned:
+            logger.warning("triton MLA: %s; using token-granular KV indices", fallback)
+            self._warned_unaligned = True
+        return index
 
     def _plan_absorbed(self, batch: ForwardBatch) -> MLADecodeMeta:
         index = self._kv_index(batch)
