@@ -151,14 +151,17 @@ def select_prompts(
 
 
 def first_step_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
-    """Float32 logits [P, V] of each prompt's last token, prefilled as one batch into
-    pages the scheduler has not handed out yet (its later prefills overwrite them)."""
+    """Float32 logits [P, V] of each prompt's last token, prefilled as one batch into the
+    pages at the top of the pool (below the CUDA-graph scratch page), past the scheduler's
+    back. It may overwrite pages the prefix cache holds, so call it on an engine before
+    it serves (the GPU engine) or one not used afterwards (the reference after selection)."""
     page = engine.cfg.page_size
-    spans, first = [], 0
-    for prompt in prompts:
-        pages = list(range(first, first + -(-len(prompt) // page)))
-        first += len(pages)
-        spans.append(SeqSpan(prompt, 0, kv_slots(pages, page, len(prompt))))
+    need = [-(-len(prompt) // page) for prompt in prompts]
+    first = engine.runner.num_pages - sum(need)
+    spans = []
+    for prompt, n in zip(prompts, need, strict=True):
+        spans.append(SeqSpan(prompt, 0, kv_slots(list(range(first, first + n)), page, len(prompt))))
+        first += n
     return engine.runner.run_spans(spans, None).logits.float().cpu()
 
 

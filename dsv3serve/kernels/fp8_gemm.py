@@ -258,13 +258,18 @@ def fp8_block_gemm_cublas(
     return y[:m]
 
 
+def is_large_m(m: int, n: int, k: int) -> bool:
+    """Whether M is past the decode range where the Triton kernel wins for this N x K."""
+    return m >= CUBLAS_FROM_M.get((n, k), CUBLAS_FROM_M_DEFAULT)
+
+
 def choose_backend(
     m: int, n: int, k: int, deepgemm_usable: bool = False
 ) -> Literal["triton", "cublas", "deepgemm"]:
     """The GEMM the ``auto`` dispatch runs for an M x N x K problem on CUDA: Triton at decode
     M, else cuBLAS, or DeepGEMM in cuBLAS's place where it passed its self-check (no timing of
     it exists yet: ``dsv3serve bench kernels`` on a machine with DeepGEMM should refine this)."""
-    large_m = m >= CUBLAS_FROM_M.get((n, k), CUBLAS_FROM_M_DEFAULT)
+    large_m = is_large_m(m, n, k)
     if large_m and deepgemm_usable and deepgemm.supported(n, k):
         return "deepgemm"
     return "cublas" if large_m and cublas_supported(n, k) else "triton"
@@ -295,7 +300,8 @@ def fp8_block_gemm(
         return fp8_block_linear_ref(x, w, w_scale_inv)
     m, k = x.shape
     if backend == "auto":
-        backend = choose_backend(m, w.shape[0], k, deepgemm.usable_on(x.device))
+        n = w.shape[0]  # DeepGEMM is probed only where it could be picked: large M
+        backend = choose_backend(m, n, k, is_large_m(m, n, k) and deepgemm.usable_on(x.device))
     xq, xs = quant_per_token_group_fp8(x, m_major_scales=backend in ("cublas", "deepgemm"))
     if backend == "cublas":
         return fp8_block_gemm_cublas(xq, xs, w, w_scale_inv)

@@ -173,6 +173,8 @@ def tune_table(ex: FusedExperts, args: argparse.Namespace) -> dict[str, dict]:
         if args.budget_s is not None and time.monotonic() - start > args.budget_s:
             cfg = default_config(t, slots, top_k, ex.is_fp8)
             print(json.dumps({"T": t, "budget_spent": True, "default": cfg.to_json()}), flush=True)
+            if args.merge:
+                continue  # never replace an entry an earlier run measured with the default
         else:
             cfg = tune_tokens(ex, t, args)
         table[str(t)] = cfg.to_json()

@@ -15,7 +15,7 @@ from torch import nn
 
 from dsv3serve.kernels.fp8_ref import dequant_weight_block, quant_weight_block
 from dsv3serve.layers.linear import Linear
-from dsv3serve.model.deepseek_v3 import MLAttention, NextNLayer
+from dsv3serve.model.deepseek_v3 import MLAttention, MoE, NextNLayer
 from dsv3serve.moe.experts import FusedExperts
 
 DraftQuant = Literal["fp8", "unquant"]
@@ -33,6 +33,8 @@ def requantize_draft(layer: NextNLayer, mode: DraftQuant, dtype: torch.dtype) ->
     for module in layer.modules():
         if isinstance(module, MLAttention):
             module.post_load()  # the absorbed W_UK / W_UV follow the new kv_b_proj
+        elif isinstance(module, MoE) and module.experts.shared_slots:
+            module.tie_shared()  # converted apart: the shared expert is slot E's views again
 
 
 def _convert(module: nn.Module, weight: str, scale: str, mode: DraftQuant, dtype: torch.dtype):
