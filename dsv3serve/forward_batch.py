@@ -132,9 +132,14 @@ class KVPages:
     def slots(self, device: torch.device | str) -> torch.Tensor:
         """Every sequence's KV slots, concatenated: [sum(kv_lens)] int64 on ``device``,
         computed there from the page ids (no per-token host work)."""
-        host = torch.stack([self.page_indptr[:-1] * self.page_size, self.kv_lens])
-        first_row, lens = host.to(device).unbind(0)
-        pages = self.pages.to(device)
+        first_row, lens, pages = _to_device(
+            [
+                (self.page_indptr[:-1] * self.page_size).numpy(),
+                self.kv_lens.numpy(),
+                self.pages.numpy(),
+            ],
+            device,
+        )  # one pinned, non-blocking copy: no stream sync
         total = int(self.kv_lens.sum())
         seq = torch.repeat_interleave(
             torch.arange(len(lens), device=device), lens, output_size=total
@@ -223,7 +228,7 @@ class ForwardBatch:
             is_decode=bool((q_lens == 1).all()) if decode is None else decode,
             kv_slots_host=slot_lists,
             kv_pages=kv_pages,
-            slot_tensor=None if slot_lists is None else slot_lists.to(device),
+            slot_tensor=None if slot_lists is None else _to_device([slot_lists.numpy()], device)[0],
         )
 
 

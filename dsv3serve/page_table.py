@@ -10,10 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` positions."""
-    return -(-num_tokens // page_size)
+from dsv3serve.kvcache.allocator import pages_for_tokens as pages_needed  # noqa: F401 (re-export)
 
 
 def slots_of(page_table: Sequence[int], page_size: int, start: int, end: int) -> np.ndarray:

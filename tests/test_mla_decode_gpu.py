@@ -170,8 +170,8 @@ def _generate(ckpt, backend: str, prompts: list[list[int]], **kw) -> tuple[Engin
 def test_engine_generates_with_an_fp8_cache(deepseek_attention_ckpt, spec: bool) -> None:
     """The engine end to end on an fp8 pool: chunked prefill, prefix-cache hits, decode
     through CUDA graphs (and with speculation: verify graphs). Greedy tokens of a random
-    model can flip on rounding, so they are reported, not required equal to the torch
-    backend's; the logits test above is the correctness check."""
+    model can flip on rounding, so they are not compared with the torch backend's; the
+    logits test above is the correctness check."""
     rng = random.Random(0)
     shared = [rng.randrange(2, 120000) for _ in range(256)]
     prompts = [shared + [rng.randrange(2, 120000) for _ in range(n)] for n in (44, 9, 1)]
@@ -180,9 +180,8 @@ def test_engine_generates_with_an_fp8_cache(deepseek_attention_ckpt, spec: bool)
     assert isinstance(engine.runner.attn, TritonMLAAttention)
     assert engine.runner.attn.index_mode == "page"
     assert engine.runner.graphs is not None
-    if not spec:
+    if spec:
+        assert engine.spec.graphs is not None and engine.spec.graphs.verify.replays > 0
+    else:
         assert engine.runner.graphs.replays > 0
     assert [len(t) for t in tokens] == [8, 8, 8]
-    _, reference = _generate(deepseek_attention_ckpt, "torch", prompts, **kw)
-    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-    print(f"triton fp8 vs torch fp8 greedy completions identical: {same}/{len(prompts)}")

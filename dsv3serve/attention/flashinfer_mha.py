@@ -74,7 +74,7 @@ class FlashInferExtend:
         while len(self._prefix_wrappers) < len(chunks):
             wrapper = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD")
             self._prefix_wrappers.append(wrapper)
-        device = batch.kv_slots.device
+        device = batch.input_ids.device  # kv_slots is built below only if a prefix exists
         self._chunks = []
         for wrapper, chunk in zip(self._prefix_wrappers, chunks, strict=False):
             self._plan(wrapper, qo, chunk.kv_indptr, causal=False)

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
-from dsv3serve.engine.graph_capture import GraphCache, StaticInputs, pad_spans, padded_size
+from dsv3serve.engine.graph_capture import (
+    GraphCache,
+    StaticInputs,
+    pad_spans,
+    padded_size,
+    plan_for_graph,
+)
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -81,7 +87,7 @@ class DecodeGraphs:
         """Pad ``spans`` to ``size``, copy the inputs into the static buffers and plan."""
         padded = pad_spans(spans, size, self._dummy)
         static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
-        self.attn.plan(static)
+        plan_for_graph(self.attn, static)
         return static
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -44,6 +44,18 @@ def pad_spans(spans: list[SeqSpan], size: int, dummy: SeqSpan) -> list[SeqSpan]:
     return spans + [dummy] * (size - len(spans))
 
 
+def plan_for_graph(attn: AttentionBackend, batch: ForwardBatch) -> None:
+    """``attn.plan(batch)`` for a captured graph, which bakes in page-granular KV addressing:
+    a plan that fell back to one slot per page would make the replay read wrong rows."""
+    attn.plan(batch)
+    pool = getattr(attn, "pool", None)
+    if getattr(attn, "index_mode", "page") == "token" and pool is not None and pool.page_size > 1:
+        raise RuntimeError(
+            "CUDA-graph batch planned with token-granular KV indices (slots not page-aligned); "
+            f"expected page-granular indices for page_size {pool.page_size}"
+        )
+
+
 def fork_attention(attn: AttentionBackend, slot: str) -> AttentionBackend:
     """A shallow copy of ``attn`` holding its own plan; with a backend that has CUDA-graph
     wrappers (``graph_slot``), planning into wrappers of its own ``slot``."""

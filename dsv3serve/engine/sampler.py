@@ -108,12 +108,14 @@ class SamplingBatch:
         top_k = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         requested = [p.logprobs or 0 for p in params]
+        temperature = [1.0 if p.is_greedy else p.temperature for p in params]
+        rows = _upload([temperature, greedy, top_k, top_p, [p.min_p for p in params]], device)
         return cls(
-            temperature=_floats([1.0 if p.is_greedy else p.temperature for p in params], device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=_floats(top_p, device),
-            min_p=_floats([p.min_p for p in params], device),
+            temperature=rows[0],
+            greedy=rows[1] > 0.5,
+            top_k=rows[2].to(torch.int64),  # exact: vocabulary ids are far below 2**24
+            top_p=rows[3],
+            min_p=rows[4],
             penalties=_build_penalties(params, prompt_ids, output_ids, vocab_size, device),
             generators=tuple(generators),
             vocab_size=vocab_size,
@@ -148,8 +150,13 @@ def _check_rows(
             raise ValueError(f"row {row}: expected a generator on {device}, got {g.device}")
 
 
-def _floats(values: Sequence[float], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+def _upload(rows: Sequence[Sequence[float]], device: torch.device) -> Tensor:
+    """Per-row parameters [len(rows), B] float32 on ``device`` in one copy: pinned and
+    non-blocking on CUDA, so launching a step's sampling does not wait for its forward."""
+    host = torch.tensor(rows, dtype=torch.float32)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _build_penalties(
@@ -167,10 +174,18 @@ def _build_penalties(
     outputs = [ids if used else () for ids, used in zip(output_ids, uses_counts, strict=True)]
     output_counts = _count_tokens(outputs, vocab_size, device)
     seen = _mark_tokens(prompts, vocab_size, device) | (output_counts > 0)
+    rep, freq, pres = _upload(
+        [
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        ],
+        device,
+    )
     return PenaltyTensors(
-        repetition=_floats([p.repetition_penalty for p in params], device),
-        frequency=_floats([p.frequency_penalty for p in params], device),
-        presence=_floats([p.presence_penalty for p in params], device),
+        repetition=rep,
+        frequency=freq,
+        presence=pres,
         seen=seen,
         output_counts=output_counts,
     )

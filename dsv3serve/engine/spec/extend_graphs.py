@@ -42,6 +42,7 @@ from dsv3serve.engine.graph_capture import (
     fork_attention,
     pad_spans,
     padded_size,
+    plan_for_graph,
 )
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
@@ -106,12 +107,15 @@ class ExtendGraphs:
         """Pad, copy token ids, positions, slots, hidden states and gather rows in; plan."""
         padded = pad_spans(spans, size, self.dummy)
         static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
-        self._attn.plan(static)
+        plan_for_graph(self._attn, static)
         n = hidden.shape[0]
         self._hidden[:n].copy_(hidden)
         self._hidden[n : size * self.width].zero_()
         padded_rows = rows + [i * self.width for i in range(len(rows), size)]
-        self._rows[:size].copy_(torch.tensor(padded_rows, dtype=torch.int64))
+        rows_host = torch.tensor(padded_rows, dtype=torch.int64)
+        if self._rows.is_cuda:  # pinned and non-blocking: no stream sync in the step
+            rows_host = rows_host.pin_memory()
+        self._rows[:size].copy_(rows_host, non_blocking=True)
         return static
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

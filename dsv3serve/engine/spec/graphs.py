@@ -35,6 +35,7 @@ from dsv3serve.engine.graph_capture import (
     fork_attention,
     pad_spans,
     padded_size,
+    plan_for_graph,
 )
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
@@ -94,7 +95,7 @@ class VerifyGraphs:
     def _load(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
         padded = pad_spans(spans, size, self._dummy)
         static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
-        self._attn.plan(static)
+        plan_for_graph(self._attn, static)
         return static
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +161,7 @@ class DraftChainGraphs:
         for spans, inputs, attn in zip(steps, self._steps, self._attns, strict=True):
             padded = pad_spans(spans, size, self._dummy)
             static = inputs.load(ForwardBatch.build(padded, self.device, decode=True))
-            attn.plan(static)
+            plan_for_graph(attn, static)
             batches.append(static)
         n = hidden.shape[0]
         self._hidden[:n].copy_(hidden)
