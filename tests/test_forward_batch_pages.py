@@ -49,6 +49,30 @@ def random_spans(
     return paged, listed
 
 
+def oracle_fields(spans: list[SeqSpan]) -> dict:
+    """The batch fields by a plain loop over spans and positions (independent of build)."""
+    ids, pos, out, kv, qo, kvp, rows = [], [], [], [], [0], [0], []
+    for span in spans:
+        end = span.start + len(span.token_ids)
+        ids += span.token_ids
+        pos += list(range(span.start, end))
+        out += span.kv_slots[span.start : end]
+        kv += span.kv_slots
+        qo.append(qo[-1] + len(span.token_ids))
+        kvp.append(kvp[-1] + end)
+        if span.sample:
+            rows.append(qo[-1] - 1)
+    return {"input_ids": ids, "positions": pos, "out_slots": out, "kv_slots": kv,
+            "logits_indices": rows, "qo_indptr": qo, "kv_indptr": kvp}  # fmt: skip
+
+
+def assert_matches_oracle(batch: ForwardBatch, spans: list[SeqSpan]) -> None:
+    for name, want in oracle_fields(spans).items():
+        value = getattr(batch, name)
+        got = value if isinstance(value, list) else value.tolist()
+        assert got == want, name
+
+
 def assert_same_batch(got: ForwardBatch, want: ForwardBatch) -> None:
     for name in ("input_ids", "positions", "out_slots", "logits_indices", "kv_slots"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -65,6 +89,7 @@ def test_page_table_spans_build_the_slot_list_batch(seed: int, page_size: int) -
     assert got.kv_pages is not None and got.kv_slots_host is None
     assert want.kv_pages is None
     assert_same_batch(got, want)
+    assert_matches_oracle(got, listed)  # slot lists from oracle_slots, fields by a loop
     for span, ref in zip(paged, listed, strict=True):
         assert span.kv_slots == ref.kv_slots and span == ref
 
