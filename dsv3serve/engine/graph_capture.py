@@ -102,9 +102,6 @@ class GraphCache(Generic[T]):
         self._outputs: dict[int, T] = {}
         self.replays = 0  # forwards served by a graph
 
-    def __contains__(self, size: int) -> bool:
-        return size in self._graphs
-
     def capture(self, size: int, forward: Callable[[], T]) -> None:
         """Warm ``forward`` up on a side stream (compiles, first-call set-up), then capture."""
         if self._mempool is None:
