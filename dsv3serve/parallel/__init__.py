@@ -1,0 +1,1 @@
+"""Parallel layouts of one worker group: config, per-rank roles, shard rules, collectives."""

@@ -1,0 +1,164 @@
+"""Which slice of each checkpoint tensor a rank holds: the one sharding rule.
+
+The model builds its local shapes from :class:`RankLayout`, the loader reads exactly
+:func:`placement_of`'s slice of each safetensors tensor, and the planner sums the bytes of
+the same slices, so the three cannot disagree. FP8 ``weight_scale_inv`` tensors (one value
+per 128x128 block) are split with their weights: a split that does not fall on a 128
+boundary of the weight is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.parallel.config import LayoutError, ParallelConfig
+
+BLOCK = 128  # FP8 block size of DeepSeek's weight_scale_inv
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+_ATTN_COL = re.compile(r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.")
+_ATTN_ROW = re.compile(r"\.self_attn\.o_proj\.")
+_SHARED = re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.")
+_DENSE = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's roles in its group's :class:`ParallelConfig`."""
+
+    parallel: ParallelConfig
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.parallel.world_size:
+            raise LayoutError(f"rank {self.rank} outside a group of {self.parallel.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """The DP-attention rank (0 without DP attention)."""
+        return self.rank // self.parallel.attn_tp_size if self.parallel.enable_dp_attention else 0
+
+    def tp_rank(self, size: int) -> int:
+        """This rank's index in a split over ``size`` ranks (1: replicated, else the group)."""
+        return 0 if size == 1 else self.rank % size
+
+    def expert_range(self, num_experts: int) -> range:
+        """The routed experts this rank holds (all of them without EP)."""
+        ep = self.parallel.ep_size
+        per_rank = num_experts // ep
+        first = self.tp_rank(ep) * per_rank
+        return range(first, first + per_rank)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The ``rank``-th of ``parts`` equal slices along ``dim``."""
+
+    dim: int
+    rank: int
+    parts: int
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(shape)
+        out[self.dim] = shape[self.dim] // self.parts
+        return tuple(out)
+
+    def index(self, shape: tuple[int, ...]) -> tuple[slice, ...]:
+        """The slice of a tensor of full ``shape`` this rank reads."""
+        size = shape[self.dim] // self.parts
+        idx = [slice(None)] * len(shape)
+        idx[self.dim] = slice(self.rank * size, (self.rank + 1) * size)
+        return tuple(idx)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a checkpoint tensor goes on one rank.
+
+    ``held`` False: the rank skips it (another rank's expert). ``split`` None: whole tensor.
+    ``expert_slot``: its slot in the rank's local expert stack (expert tensors only).
+    """
+
+    held: bool = True
+    split: Split | None = None
+    expert_slot: int | None = None
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape if self.split is None else self.split.local_shape(shape)
+
+    def index(self, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        return None if self.split is None else self.split.index(shape)
+
+
+NOT_HELD = Placement(held=False)
+
+
+def _split(layout: RankLayout, dim: int, parts: int) -> Split | None:
+    return None if parts == 1 else Split(dim, layout.tp_rank(parts), parts)
+
+
+def _proj_dim(proj: str) -> int:
+    """Column-parallel (output rows) for gate/up, row-parallel (input columns) for down."""
+    return 1 if proj == "down_proj" else 0
+
+
+def placement_of(name: str, layout: RankLayout, num_experts: int) -> Placement:
+    """The rule: which part of checkpoint tensor ``name`` rank ``layout.rank`` holds."""
+    p = layout.parallel
+    if m := _EXPERT.search(name):
+        return _expert_placement(int(m.group(1)), m.group(2), layout, num_experts)
+    if _ATTN_COL.search(name):
+        return Placement(split=_split(layout, 0, p.attn_tp_size))
+    if _ATTN_ROW.search(name):
+        return Placement(split=_split(layout, 1, p.attn_tp_size))
+    if m := _SHARED.search(name):
+        return Placement(split=_split(layout, _proj_dim(m.group(1)), p.attn_tp_size))
+    if m := _DENSE.search(name):
+        return Placement(split=_split(layout, _proj_dim(m.group(1)), p.dense_tp_size))
+    if name.startswith("lm_head."):
+        return Placement(split=_split(layout, 0, p.lm_head_tp_size))
+    return Placement()
+
+
+def _expert_placement(expert: int, proj: str, layout: RankLayout, num: int) -> Placement:
+    experts = layout.expert_range(num)
+    if expert not in experts:
+        return NOT_HELD
+    split = _split(layout, _proj_dim(proj), layout.parallel.moe_tp_size)
+    return Placement(split=split, expert_slot=expert - experts.start)
+
+
+def check_split(name: str, shape: tuple[int, ...], placement: Placement, fp8: bool) -> None:
+    """Refuse a split that is uneven, or that cuts an FP8 weight off a 128 boundary."""
+    split = placement.split
+    if split is None:
+        return
+    size = shape[split.dim]
+    if size % split.parts:
+        raise LayoutError(
+            f"{name}: dim {split.dim} of size {size} does not split into {split.parts} parts"
+        )
+    if fp8 and not name.endswith("weight_scale_inv") and (size // split.parts) % BLOCK:
+        raise LayoutError(
+            f"{name}: an FP8 weight split {size} / {split.parts} = {size // split.parts} along "
+            f"dim {split.dim} does not fall on a {BLOCK} boundary of its weight_scale_inv blocks"
+        )
+
+
+def check_model(parallel: ParallelConfig, cfg: ModelConfig) -> None:
+    """Refuse a layout the model's dimensions cannot be split into, naming both."""
+    checks = [
+        ("num_attention_heads", cfg.num_attention_heads, parallel.attn_tp_size, "attention TP"),
+        ("n_routed_experts", cfg.n_routed_experts, parallel.ep_size, "ep_size"),
+        ("vocab_size", cfg.vocab_size, parallel.lm_head_tp_size, "the lm_head split"),
+        ("intermediate_size", cfg.intermediate_size, parallel.dense_tp_size, "dense TP"),
+        ("moe_intermediate_size", cfg.moe_intermediate_size, parallel.moe_tp_size, "MoE TP"),
+    ]
+    for field, size, parts, what in checks:
+        if size % parts:
+            raise LayoutError(f"{field} {size} does not divide over {parts} ranks ({what})")
