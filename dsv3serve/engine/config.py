@@ -6,7 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dsv3serve.parallel.config import ParallelConfig
+
 DTypeName = Literal["auto", "bfloat16", "float32"]
+PARALLEL_FIELDS = tuple(ParallelConfig.model_fields)
 DEFAULT_SPEC_STEPS = 3  # DeepSeek-V3 MTP: 3 chained steps, 4 draft tokens (as SGLang)
 
 
@@ -48,6 +51,15 @@ class EngineConfig(BaseModel):
     # torch.compile of the CUDA-graph-captured decode forward, batch sizes <= torch_compile_max_bs
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = Field(32, ge=1)
+    # parallel layout of the group (SGLang's names; see dsv3serve.parallel.config)
+    tp_size: int = Field(1, ge=1, description="ranks in the group, one per device")
+    dp_size: int = Field(1, ge=1)
+    enable_dp_attention: bool = False
+    ep_size: int = Field(1, ge=1)
+    moe_dense_tp_size: int | None = None
+    enable_dp_lm_head: bool = False
+    moe_a2a_backend: Literal["none", "deepep"] = "none"
+    deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
     # speculative decoding with the checkpoint's NextN (MTP) layer as the draft
     speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None  # EAGLE: alias of NEXTN
     speculative_num_steps: int | None = Field(None, ge=1, description="draft steps per round")
@@ -68,6 +80,11 @@ class EngineConfig(BaseModel):
         if self.speculative_num_draft_tokens is not None:
             return max(1, self.speculative_num_draft_tokens - 1)
         return DEFAULT_SPEC_STEPS
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The group's layout, validated (an impossible combination names the fields)."""
+        return ParallelConfig(**{name: getattr(self, name) for name in PARALLEL_FIELDS})
 
     @property
     def overlap_schedule(self) -> bool:
@@ -96,6 +113,7 @@ class EngineConfig(BaseModel):
             )
         self._check_attention()
         self._check_speculative()
+        self.parallel  # noqa: B018 - validates the layout fields
         return self
 
     def _check_attention(self) -> None:

@@ -99,7 +99,7 @@ def pool_digest(pool: MLAKVPool) -> torch.Tensor:
     return torch.stack(sums)
 
 
-class _Wire:
+class Wire:
     """Header + payload broadcasts from rank 0 on the group's communication device."""
 
     def __init__(self, device: torch.device) -> None:
@@ -123,11 +123,11 @@ class _Wire:
         return payload
 
 
-def _comm_device(runner: ModelRunner) -> torch.device:
+def comm_device(runner: ModelRunner) -> torch.device:
     return runner.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _broadcast_pages(runner: ModelRunner, pages: torch.Tensor, wire: _Wire, send: bool) -> None:
+def broadcast_pages(runner: ModelRunner, pages: torch.Tensor, wire: Wire, send: bool) -> None:
     """Rank 0 sends the raw storage of ``pages`` of every layer; the others write it."""
     pool = runner.pool
     idx = pages.to(pool.device)
@@ -150,7 +150,7 @@ class GroupLeader:
     def __init__(self, runner: ModelRunner, world_size: int) -> None:
         self.runner = runner
         self.world_size = world_size
-        self._wire = _Wire(_comm_device(runner))
+        self._wire = Wire(comm_device(runner))
 
     def __getattr__(self, name: str) -> object:  # pool, device, num_pages, read_pages, ...
         return getattr(self.runner, name)
@@ -170,20 +170,20 @@ class GroupLeader:
         """Copy the raw storage of ``pages`` from this pool to every other rank's pool."""
         idx = torch.tensor(pages, dtype=torch.int64)
         self._wire.send(OP_WRITE_PAGES, idx)
-        _broadcast_pages(self.runner, idx, self._wire, send=True)
+        broadcast_pages(self.runner, idx, self._wire, send=True)
 
     def digests(self) -> list[torch.Tensor]:
         """Every rank's pool fingerprint (rank order); equal when the pools are in sync."""
         self._wire.send(OP_DIGEST)
-        return _gather_digest(self.runner, self.world_size)
+        return gather_digest(self.runner, self.world_size)
 
     def stop(self) -> None:
         """End the other ranks' loops."""
         self._wire.send(OP_STOP)
 
 
-def _gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
-    mine = pool_digest(runner.pool).to(_comm_device(runner))
+def gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
+    mine = pool_digest(runner.pool).to(comm_device(runner))
     out = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(out, mine)
     return [t.cpu() for t in out]
@@ -191,7 +191,7 @@ def _gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
 
 def follower_loop(runner: ModelRunner) -> int:
     """Ranks 1..N-1: execute rank 0's commands until STOP; returns the steps run."""
-    wire = _Wire(_comm_device(runner))
+    wire = Wire(comm_device(runner))
     steps = 0
     while True:
         op, n = wire.recv_header()
@@ -199,9 +199,9 @@ def follower_loop(runner: ModelRunner) -> int:
             runner.run_spans(decode_spans(wire.recv(n).cpu()), None)
             steps += 1
         elif op == OP_WRITE_PAGES:
-            _broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
+            broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
         elif op == OP_DIGEST:
-            _gather_digest(runner, dist.get_world_size())
+            gather_digest(runner, dist.get_world_size())
         elif op == OP_STOP:
             return steps
         else:

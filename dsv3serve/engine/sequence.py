@@ -97,6 +97,7 @@ class Sequence:
     num_tree_pages: int = 0
     cache_handle: RadixNode | None = None
     num_admissions: int = 0
+    dp_rank: int = 0  # the DP-attention rank whose KV pool holds it (DPScheduler)
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

@@ -1,0 +1,95 @@
+"""DPScheduler: one scheduler per DP rank behind the Scheduler interface (pure Python)."""
+
+from __future__ import annotations
+
+from dsv3serve.engine.dp_scheduler import DPScheduler
+from dsv3serve.engine.sequence import ScheduledBatch, SchedulerConfig, Sequence
+
+PAGE = 4
+
+
+def _sched(dp: int = 2, pages: int = 16) -> DPScheduler:
+    return DPScheduler(SchedulerConfig(page_size=PAGE, num_pages=pages), dp)
+
+
+def _seq(name: str, prompt: list[int], max_new: int = 4) -> Sequence:
+    return Sequence(seq_id=f"{name}#0", prompt_ids=prompt, max_new_tokens=max_new)
+
+
+def _run_to_end(s: DPScheduler, first_token: int = 5) -> None:
+    """Drive every sequence to max_new_tokens, finishing them as the engine does."""
+    while s.has_unfinished:
+        batch = s.schedule()
+        assert batch is not None
+        s.on_step_done(batch, {item.seq_id: first_token for item in batch.sample_items})
+        for item in batch.sample_items:
+            seq = item.seq
+            if len(seq.output_ids) >= seq.max_new_tokens:
+                s.finish(seq, "length")
+        s.check_invariants()
+
+
+def test_new_sequences_spread_over_ranks_by_free_pages() -> None:
+    s = _sched()
+    a, b = _seq("a", list(range(1, 13))), _seq("b", list(range(20, 32)))
+    s.add(a)
+    batch = s.schedule()
+    assert batch is not None
+    s.on_step_done(batch, {"a#0": 5})
+    s.add(b)  # rank 0 now holds a's pages: b goes to rank 1
+    assert (a.dp_rank, b.dp_rank) == (0, 1)
+
+
+def test_a_prefix_hit_wins_over_free_pages() -> None:
+    s = _sched()
+    prompt = list(range(1, 14))
+    s.add(_seq("a", prompt))
+    _run_to_end(s)
+    s.add(_seq("filler", list(range(40, 52))))  # a's rank already has cached pages
+    hit = _seq("again", prompt)
+    s.add(hit)
+    assert hit.dp_rank == 0
+    _run_to_end(s)
+    assert s.prefix_hit_tokens >= 12
+    assert s.kv.used_pages == 0
+
+
+def test_steps_route_items_to_their_rank_and_free_everything() -> None:
+    s = _sched(dp=3)
+    seqs = [_seq(f"s{i}", [i + 1] * (3 + i)) for i in range(6)]
+    for seq in seqs:
+        s.add(seq)
+    assert sorted({seq.dp_rank for seq in seqs}) == [0, 1, 2]
+    _run_to_end(s)
+    assert all(len(seq.output_ids) == 4 for seq in seqs)
+    assert s.kv.used_pages == 0 and s.num_running == 0
+
+
+def test_reservations_are_global_pages_with_staging_on_rank_zero() -> None:
+    s = _sched(pages=8)
+    s.ranks[0].reserve(4 * PAGE)  # make rank 1 the emptier one
+    pages = s.reserve(2 * PAGE)
+    assert pages is not None and all(p >= s.pages_per_rank for p in pages)
+    landing = s.landing_pages(pages)
+    assert len(landing) == 2 and all(p < s.pages_per_rank for p in landing)
+    used0 = s.ranks[0].kv.used_pages
+    s.release_reservation(pages)
+    assert s.ranks[1].kv.used_pages == 0 and s.ranks[0].kv.used_pages == used0 - 2
+
+
+def test_a_prefilled_import_joins_its_rank() -> None:
+    s = _sched(pages=8)
+    s.ranks[0].reserve(4 * PAGE)
+    pages = s.reserve(6)
+    assert pages is not None
+    staging = s.take_staging(pages)
+    s.ranks[0].release_reservation(staging)
+    seq = Sequence("p#0", [1, 2, 3, 4, 5, 6], 3, request_id="p", output_ids=[9])
+    s.add_prefilled(seq, pages)
+    assert seq.dp_rank == 1 and max(seq.page_table) < s.pages_per_rank
+    batch = s.schedule()
+    assert isinstance(batch, ScheduledBatch) and batch.items[0].seq is seq
+    s.on_step_done(batch, {"p#0": 8})
+    assert s.abort("p")
+    s.check_invariants()
+    assert s.ranks[1].kv.used_pages == 0
