@@ -39,13 +39,14 @@ class GroupSpec:
     master_port: int
     backend: str  # "gloo" or "nccl"
     timeout_s: float = 600.0
+    init_method: str | None = None  # default: tcp://master_addr:master_port
 
 
 def init_group(spec: GroupSpec) -> None:
     """Join the group's default process group (blocks until every rank has joined)."""
     dist.init_process_group(
         spec.backend,
-        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        init_method=spec.init_method or f"tcp://{spec.master_addr}:{spec.master_port}",
         world_size=spec.world_size,
         rank=spec.rank,
         timeout=datetime.timedelta(seconds=spec.timeout_s),

@@ -7,6 +7,8 @@ from typing import Any
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.local_group import LocalGroup, rank_config, spawn_followers
+from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 
@@ -33,10 +35,36 @@ class RequestOutput:
 
 
 class LLM:
-    """Runs a list of prompts to completion through the continuous-batching engine."""
+    """Runs a list of prompts to completion through the continuous-batching engine.
+
+    With ``tp_size > 1`` it starts the group's other ranks as processes on this host (gloo
+    on CPU, NCCL with one GPU per rank) and drives them as one engine; :meth:`close` (or
+    leaving a ``with`` block) stops them.
+    """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        cfg = EngineConfig(model=model, **engine_args)
+        self._group: LocalGroup | None = None
+        self._leader: Any = None
+        if cfg.tp_size > 1:
+            self._group = spawn_followers(cfg)
+            cfg = rank_config(cfg, 0)
+        self.engine = Engine(cfg)
+        if self._group is not None:
+            self._leader = attach_leader(self.engine)
+
+    def close(self) -> None:
+        """Stop the group's other ranks (nothing to do on one rank)."""
+        if self._group is not None:
+            self._leader.stop()
+            self._group.join()
+            self._group = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -1,0 +1,82 @@
+"""A worker group on this host without Ray: ``LLM(..., tp_size=2)`` and the CLI start it.
+
+Rank 0 is the calling process; ranks 1..N-1 are spawned processes (``torch.multiprocessing``
+with the ``spawn`` start method), one device each (``cuda:r`` on GPU, the CPU with gloo
+otherwise). All ranks join one process group over a rendezvous file, build their shard of
+the model, and follow rank 0's steps (:mod:`dsv3serve.engine.group` for TP,
+:mod:`dsv3serve.engine.dp_group` under DP attention) until it stops them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.group import GroupSpec, init_group
+
+FOLLOWER_JOIN_TIMEOUT_S = 600.0
+
+
+def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
+    """Rank ``rank``'s config: its own CUDA device (``cuda:r``) when the group is on GPU."""
+    if not cfg.device.startswith("cuda"):
+        return cfg
+    return cfg.model_copy(update={"device": f"cuda:{rank}"})
+
+
+def group_spec(cfg: EngineConfig, rank: int, rendezvous: Path, timeout_s: float) -> GroupSpec:
+    """Where rank ``rank`` meets the others (a file rendezvous on this host)."""
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    return GroupSpec(rank, cfg.tp_size, "", 0, backend, timeout_s, f"file://{rendezvous}")
+
+
+def _follow(cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads: int) -> None:
+    from dsv3serve.engine.rank import run_follower
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = rank_config(EngineConfig.model_validate_json(cfg_json), rank)
+    init_group(group_spec(cfg, rank, Path(rendezvous), timeout_s))
+    run_follower(cfg)
+
+
+@dataclass
+class LocalGroup:
+    """Rank 0's handle on its spawned followers."""
+
+    processes: list[Any]
+    workdir: Any
+
+    def join(self, timeout_s: float = FOLLOWER_JOIN_TIMEOUT_S) -> None:
+        """Wait for the followers to exit (after the leader's STOP)."""
+        for proc in self.processes:
+            proc.join(timeout_s)
+        failed = [p.exitcode for p in self.processes if p.exitcode != 0]
+        self.workdir.cleanup()
+        if failed:
+            raise RuntimeError(f"group ranks exited with codes {failed}")
+
+
+def spawn_followers(cfg: EngineConfig, timeout_s: float = 600.0, threads: int = 1) -> LocalGroup:
+    """Start ranks 1..N-1 and join rank 0 (this process) to their process group."""
+    workdir = tempfile.TemporaryDirectory(prefix="dsv3serve-group-")
+    rendezvous = Path(workdir.name) / "rendezvous"
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_follow,
+            args=(cfg.model_dump_json(), rank, str(rendezvous), timeout_s, threads),
+            daemon=True,
+        )
+        for rank in range(1, cfg.tp_size)
+    ]
+    for proc in procs:
+        proc.start()
+    init_group(group_spec(rank_config(cfg, 0), 0, rendezvous, timeout_s))
+    return LocalGroup(procs, workdir)

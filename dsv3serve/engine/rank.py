@@ -1,0 +1,52 @@
+"""Turning an engine and its ranks into a group: the leader's wrapper and a follower's life.
+
+Every rank (in-process, a spawned process or a Ray actor) has joined the process group
+before it builds its model: building a sharded model agrees on the KV capacity with the
+other ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.dp_group import DPGroupLeader, dp_follower_loop
+from dsv3serve.engine.dp_scheduler import DPScheduler
+from dsv3serve.engine.engine import resolve_model_dir
+from dsv3serve.engine.group import GroupLeader, follower_loop
+from dsv3serve.engine.model_runner import ModelRunner
+
+
+def attach_leader(engine: Any) -> Any:
+    """Make ``engine`` (rank 0, group joined) drive its group; returns the leader runner.
+
+    DP attention also gives the engine one scheduler per DP rank.
+    """
+    parallel = engine.cfg.parallel
+    if parallel.enable_dp_attention:
+        scheduler = DPScheduler(engine.scheduler.config, parallel.dp_size)
+        leader: Any = DPGroupLeader(engine.runner, scheduler)
+        engine.use_runner(leader, scheduler)
+    else:
+        leader = GroupLeader(engine.runner, parallel.world_size)
+        engine.use_runner(leader)
+    return leader
+
+
+def build_runner(cfg: EngineConfig) -> ModelRunner:
+    """This rank's shard of the model and its KV pool."""
+    model_dir = resolve_model_dir(cfg)
+    return ModelRunner(cfg, model_dir, ModelConfig.from_hf(model_dir))
+
+
+def follow(runner: ModelRunner, cfg: EngineConfig) -> int:
+    """Run rank 0's steps on ``runner`` until it stops the group; returns the steps run."""
+    if cfg.parallel.enable_dp_attention:
+        return dp_follower_loop(runner)
+    return follower_loop(runner)
+
+
+def run_follower(cfg: EngineConfig) -> int:
+    """A follower rank's whole life: build its shard, then follow."""
+    return follow(build_runner(cfg), cfg)
