@@ -1,0 +1,53 @@
+"""Sharded groups over real processes (gloo) give the single-rank engine's greedy tokens.
+
+Each layout runs the same scripted workload (chunked prefill, prefix hits, preemption, an
+abort) on the tiny checkpoint with 16 experts in float32: rank 0 is this test process, the
+other ranks are spawned processes holding only their shard. The reference is the plain
+one-rank engine on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
+
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.llm import LLM
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tp_size": 2},
+    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
+    "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
+    "dp2-ep2-dp-lm-head": {
+        "tp_size": 2,
+        "dp_size": 2,
+        "enable_dp_attention": True,
+        "ep_size": 2,
+        "enable_dp_lm_head": True,
+    },
+    "tp4-ep4": {"tp_size": 4, "ep_size": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
+    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE))
+    tokens = run_scenario(engine)
+    assert_no_leaks(engine)
+    assert engine.scheduler.num_preemptions > 0, "the scenario must preempt"
+    assert engine.scheduler.prefix_hit_tokens > 0, "the scenario must hit the prefix cache"
+    return tokens
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_the_single_rank_engine(
+    layout: str, tiny_bf16_dir: Path, reference: dict[str, list[int]]
+) -> None:
+    with LLM(str(tiny_bf16_dir), **SCENARIO_ENGINE, **LAYOUTS[layout]) as llm:
+        tokens = run_scenario(llm.engine)
+        assert_no_leaks(llm.engine)
+    assert tokens == reference
