@@ -14,6 +14,14 @@ from dsv3serve.engine.spec.loop import DraftState
 T = TypeVar("T")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's step failed (e.g. a rank of its group died or a collective timed out).
+
+    Every request in flight fails with it, and so does every later call: the replica must
+    be restarted (its health check reports the error).
+    """
+
+
 class AsyncEngine:
     """``generate(req)`` yields TokenOutputs; leaving the iterator early aborts the request.
 
@@ -24,13 +32,20 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
-        self._queues: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenOutput | EngineDeadError]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self.dead: EngineDeadError | None = None
 
     def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` under the engine lock (reserve, export, release, stats)."""
+        self.check_alive()
         with self._lock:
             return fn(self.engine)
+
+    def check_alive(self) -> None:
+        """Raise the :class:`EngineDeadError` that stopped the step loop, if any."""
+        if self.dead is not None:
+            raise self.dead
 
     async def generate(self, req: Request) -> AsyncIterator[TokenOutput]:
         """Stream outputs of all ``n`` sequences of ``req`` until each has finished."""
@@ -79,7 +94,7 @@ class AsyncEngine:
     async def _stream(
         self, req: Request, admit: Callable[[Engine], None], n: int
     ) -> AsyncIterator[TokenOutput]:
-        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        queue: asyncio.Queue[TokenOutput | EngineDeadError] = asyncio.Queue()
         self.call(admit)  # raises before anything is queued
         self._queues[req.request_id] = queue
         self._ensure_loop()
@@ -87,12 +102,14 @@ class AsyncEngine:
         try:
             while remaining:
                 out = await queue.get()
+                if isinstance(out, EngineDeadError):
+                    raise out
                 remaining -= int(out.finished)
                 yield out
             completed = True
         finally:
             self._queues.pop(req.request_id, None)
-            if not completed and not self._is_exported(req.request_id):
+            if not completed and self.dead is None and not self._is_exported(req.request_id):
                 self.call(lambda e: e.abort(req.request_id))
 
     def _is_exported(self, request_id: str) -> bool:
@@ -107,8 +124,17 @@ class AsyncEngine:
             return self.engine.step()
 
     async def _run(self) -> None:
-        while self.engine.has_unfinished():
-            for out in await asyncio.to_thread(self._step):
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+        try:
+            while self.engine.has_unfinished():
+                for out in await asyncio.to_thread(self._step):
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except Exception as exc:  # noqa: BLE001 - every failure ends the engine the same way
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """The step failed: fail every waiting request, and every later call."""
+        self.dead = EngineDeadError(f"engine step failed ({type(exc).__name__}: {exc})")
+        for queue in self._queues.values():
+            queue.put_nowait(self.dead)
