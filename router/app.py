@@ -174,19 +174,20 @@ def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
             "resources": dict(group.resources),
         },
     }
-    if group.group_size > 1:
-        options["placement_group_bundles"] = _bundles(group)
-        options["placement_group_strategy"] = "PACK"
-    worker_cfg = cfg.worker_config(role).model_dump_json()
+    worker = cfg.worker_config(role)
+    if worker.group_size > 1:
+        options["placement_group_bundles"] = _bundles(group, worker.group_size)
+        options["placement_group_strategy"] = "PACK"  # spans nodes only when one is full
+    worker_cfg = worker.model_dump_json()
     return EngineWorker.options(**options).bind(worker_cfg, cfg.router.served_model_name)
 
 
-def _bundles(group: RoleGroup) -> list[dict[str, float]]:
+def _bundles(group: RoleGroup, size: int) -> list[dict[str, float]]:
     """One bundle per rank; rank 0 is the replica itself."""
     bundle = {"CPU": max(group.num_cpus, 0.01), **group.resources}
     if group.num_gpus:
         bundle["GPU"] = group.num_gpus
-    return [dict(bundle) for _ in range(group.group_size)]
+    return [dict(bundle) for _ in range(size)]
 
 
 def build_app(args: dict[str, Any]) -> Any:

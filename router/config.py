@@ -24,11 +24,22 @@ class RoleGroup(BaseModel):
     num_replicas: int = Field(1, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
-    group_size: int = Field(1, ge=1, description="ranks (devices) per replica")
     resources: dict[str, float] = Field(
         {}, description="custom Ray resources per rank, e.g. {'decode_node': 1} to pin a node"
     )
-    engine: dict[str, Any] = Field({}, description="EngineConfig fields for this role only")
+    engine: dict[str, Any] = Field(
+        {}, description="EngineConfig fields for this role only (tp_size: ranks per replica)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "group_size" in data:
+            raise ValueError(
+                "group_size was replaced by engine.tp_size (SGLang's name): set "
+                "engine: {tp_size: N} on the role, with its layout fields"
+            )
+        return data
 
 
 class RouterSettings(BaseModel):
@@ -116,7 +127,6 @@ class ServingConfig(BaseModel):
             kv_connector_options=self.kv_connector_options,
             kv_lease_s=self.kv_lease_s,
             torch_threads=self.torch_threads,
-            group_size=group.group_size,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsv3serve.engine.config import EngineConfig
 from workers.protocol import Role
@@ -22,22 +22,20 @@ class WorkerConfig(BaseModel):
     # prefill: staged KV not pulled within this many seconds is freed
     kv_lease_s: float = Field(30.0, gt=0)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
-    # ranks of the group: one engine over group_size devices (placement group bundles)
-    group_size: int = Field(1, ge=1)
     # Fault injection for tests only: sleep this long before each prefill.
     test_prefill_delay_s: float = Field(0.0, ge=0)
 
-    @field_validator("group_size")
-    @classmethod
-    def _one_rank_with_speculation(cls, group_size: int, info: ValidationInfo) -> int:
-        """Speculative decoding runs on one rank: a lockstep group of N ranks broadcasts
-        each step's spans and imported pages, not the draft chain or its state."""
-        engine = info.data.get("engine")
-        algorithm = None if engine is None else engine.speculative_algorithm
-        if algorithm is not None and group_size > 1:
+    @property
+    def group_size(self) -> int:
+        """Ranks (devices, placement group bundles) of the replica: ``engine.tp_size``."""
+        return self.engine.tp_size
+
+    @model_validator(mode="after")
+    def _check_group(self) -> WorkerConfig:
+        if self.role == "prefill" and self.engine.enable_dp_attention:
             raise ValueError(
-                f"found {group_size} with engine.speculative_algorithm {algorithm}, expected "
-                "group_size 1 (a multi-rank group does not broadcast the draft state yet); "
-                "use group_size 1 or unset engine.speculative_algorithm"
+                "engine.enable_dp_attention: a prefill group publishes KV from rank 0's pool, "
+                "so it runs TP (dp_size 1) for now; DP attention is for decode and colocated "
+                "groups"
             )
-        return group_size
+        return self

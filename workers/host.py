@@ -16,6 +16,7 @@ import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine, InvalidRequestError
+from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
 from dsv3serve.engine.spec.loop import DraftState
@@ -41,8 +42,9 @@ from workers.protocol import (
 from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
-# Starts ranks 1..N-1 and returns an object with ``.leader`` (a GroupLeader) and ``.stop()``.
-GroupStarter = Callable[[WorkerConfig, Any], Any]
+# Starts ranks 1..N-1 and joins this process to their group (before the engine is built);
+# returns an object with ``.stop()`` and a ``.leader`` slot the host fills.
+GroupStarter = Callable[[WorkerConfig], Any]
 _REFUSED = (InvalidRequestError, ContextLengthError)
 
 
@@ -86,16 +88,17 @@ class EngineHost:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
-        self.engine = Engine(cfg.engine)
-        identity = Identity(cfg.role, replica or cfg.role, model or cfg.engine.model)
-        self.metrics = WorkerMetrics(identity, self.engine.engine_state)
-        self.engine.metrics = self.metrics.m
         self.group: Any = None
         if cfg.group_size > 1:
             if group_starter is None:
-                raise ValueError(f"group_size {cfg.group_size} needs a group starter (Ray)")
-            self.group = group_starter(cfg, self.engine.runner)
-            self.engine.use_runner(self.group.leader)
+                raise ValueError(f"tp_size {cfg.group_size} needs a group starter (Ray)")
+            self.group = group_starter(cfg)  # every rank joins before any builds its shard
+        self.engine = Engine(cfg.engine)
+        if self.group is not None:
+            self.group.leader = attach_leader(self.engine)
+        identity = Identity(cfg.role, replica or cfg.role, model or cfg.engine.model)
+        self.metrics = WorkerMetrics(identity, self.engine.engine_state)
+        self.engine.metrics = self.metrics.m
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
         self._staged: LeaseTable[None] = LeaseTable(lambda rid, _: self._unstage(rid))
@@ -316,8 +319,9 @@ class EngineHost:
         A cancelled caller does not interrupt the copy: the pages are freed only after
         the transfer thread has stopped writing into them.
         """
+        landing = self._landing_pages(pages)
         task = asyncio.ensure_future(
-            asyncio.to_thread(self.connector.receive, handle, pages[: handle.num_pages])
+            asyncio.to_thread(self.connector.receive, handle, landing[: handle.num_pages])
         )
         m = self.metrics.m
         m.in_transfer.inc()
@@ -332,9 +336,15 @@ class EngineHost:
             return f"KV transfer failed: {exc}"
         finally:
             m.in_transfer.dec()
-        if self.group is not None:  # every rank's pool gets the pages
+        if self.group is not None:  # TP: every rank's pool; DP: the owning rank's only
             self.aengine.call(lambda _: self.group.leader.replicate_pages(pages))
         return None
+
+    def _landing_pages(self, pages: list[int]) -> list[int]:
+        """Pages of this process's pool the connector writes a reservation's KV into."""
+        if self.group is None or not self.cfg.engine.enable_dp_attention:
+            return pages
+        return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
 
     def group_in_sync(self) -> bool:
         """Whether every rank's KV pool holds the same bytes (True without a group)."""
