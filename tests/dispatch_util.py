@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsv3serve.parallel.config import ParallelConfig
+from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.dispatch import create_dispatcher
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
 from dsv3serve.parallel.dispatch_base import Dispatcher
-from dsv3serve.parallel.dispatch_ref import local_experts, moe_reference
+from dsv3serve.parallel.dispatch_ref import ExpertsFn, local_experts, moe_reference
 
 NUM_EXPERTS = 16
 TOPK = 4
@@ -41,7 +41,7 @@ class Case:
     received: list[int] = field(default_factory=list)
 
 
-def experts_fn(mats: torch.Tensor):
+def experts_fn(mats: torch.Tensor) -> ExpertsFn:
     """Expert ``e`` of a case: ``rows @ mats[e]`` in float32."""
     return lambda expert, rows: rows.float() @ mats[expert]
 
@@ -83,6 +83,16 @@ def _run_case(case: Case, world: int, rank: int) -> tuple[torch.Tensor, int]:
     return d.combine(y, got), got.x.shape[0]
 
 
+def _factory_refusal(world: int, rank: int) -> str:
+    """The factory's message for a layout whose EP group is not the process group."""
+    parallel = ParallelConfig(tp_size=2 * world, ep_size=2 * world)
+    try:
+        create_dispatcher(parallel, NUM_EXPERTS, rank)
+    except LayoutError as e:
+        return str(e)
+    return "no error"
+
+
 def _rank_main(rank: int, world: int, workdir: str) -> None:
     torch.set_num_threads(1)
     root = Path(workdir)
@@ -92,17 +102,19 @@ def _rank_main(rank: int, world: int, workdir: str) -> None:
     try:
         cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
         results = {c.name: _run_case(c, world, rank) for c in cases}
+        results["factory_refusal"] = _factory_refusal(world, rank)
         torch.save(results, root / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(cases: list[Case], world: int, workdir: Path) -> list[Case]:
-    """Run every case on ``world`` spawned gloo ranks; fill ``outputs`` and ``received``."""
+def run_ranks(cases: list[Case], world: int, workdir: Path) -> tuple[list[Case], list[str]]:
+    """Run every case on ``world`` spawned gloo ranks; fill ``outputs`` and ``received``.
+    Also returns each rank's factory refusal message (see ``_factory_refusal``)."""
     torch.save(cases, workdir / "cases.pt")
     mp.spawn(_rank_main, args=(world, str(workdir)), nprocs=world, join=True)
     per_rank = [torch.load(workdir / f"rank{r}.pt") for r in range(world)]
     for case in cases:
         case.outputs = [per_rank[r][case.name][0] for r in range(world)]
         case.received = [per_rank[r][case.name][1] for r in range(world)]
-    return cases
+    return cases, [per_rank[r]["factory_refusal"] for r in range(world)]

@@ -64,14 +64,18 @@ def _four_rank_cases() -> list[Case]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    cases = run_ranks(_two_rank_cases(), 2, tmp_path_factory.mktemp("a2a2"))
-    return {c.name: c for c in cases}
+def two_ranks_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Case], list[str]]:
+    return run_ranks(_two_rank_cases(), 2, tmp_path_factory.mktemp("a2a2"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_run: tuple[list[Case], list[str]]) -> dict[str, Case]:
+    return {c.name: c for c in two_ranks_run[0]}
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    cases = run_ranks(_four_rank_cases(), 4, tmp_path_factory.mktemp("a2a4"))
+    cases, _ = run_ranks(_four_rank_cases(), 4, tmp_path_factory.mktemp("a2a4"))
     return {c.name: c for c in cases}
 
 
@@ -129,9 +133,11 @@ def test_fp8_payload_is_close_to_unquantised(two_ranks: dict[str, Case]) -> None
         assert err <= 0.1 * ref.abs().max(), (rank, float(err), SEED)
 
 
-def _plan_by_loop(ids: torch.Tensor, weights: torch.Tensor, per_rank: int, world: int):
+def _plan_by_loop(
+    ids: torch.Tensor, weights: torch.Tensor, per_rank: int, world: int
+) -> list[tuple[int, list[int], list[float]]]:
     """Plain per-token loop: the copies (rank, token, local ids, weights) in rank-major order."""
-    rows = []
+    rows: list[tuple[int, list[int], list[float]]] = []
     for rank in range(world):
         for t in range(ids.shape[0]):
             experts = [int(e) for e in ids[t]]
@@ -192,7 +198,9 @@ def test_no_dispatch_is_the_identity() -> None:
 
 @pytest.mark.parametrize("payload_dtype", [None, FP8_DTYPE])
 @pytest.mark.parametrize("tokens", [0, 19])
-def test_loopback_equals_reference_restricted_to_its_experts(tokens: int, payload_dtype) -> None:
+def test_loopback_equals_reference_restricted_to_its_experts(
+    tokens: int, payload_dtype: torch.dtype | None
+) -> None:
     g = _gen(5)
     mats = torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
     x = torch.randn(tokens, HIDDEN, generator=g).to(BF16)
@@ -214,7 +222,7 @@ def _fp8_round(x: torch.Tensor) -> torch.Tensor:
     return dequant_per_token_group(*quant_per_token_group(x)).to(x.dtype)
 
 
-def _dp_ep(world: int, **kw) -> ParallelConfig:
+def _dp_ep(world: int, **kw: str) -> ParallelConfig:
     return ParallelConfig(
         tp_size=world, dp_size=world, enable_dp_attention=True, ep_size=world, **kw
     )
@@ -225,7 +233,7 @@ def test_factory_refuses_deepep_without_deep_ep() -> None:
         create_dispatcher(_dp_ep(2, moe_a2a_backend="deepep"), NUM_EXPERTS, 0)
 
 
-def test_factory_refuses_deepep_even_when_deep_ep_imports(monkeypatch) -> None:
+def test_factory_refuses_deepep_even_when_deep_ep_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
@@ -244,6 +252,19 @@ def test_factory_picks_by_layout() -> None:
     assert loop.num_local_experts == 4
     with pytest.raises(LayoutError, match="needs an initialised torch.distributed"):
         create_dispatcher(_dp_ep(2), NUM_EXPERTS, 0)
+
+
+def test_factory_refuses_a_group_that_is_not_the_ep_group(
+    two_ranks_run: tuple[list[Case], list[str]],
+) -> None:
+    for rank, message in enumerate(two_ranks_run[1]):
+        expected = f"expected an expert-parallel group of 4 ranks in which this is rank {rank}, "
+        assert message == expected + f"found 2 ranks and rank {rank}"
+
+
+def test_payload_dtype_is_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"payload_dtype: expected one of .*, got torch.int8"):
+        LoopbackTimingOnlyDispatcher(NUM_EXPERTS, 2, 0, payload_dtype=torch.int8)
 
 
 def test_dispatch_refuses_mismatched_routing() -> None:

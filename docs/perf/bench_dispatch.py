@@ -78,7 +78,9 @@ def _timed(fn: Callable[[], object], args: argparse.Namespace, device: torch.dev
     return float(elapsed)
 
 
-def _inputs(args: argparse.Namespace, tokens: int, device: torch.device):
+def _inputs(
+    args: argparse.Namespace, tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(tokens, args.hidden, device=device).to(torch.bfloat16)
     ids = torch.rand(tokens, args.experts, device=device).topk(args.topk, dim=1).indices
     weights = torch.rand(tokens, args.topk, device=device)

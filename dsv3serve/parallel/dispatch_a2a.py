@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dsv3serve.parallel.dispatch_base import Dispatched, Dispatcher
-from dsv3serve.parallel.dispatch_pack import WireFormat, copy_mask, plan_routes, sum_back
+from dsv3serve.parallel.dispatch_pack import (
+    WireFormat,
+    check_payload_dtype,
+    check_routing,
+    copy_mask,
+    plan_routes,
+    sum_back,
+)
 
 
 @dataclass(frozen=True)
@@ -27,20 +34,6 @@ class A2AState:
     send_counts: list[int]
     recv_counts: list[int]
     num_tokens: int
-
-
-def check_routing(x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
-    """Refuse inputs whose shapes do not agree (shapes only: no host sync)."""
-    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
-        raise ValueError(
-            f"expected x [T, H], topk_ids [T, K] and topk_weights [T, K], got x "
-            f"{list(x.shape)}, topk_ids {list(topk_ids.shape)}, "
-            f"topk_weights {list(topk_weights.shape)}"
-        )
-    if topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"expected one routing row per token ({x.shape[0]}), got {topk_ids.shape[0]}"
-        )
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -58,9 +51,10 @@ class AllToAllDispatcher(Dispatcher):
     ``y``'s dtype) and adds each token's parts in float32 with ``index_add_``.
 
     Host syncs: one per ``dispatch`` (the sent and received counts, read together, give the
-    split sizes); none in ``combine``. Routing ids ``< 0`` are slots with no expert; ids are
-    not range-checked (that would cost a sync). Every rank must use the same hidden size and
-    dtype; zero tokens on a rank, and ranks that receive nothing, are fine.
+    split sizes; it keeps ``dispatch`` out of CUDA graphs); none in ``combine``. Routing ids
+    ``< 0`` are slots with no expert; ids are not range-checked (that would cost a sync).
+    Every rank must use the same hidden size and dtype; zero tokens on a rank, and ranks that
+    receive nothing, are fine.
     """
 
     def __init__(
@@ -78,7 +72,7 @@ class AllToAllDispatcher(Dispatcher):
             )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
-        self.payload_dtype = payload_dtype
+        self.payload_dtype = check_payload_dtype(payload_dtype)
 
     def _exchange_counts(self, send_counts: Tensor) -> tuple[list[int], list[int]]:
         recv_counts = torch.empty_like(send_counts)
@@ -86,7 +80,9 @@ class AllToAllDispatcher(Dispatcher):
         both = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync
         return both[0], both[1]
 
-    def _exchange(self, send: Tensor, rows_out: int, out_splits: list[int], in_splits: list[int]):
+    def _exchange(
+        self, send: Tensor, rows_out: int, out_splits: list[int], in_splits: list[int]
+    ) -> Tensor:
         recv = send.new_empty(rows_out, *send.shape[1:])
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
         return recv

@@ -8,9 +8,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsv3serve.parallel.dispatch_a2a import check_routing
 from dsv3serve.parallel.dispatch_base import Dispatched, Dispatcher
-from dsv3serve.parallel.dispatch_pack import WireFormat, copy_mask, plan_routes, sum_back
+from dsv3serve.parallel.dispatch_pack import (
+    WireFormat,
+    check_payload_dtype,
+    check_routing,
+    copy_mask,
+    plan_routes,
+    sum_back,
+)
 
 
 class NoDispatch(Dispatcher):
@@ -61,7 +67,7 @@ class LoopbackTimingOnlyDispatcher(Dispatcher):
         self.ep_size = ep_size
         self.rank = rank
         self.num_local_experts = num_experts // ep_size
-        self.payload_dtype = payload_dtype
+        self.payload_dtype = check_payload_dtype(payload_dtype)
 
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
         check_routing(x, topk_ids, topk_weights)

@@ -29,6 +29,27 @@ _ROW_ALIGN = 16
 PAYLOAD_DTYPES = (None, FP8_DTYPE)
 
 
+def check_payload_dtype(payload_dtype: torch.dtype | None) -> torch.dtype | None:
+    """``payload_dtype`` if it is one the wire format sends (None: rows as they are)."""
+    if payload_dtype not in PAYLOAD_DTYPES:
+        raise ValueError(f"payload_dtype: expected one of {PAYLOAD_DTYPES}, got {payload_dtype}")
+    return payload_dtype
+
+
+def check_routing(x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+    """Refuse inputs whose shapes do not agree (shapes only: no host sync)."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"expected x [T, H], topk_ids [T, K] and topk_weights [T, K], got x "
+            f"{list(x.shape)}, topk_ids {list(topk_ids.shape)}, "
+            f"topk_weights {list(topk_weights.shape)}"
+        )
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expected one routing row per token ({x.shape[0]}), got {topk_ids.shape[0]}"
+        )
+
+
 @dataclass(frozen=True)
 class RoutePlan:
     """The copies one rank sends, sorted by destination rank (then by token).
@@ -92,10 +113,7 @@ class WireFormat:
     payload_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise ValueError(
-                f"payload_dtype: expected one of {PAYLOAD_DTYPES}, got {self.payload_dtype}"
-            )
+        check_payload_dtype(self.payload_dtype)
 
     @property
     def wire_dtype(self) -> torch.dtype:
