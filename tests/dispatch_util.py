@@ -1,0 +1,120 @@
+"""Multi-rank dispatch cases: inputs made in the test process, run by spawned gloo ranks.
+
+The test process writes every case (each rank's tokens and routing, the experts' matrices)
+to one file; :func:`run_ranks` spawns ``world`` processes that each dispatch their tokens,
+apply their own experts to what arrived (local ids), combine, and save what came back. The
+test then compares with the single-rank reference over all experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv3serve.parallel.config import LayoutError, ParallelConfig
+from dsv3serve.parallel.dispatch import create_dispatcher
+from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
+from dsv3serve.parallel.dispatch_base import Dispatcher
+from dsv3serve.parallel.dispatch_ref import ExpertsFn, local_experts, moe_reference
+
+NUM_EXPERTS = 16
+TOPK = 4
+HIDDEN = 160  # two fp8 groups of 128 channels, the second one partial
+
+
+@dataclass
+class Case:
+    """One dispatch -> experts -> combine round: per-rank ``xs`` [T_r, H], ``ids`` [T_r, K],
+    ``weights`` [T_r, K]; ``mats`` [E, H, H] define expert ``e`` as ``rows @ mats[e]``."""
+
+    name: str
+    xs: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    mats: torch.Tensor
+    payload_dtype: torch.dtype | None = None
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    received: list[int] = field(default_factory=list)
+
+
+def experts_fn(mats: torch.Tensor) -> ExpertsFn:
+    """Expert ``e`` of a case: ``rows @ mats[e]`` in float32."""
+    return lambda expert, rows: rows.float() @ mats[expert]
+
+
+def random_ids(gen: torch.Generator, tokens: int, experts: range) -> torch.Tensor:
+    """[tokens, TOPK] distinct expert ids per token, uniform over ``experts``."""
+    scores = torch.rand(tokens, len(experts), generator=gen)
+    return scores.topk(TOPK, dim=1).indices + experts.start
+
+
+def make_case(
+    name: str,
+    gen: torch.Generator,
+    tokens: list[int],
+    dtype: torch.dtype,
+    experts: range = range(NUM_EXPERTS),
+    payload_dtype: torch.dtype | None = None,
+) -> Case:
+    """A case with ``tokens[r]`` tokens on rank r, each routed to TOPK of ``experts``."""
+    mats = torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / HIDDEN**0.5
+    xs = [torch.randn(t, HIDDEN, generator=gen).to(dtype) for t in tokens]
+    ids = [random_ids(gen, t, experts) for t in tokens]
+    weights = [torch.rand(t, TOPK, generator=gen) for t in tokens]
+    return Case(name, xs, ids, weights, mats, payload_dtype)
+
+
+def _dispatcher(case: Case, world: int, rank: int) -> Dispatcher:
+    if case.payload_dtype is not None:
+        return AllToAllDispatcher(NUM_EXPERTS, payload_dtype=case.payload_dtype)
+    parallel = ParallelConfig(tp_size=world, dp_size=world, enable_dp_attention=True, ep_size=world)
+    return create_dispatcher(parallel, NUM_EXPERTS, rank)
+
+
+def _run_case(case: Case, world: int, rank: int) -> tuple[torch.Tensor, int]:
+    d = _dispatcher(case, world, rank)
+    got = d.dispatch(case.xs[rank], case.ids[rank], case.weights[rank])
+    mine = local_experts(experts_fn(case.mats), rank * d.num_local_experts)
+    y = moe_reference(got.x, got.topk_ids, got.topk_weights, mine).to(got.x.dtype)
+    return d.combine(y, got), got.x.shape[0]
+
+
+def _factory_refusal(world: int, rank: int) -> str:
+    """The factory's message for a layout whose EP group is not the process group."""
+    parallel = ParallelConfig(tp_size=2 * world, ep_size=2 * world)
+    try:
+        create_dispatcher(parallel, NUM_EXPERTS, rank)
+    except LayoutError as e:
+        return str(e)
+    return "no error"
+
+
+def _rank_main(rank: int, world: int, workdir: str) -> None:
+    torch.set_num_threads(1)
+    root = Path(workdir)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root / 'pg'}", rank=rank, world_size=world
+    )
+    try:
+        cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
+        results = {c.name: _run_case(c, world, rank) for c in cases}
+        results["factory_refusal"] = _factory_refusal(world, rank)
+        torch.save(results, root / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(cases: list[Case], world: int, workdir: Path) -> tuple[list[Case], list[str]]:
+    """Run every case on ``world`` spawned gloo ranks; fill ``outputs`` and ``received``.
+    Also returns each rank's factory refusal message (see ``_factory_refusal``)."""
+    torch.save(cases, workdir / "cases.pt")
+    mp.spawn(_rank_main, args=(world, str(workdir)), nprocs=world, join=True)
+    per_rank = [torch.load(workdir / f"rank{r}.pt") for r in range(world)]
+    for case in cases:
+        case.outputs = [per_rank[r][case.name][0] for r in range(world)]
+        case.received = [per_rank[r][case.name][1] for r in range(world)]
+    return cases, [per_rank[r]["factory_refusal"] for r in range(world)]
