@@ -150,18 +150,15 @@ def check_split(
     split = placement.split
     if split is None:
         return
+    is_scale = fp8 and name.endswith("weight_scale_inv")
+    if is_scale and weight_shape is not None:
+        _check_scale_split(name, shape, weight_shape, split)
     size = shape[split.dim]
     if size % split.parts:
         raise LayoutError(
             f"{name}: dim {split.dim} of size {size} does not split into {split.parts} parts"
         )
-    if not fp8:
-        return
-    if name.endswith("weight_scale_inv"):
-        if weight_shape is not None:
-            _check_scale_split(name, shape, weight_shape, split)
-        return
-    if (size // split.parts) % BLOCK:
+    if fp8 and not is_scale and (size // split.parts) % BLOCK:
         raise LayoutError(
             f"{name}: an FP8 weight split {size} / {split.parts} = {size // split.parts} along "
             f"dim {split.dim} does not fall on a {BLOCK} boundary of its weight_scale_inv blocks"
