@@ -22,7 +22,7 @@ def plan_table(p: Plan, model: str) -> str:
     ]
     lines = [
         f"model {model}, layout {describe(p.parallel)}: {len(p.ranks)} ranks, {_symmetry(p)}",
-        f"budget per rank {p.budget_bytes / GB:.1f} GB = {s.gpu_memory_gb:g} GB x "
+        f"budget per rank {p.budget_bytes / GB:.2f} GB = {s.gpu_memory_gb:g} GB x "
         f"mem_fraction_static {s.mem_fraction_static:g}",
         f"{'per rank':<24} {'GB':>9}",
     ]
