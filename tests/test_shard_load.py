@@ -214,3 +214,35 @@ def test_init_dummy_fills_a_sharded_model(ckpts) -> None:
     for key, p in model.params.items():
         assert not p.float().isnan().any(), key
     assert model.post_load_calls == 1
+
+
+def _load_and_gather(rank: int, model_dir: str, layout: str, init_file: str) -> None:
+    """One process per rank: load its part, gather every rank's pieces over gloo, and on
+    rank 0 check they reassemble the full tensors."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    parallel = LAYOUTS[layout]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = LocalShapeStandIn(Path(model_dir), RankLayout(parallel, rank))
+        load_checkpoint(model, Path(model_dir), RankLayout(parallel, rank))
+        # as raw bytes: fp8 tensors do not pickle through all_gather_object
+        mine = {n: _bytes(t.view()).clone() for n, t in model.targets.items()}
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            for name, full in full_tensors(Path(model_dir)).items():
+                if not name.startswith(nextn_copies(model.cfg)):
+                    pieces = [g[name] for g in gathered if name in g]
+                    assert_pieces_make_full(name, pieces, _bytes(full))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2_ep2"])
+def test_two_processes_load_their_parts_and_gather_the_model(ckpts, tmp_path, layout) -> None:
+    import torch.multiprocessing as tmp
+
+    args = (str(ckpts["fp8"]), layout, str(tmp_path / "init"))
+    tmp.spawn(_load_and_gather, args=args, nprocs=2, join=True)
