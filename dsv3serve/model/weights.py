@@ -7,12 +7,10 @@ so peak host memory stays near one tensor beyond the model itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
-from safetensors import safe_open
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
@@ -52,14 +50,6 @@ def shard_files(model_dir: Path) -> list[Path]:
     if not files:
         raise WeightLoadError(f"no *.safetensors files and no {INDEX_FILE} in {model_dir}")
     return files
-
-
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor, shard by shard, memory-mapped."""
-    for file in shard_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
 
 
 def _copy_into(name: str, target: LoadTarget, tensor: torch.Tensor) -> None:
