@@ -78,7 +78,7 @@ def local_tensors(
         if skip and name.startswith(skip):
             continue
         # placement_of reads no layer index, so a tensor of one layer stands for the same
-        # tensor of every layer (DeepSeek-V3: 92k tensors, ~1.7k kinds; 10x faster)
+        # tensor of every layer (DeepSeek-V3: 92k tensors, ~1.7k keys; planning 2x faster)
         key = (_LAYER.sub("", name), info.shape, _weight_shape(name, infos))
         if (placement := seen.get(key)) is None:
             placement = seen[key] = placement_of(name, layout, num_experts)
