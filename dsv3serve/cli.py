@@ -1,4 +1,4 @@
-"""``dsv3serve serve``, ``generate`` and ``bench {one-batch,serve,kernels,model}``."""
+"""``dsv3serve serve``, ``generate``, ``plan`` and ``bench {one-batch,serve,kernels,model}``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dsv3serve.bench.kernels import add_kernels_parser
 from dsv3serve.bench.model_args import add_model_parser
 from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.parallel.plan_cli import add_plan_parser
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
+    add_plan_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     one = bench.add_parser("one-batch", help="latency of one static batch (like bench_one_batch)")
     _engine_args(one)

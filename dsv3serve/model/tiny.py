@@ -147,7 +147,7 @@ def checkpoint_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _is_quantized(name: str) -> bool:
+def is_quantized(name: str) -> bool:
     """FP8 in DeepSeek's checkpoints: every 2-D projection except router, eh_proj, heads."""
     bf16 = (
         "embed_tokens.weight",
@@ -177,7 +177,7 @@ def make_tensors(c: dict[str, Any], fp8: bool, seed: int) -> dict[str, torch.Ten
         t = _random_tensor(name, shape, g)
         if name.endswith("e_score_correction_bias"):
             out[name] = t.float()
-        elif fp8 and _is_quantized(name):
+        elif fp8 and is_quantized(name):
             out[name], out[f"{name}_scale_inv"] = quant_weight_block(t)
         else:
             out[name] = t.to(torch.bfloat16)

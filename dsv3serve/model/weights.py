@@ -7,16 +7,18 @@ so peak host memory stays near one tensor beyond the model itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
-from safetensors import safe_open
 
+from dsv3serve.config import ModelConfig
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsv3serve.model.load_target import LoadTarget
+from dsv3serve.model.shard_load import iter_local, read_index
+from dsv3serve.parallel.shard import RankLayout
+from dsv3serve.parallel.shard_tensors import LocalTensor, local_tensors
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,6 +26,18 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class WeightLoadError(ValueError):
     """A checkpoint does not match the model: missing, unexpected or wrongly shaped tensors."""
+
+
+class CheckpointModel(Protocol):
+    """What the loader needs of a model (local shapes when built for a ``RankLayout``)."""
+
+    cfg: ModelConfig
+
+    def checkpoint_targets(self) -> dict[str, LoadTarget]: ...
+
+    def ignored_checkpoint_names(self) -> tuple[str, ...]: ...
+
+    def post_load(self) -> None: ...
 
 
 def shard_files(model_dir: Path) -> list[Path]:
@@ -38,14 +52,6 @@ def shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor, shard by shard, memory-mapped."""
-    for file in shard_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
-
-
 def _copy_into(name: str, target: LoadTarget, tensor: torch.Tensor) -> None:
     dst = target.view()
     if tuple(dst.shape) != tuple(tensor.shape):
@@ -57,28 +63,38 @@ def _copy_into(name: str, target: LoadTarget, tensor: torch.Tensor) -> None:
     dst.copy_(tensor)
 
 
-def load_checkpoint(model: DeepseekV3ForCausalLM, model_dir: str | Path) -> None:
-    """Fill every model parameter from ``model_dir``; fail naming what does not match."""
+def load_checkpoint(
+    model: CheckpointModel, model_dir: str | Path, layout: RankLayout | None = None
+) -> None:
+    """Fill every model parameter from ``model_dir``; fail naming what does not match.
+
+    With ``layout``, only the rank's part is read (``placement_of``): other ranks' experts
+    are skipped unread and split tensors are read as their slice. The layout and the
+    checkpoint's names are checked against the model before any tensor data is read.
+    """
+    model_dir = Path(model_dir)
+    index = read_index(shard_files(model_dir))
+    skip = model.ignored_checkpoint_names()
+    local = local_tensors(index, layout, model.cfg.n_routed_experts, skip)
     targets = model.checkpoint_targets()
-    ignored = model.ignored_checkpoint_names()
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for name, tensor in iter_checkpoint(Path(model_dir)):
-        target = targets.get(name)
-        if target is None:
-            if not name.startswith(ignored):
-                unexpected.append(name)
-            continue
-        _copy_into(name, target, tensor)
-        seen.add(name)
-    missing = sorted(set(targets) - seen)
+    _check_names(model_dir, targets, local)
+    for name, tensor in iter_local(model_dir, local):
+        _copy_into(name, targets[name], tensor)
+    model.post_load()
+
+
+def _check_names(model_dir: Path, targets: dict[str, LoadTarget], local: list[LocalTensor]) -> None:
+    """Missing: a target the rank's part lacks. Unexpected: a held tensor with no target
+    (tensors of other ranks and ignored copies are neither)."""
+    held = {t.name for t in local}
+    missing = sorted(set(targets) - held)
+    unexpected = sorted(held - set(targets))
     if missing or unexpected:
         raise WeightLoadError(
             f"checkpoint {model_dir} does not match the model: "
             f"missing {len(missing)} tensors {missing[:8]}, "
-            f"unexpected {len(unexpected)} tensors {sorted(unexpected)[:8]}"
+            f"unexpected {len(unexpected)} tensors {unexpected[:8]}"
         )
-    model.post_load()
 
 
 DUMMY_CHUNK_ELEMENTS = 1 << 26  # 256 MiB of float32 scratch per chunk
@@ -118,12 +134,16 @@ def init_dummy(model: DeepseekV3ForCausalLM, seed: int = 0, std: float = 0.02) -
 
 
 def load_weights(
-    model: DeepseekV3ForCausalLM, model_dir: str | Path | None, load_format: LoadFormat = "auto"
+    model: DeepseekV3ForCausalLM,
+    model_dir: str | Path | None,
+    load_format: LoadFormat = "auto",
+    layout: RankLayout | None = None,
 ) -> None:
-    """Load real weights from ``model_dir`` or, with ``load_format="dummy"``, random ones."""
+    """Load real weights from ``model_dir`` (the rank's part with ``layout``) or, with
+    ``load_format="dummy"``, random ones into whatever local parameters the model has."""
     if load_format == "dummy":
         init_dummy(model)
         return
     if model_dir is None:
         raise WeightLoadError("a model directory is required unless load_format='dummy'")
-    load_checkpoint(model, model_dir)
+    load_checkpoint(model, model_dir, layout)

@@ -133,21 +133,57 @@ def _expert_placement(expert: int, proj: str, layout: RankLayout, num: int) -> P
     return Placement(split=split, expert_slot=expert - experts.start)
 
 
-def check_split(name: str, shape: tuple[int, ...], placement: Placement, fp8: bool) -> None:
-    """Refuse a split that is uneven, or that cuts an FP8 weight off a 128 boundary."""
+def check_split(
+    name: str,
+    shape: tuple[int, ...],
+    placement: Placement,
+    fp8: bool,
+    weight_shape: tuple[int, ...] | None = None,
+) -> None:
+    """Refuse a split that is uneven, or that cuts an FP8 weight off a 128 boundary.
+
+    A ``weight_scale_inv`` (one float32 per 128x128 block of its weight) gets its weight's
+    :class:`Split`; pass its weight's full shape as ``weight_shape`` and the split is
+    refused unless the weight's own split is 128-aligned, which is exactly when the scale's
+    slice (``Split.index`` on the block count) holds the blocks of the weight's slice.
+    """
     split = placement.split
     if split is None:
         return
+    is_scale = fp8 and name.endswith("weight_scale_inv")
+    if is_scale and weight_shape is not None:
+        _check_scale_split(name, shape, weight_shape, split)
     size = shape[split.dim]
     if size % split.parts:
         raise LayoutError(
             f"{name}: dim {split.dim} of size {size} does not split into {split.parts} parts"
         )
-    if fp8 and not name.endswith("weight_scale_inv") and (size // split.parts) % BLOCK:
+    if fp8 and not is_scale and (size // split.parts) % BLOCK:
         raise LayoutError(
             f"{name}: an FP8 weight split {size} / {split.parts} = {size // split.parts} along "
             f"dim {split.dim} does not fall on a {BLOCK} boundary of its weight_scale_inv blocks"
         )
+
+
+def _check_scale_split(
+    name: str, shape: tuple[int, ...], weight_shape: tuple[int, ...], split: Split
+) -> None:
+    weight = name.removesuffix("_scale_inv")
+    size, blocks = weight_shape[split.dim], shape[split.dim]
+    if blocks != -(-size // BLOCK):
+        raise LayoutError(
+            f"{name}: expected {-(-size // BLOCK)} blocks along dim {split.dim} for {weight} "
+            f"of size {size}, found {blocks}"
+        )
+    local = size // split.parts
+    if size % split.parts or local % BLOCK:
+        raise LayoutError(
+            f"{name}: its weight {weight} splits {size} / {split.parts} = {size / split.parts:g} "
+            f"along dim {split.dim}, not on a {BLOCK} boundary, so its blocks cannot be split"
+        )
+    first = split.rank * local // BLOCK
+    if split.index(shape)[split.dim] != slice(first, first + local // BLOCK):
+        raise LayoutError(f"{name}: scale blocks do not follow {weight}'s split {split}")
 
 
 def check_model(parallel: ParallelConfig, cfg: ModelConfig) -> None:

@@ -1,0 +1,92 @@
+"""``dsv3serve plan``: per-rank memory of a layout, refused (exit 2) if it does not fit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.parallel.config import ParallelConfig
+from dsv3serve.parallel.planner import Plan, PlanError, plan
+from dsv3serve.parallel.planner_report import plan_json, plan_table
+
+
+def add_plan_parser(sub: Any) -> None:
+    """Add ``plan`` to the ``dsv3serve`` subcommands (SGLang's flag spellings)."""
+    p = sub.add_parser("plan", help="per-rank weights, reserves and KV capacity of a layout")
+    p.add_argument("--model", default="deepseek-v3", help="checkpoint dir, 'tiny', 'deepseek-v3'")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--enable-dp-attention", action="store_true")
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--moe-dense-tp-size", type=int, default=None)
+    p.add_argument("--enable-dp-lm-head", action="store_true")
+    p.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, e.g. 141, 80")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--context-length", type=int, default=None, help="longest request to hold")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=run_plan)
+
+
+def model_config(model: str) -> ModelConfig:
+    """``tiny`` (FP8), a preset name, or a checkpoint directory's config.json."""
+    from dsv3serve.model.presets import PRESETS
+    from dsv3serve.model.tiny import FP8_QUANT_CONFIG, TINY_CONFIG
+
+    if model == "tiny":
+        return ModelConfig.from_dict({**TINY_CONFIG, "quantization_config": FP8_QUANT_CONFIG})
+    if model in PRESETS:
+        return ModelConfig.from_dict(PRESETS[model])
+    return ModelConfig.from_hf(Path(model))
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan; on a refusal also the reason on stderr, exit code 2."""
+    parallel = ParallelConfig(
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        enable_dp_attention=args.enable_dp_attention,
+        ep_size=args.ep_size,
+        moe_dense_tp_size=args.moe_dense_tp_size,
+        enable_dp_lm_head=args.enable_dp_lm_head,
+    )
+    try:
+        result = _plan(args, parallel)
+    except PlanError as err:
+        if err.plan is not None:
+            _print(err.plan, args, fits=False)
+        print(f"refused: {err}", file=sys.stderr)
+        return 2
+    _print(result, args, fits=True)
+    return 0
+
+
+def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
+    return plan(
+        model_config(args.model),
+        parallel,
+        args.gpu_memory_gb,
+        args.mem_fraction_static,
+        args.page_size,
+        args.kv_cache_dtype,
+        args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
+        chunked_prefill_size=args.chunked_prefill_size,
+        context_length=args.context_length,
+    )
+
+
+def _print(p: Plan, args: argparse.Namespace, fits: bool) -> None:
+    if args.json:
+        print(json.dumps(plan_json(p, args.model, fits), indent=2))
+        return
+    print(plan_table(p, args.model))
+    print("fits" if fits else "does not fit")

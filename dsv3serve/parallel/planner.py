@@ -1,0 +1,305 @@
+"""Per-rank device memory of a parallel layout, from the config alone, refused if it won't fit.
+
+Weights: the checkpoint's tensors (names, full shapes and dtypes written from the published
+spec by :func:`~dsv3serve.model.tiny.checkpoint_shapes`, no file read), each rank's part
+taken by :func:`~dsv3serve.parallel.shard_tensors.local_tensors`, the loader's own code.
+Then the KV cache gets what is left of ``gpu_memory_gb * mem_fraction_static`` after the
+weights, the absorbed MLA weights ``post_load`` derives, and the reserves below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.kvcache.pool import bytes_per_page
+from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
+from dsv3serve.parallel.config import ParallelConfig
+from dsv3serve.parallel.shard import RankLayout, check_model
+from dsv3serve.parallel.shard_tensors import SCALE_SUFFIX, TensorInfo, local_tensors
+
+GB = 1e9  # decimal, as GPU memory is quoted (H200: 141 GB)
+# Device memory a bf16 full-width DeepSeek-V3 rank used beyond weights + KV pool with decode
+# CUDA graphs captured up to bs 64 and no prefill: 0.76 GB (42.18 - 38.96 - 2.45 GB peak /
+# weights / KV in docs/perf/bench_model_h200_pages_3moe.json), i.e. ~12 MB per captured row.
+GRAPH_BYTES_PER_BS = 12_000_000
+# The same run with 4K-token prefills on top peaked 2.01 GB beyond weights + KV
+# (bench_model_h200.json: 140.91 - 131.53 - 7.36): ~1.25 GB more for 4096 prefill tokens.
+ACTIVATION_BYTES_PER_PREFILL_TOKEN = 310_000
+# Not measured here: NCCL / DeepEP buffers of a group of more than one rank (a guess).
+COLLECTIVE_RESERVE_BYTES = 1_000_000_000
+KINDS = (
+    "attention",
+    "dense_mlp",
+    "routed_experts",
+    "shared_expert",
+    "embedding",
+    "lm_head",
+    "nextn",
+)
+KVCacheDType = Literal["auto", "fp8_e4m3"]
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class PlanError(ValueError):
+    """A layout that does not fit; the message has the numbers, ``plan`` the whole table."""
+
+    def __init__(self, message: str, plan: Plan | None = None) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The memory knobs (SGLang's names); ``context_length`` None: no request-length floor."""
+
+    gpu_memory_gb: float
+    mem_fraction_static: float = 0.85
+    page_size: int = 64
+    kv_cache_dtype: KVCacheDType = "auto"
+    cuda_graph_max_bs: int = 64
+    disable_cuda_graph: bool = False
+    chunked_prefill_size: int = 8192
+    context_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mem_fraction_static <= 1 or self.gpu_memory_gb <= 0:
+            raise ValueError(
+                f"expected gpu_memory_gb > 0 and 0 < mem_fraction_static <= 1, got "
+                f"{self.gpu_memory_gb} and {self.mem_fraction_static}"
+            )
+        if min(self.page_size, self.cuda_graph_max_bs, self.chunked_prefill_size) < 1:
+            raise ValueError("page_size, cuda_graph_max_bs and chunked_prefill_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's device bytes: checkpoint weights by kind and the derived absorbed MLA."""
+
+    rank: int
+    weight_bytes: dict[str, int]
+    absorbed_mla_bytes: int
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weight_bytes.values())
+
+    @property
+    def static_total(self) -> int:
+        return self.weights_total + self.absorbed_mla_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank's weights, the reserves and the KV capacity of the worst rank."""
+
+    parallel: ParallelConfig
+    settings: PlanSettings
+    ranks: tuple[RankPlan, ...]
+    graph_reserve_bytes: int
+    activation_reserve_bytes: int
+    kv_bytes_per_token: int
+    kv_tokens: int
+    min_kv_tokens: int
+
+    @property
+    def budget_bytes(self) -> int:
+        s = self.settings
+        return int(s.gpu_memory_gb * GB * s.mem_fraction_static)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.static_total)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Weights, absorbed MLA and reserves of the worst rank: all but the KV cache."""
+        return self.worst.static_total + self.graph_reserve_bytes + self.activation_reserve_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+
+def checkpoint_infos(cfg: ModelConfig) -> dict[str, TensorInfo]:
+    """Every tensor of the model's checkpoint with full shape and dtype, no file needed:
+    FP8 e4m3 projections with a float32 ``weight_scale_inv`` per block, bf16 elsewhere,
+    float32 ``e_score_correction_bias``."""
+    if cfg.q_lora_rank is None:
+        raise ValueError("the planner needs q_lora_rank (DeepSeek-V3/R1), found None")
+    block = cfg.weight_block_size if cfg.quant_method == "fp8" else None
+    infos: dict[str, TensorInfo] = {}
+    for name, shape in checkpoint_shapes(dataclasses.asdict(cfg)).items():
+        if name.endswith("e_score_correction_bias"):
+            infos[name] = TensorInfo(shape, "F32")
+        elif block is not None and is_quantized(name):
+            infos[name] = TensorInfo(shape, "F8_E4M3")
+            blocks = tuple(-(-size // b) for size, b in zip(shape, block, strict=True))
+            infos[f"{name}{SCALE_SUFFIX}"] = TensorInfo(blocks, "F32")
+        else:
+            infos[name] = TensorInfo(shape, "BF16")
+    return infos
+
+
+def nextn_shared_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The NextN layer's copies of embedding and head: the model shares the main ones and
+    does not load these (``DeepseekV3ForCausalLM.ignored_checkpoint_names``)."""
+    if not cfg.num_nextn_predict_layers:
+        return ()
+    mtp = f"model.layers.{cfg.num_hidden_layers}"
+    return (f"{mtp}.embed_tokens.", f"{mtp}.shared_head.head.")
+
+
+def kind_of(name: str, num_hidden_layers: int) -> str:
+    """The table row of a checkpoint tensor (norms and the router gate go with their kind)."""
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= num_hidden_layers:
+        return "nextn"
+    if name.startswith("model.embed_tokens."):
+        return "embedding"
+    if name.startswith(("lm_head.", "model.norm.")):
+        return "lm_head"
+    if ".mlp.shared_experts." in name:
+        return "shared_expert"
+    if ".mlp.experts." in name or ".mlp.gate." in name:
+        return "routed_experts"
+    return "dense_mlp" if ".mlp." in name else "attention"
+
+
+def rank_plan(
+    infos: dict[str, TensorInfo], layout: RankLayout, cfg: ModelConfig, skip: tuple[str, ...]
+) -> RankPlan:
+    """Bytes of what ``layout.rank`` loads, by kind, plus its absorbed MLA weights."""
+    by_kind: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
+    for t in local_tensors(infos, layout, cfg.n_routed_experts, skip):
+        by_kind[kind_of(t.name, cfg.num_hidden_layers)] += t.nbytes
+    return RankPlan(layout.rank, dict(by_kind), absorbed_mla_bytes(cfg, layout.parallel))
+
+
+def absorbed_mla_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> int:
+    """W_UK and W_UV (kv_b_proj dequantised to bf16, the rank's heads) of every KV layer."""
+    heads = cfg.num_attention_heads // parallel.attn_tp_size
+    per_layer = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * 2
+    return per_layer * kv_layers(cfg)
+
+
+def kv_layers(cfg: ModelConfig) -> int:
+    return cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: KVCacheDType) -> int:
+    """Every KV layer's 576-value latent (bf16, or e4m3 + a float32 scale) for one token."""
+    dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    return bytes_per_page(kv_layers(cfg), 1, dtype, cfg.kv_cache_dim)
+
+
+def reserves(s: PlanSettings, world_size: int) -> tuple[int, int]:
+    """(CUDA-graph reserve, activation reserve) in bytes, from the constants above."""
+    graph = 0 if s.disable_cuda_graph else s.cuda_graph_max_bs * GRAPH_BYTES_PER_BS
+    collective = COLLECTIVE_RESERVE_BYTES if world_size > 1 else 0
+    return graph, s.chunked_prefill_size * ACTIVATION_BYTES_PER_PREFILL_TOKEN + collective
+
+
+def min_kv_tokens(s: PlanSettings) -> int:
+    """The floor: one prefill chunk beside one page per graphed decode row (less and one
+    full scheduler step cannot run), or one whole ``context_length`` request if larger."""
+    floor = s.chunked_prefill_size + s.cuda_graph_max_bs * s.page_size
+    return max(floor, s.context_length or 0)
+
+
+def plan(
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    gpu_memory_gb: float,
+    mem_fraction_static: float = 0.85,
+    page_size: int = 64,
+    kv_cache_dtype: KVCacheDType = "auto",
+    cuda_graph_max_bs: int = 64,
+    **more: int | bool | None,
+) -> Plan:
+    """Each rank's bytes and the KV capacity of ``parallel`` on GPUs of ``gpu_memory_gb``.
+
+    ``more``: the other :class:`PlanSettings` fields (``disable_cuda_graph``,
+    ``chunked_prefill_size``, ``context_length``). Raises ``LayoutError`` for a layout the
+    model cannot be split into, :class:`PlanError` (with the numbers and the plan) for one
+    whose weights and reserves exceed the static budget or leave less KV than the floor.
+    """
+    settings = PlanSettings(
+        gpu_memory_gb, mem_fraction_static, page_size, kv_cache_dtype, cuda_graph_max_bs, **more
+    )
+    check_model(parallel, model_cfg)
+    infos, skip = checkpoint_infos(model_cfg), nextn_shared_names(model_cfg)
+    ranks = tuple(
+        rank_plan(infos, RankLayout(parallel, r), model_cfg, skip)
+        for r in range(parallel.world_size)
+    )
+    graph, activation = reserves(settings, parallel.world_size)
+    per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype)
+    draft = Plan(parallel, settings, ranks, graph, activation, per_token, 0, 0)
+    result = dataclasses.replace(
+        draft, kv_tokens=_kv_tokens(draft), min_kv_tokens=min_kv_tokens(settings)
+    )
+    check_fits(result)
+    return result
+
+
+def _kv_tokens(p: Plan) -> int:
+    """Whole pages of what the budget leaves after :attr:`Plan.fixed_bytes`."""
+    free = max(0, p.budget_bytes - p.fixed_bytes)
+    page_bytes = p.kv_bytes_per_token * p.settings.page_size
+    return free // page_bytes * p.settings.page_size
+
+
+def check_fits(p: Plan) -> None:
+    """Refuse a plan whose fixed bytes pass the budget or whose KV is below the floor."""
+    s, w = p.settings, p.worst
+    budget = (
+        f"{p.budget_bytes / GB:.1f} GB (gpu_memory_gb {s.gpu_memory_gb:g} x "
+        f"mem_fraction_static {s.mem_fraction_static:g})"
+    )
+    if p.fixed_bytes > p.budget_bytes:
+        raise PlanError(
+            f"layout {describe(p.parallel)} does not fit: rank {w.rank} needs weights "
+            f"{w.weights_total / GB:.1f} GB + absorbed MLA {w.absorbed_mla_bytes / GB:.1f} GB + "
+            f"CUDA-graph reserve {p.graph_reserve_bytes / GB:.1f} GB + activation reserve "
+            f"{p.activation_reserve_bytes / GB:.1f} GB = {p.fixed_bytes / GB:.1f} GB "
+            f"> {budget}, before any KV cache",
+            p,
+        )
+    if p.kv_tokens < p.min_kv_tokens:
+        raise PlanError(
+            f"layout {describe(p.parallel)} does not fit: rank {w.rank} keeps "
+            f"{p.fixed_bytes / GB:.1f} GB of {budget} for weights and reserves, leaving a KV "
+            f"cache of {p.kv_tokens} tokens ({p.kv_bytes_per_token} bytes per token), "
+            f"below the {p.min_kv_tokens} tokens needed ({_floor_reason(s)})",
+            p,
+        )
+
+
+def _floor_reason(s: PlanSettings) -> str:
+    chunk = s.chunked_prefill_size + s.cuda_graph_max_bs * s.page_size
+    if s.context_length and s.context_length > chunk:
+        return f"one request of context_length {s.context_length}"
+    return (
+        f"chunked_prefill_size {s.chunked_prefill_size} + cuda_graph_max_bs "
+        f"{s.cuda_graph_max_bs} x page_size {s.page_size}"
+    )
+
+
+def describe(p: ParallelConfig) -> str:
+    """A layout in SGLang's flag terms, e.g. ``tp 8, dp 8 (dp attention), ep 8``."""
+    parts = [f"tp {p.tp_size}"]
+    if p.enable_dp_attention:
+        parts.append(f"dp {p.dp_size} (dp attention)")
+    parts.append(f"ep {p.ep_size}")
+    if p.moe_dense_tp_size == 1:
+        parts.append("moe-dense-tp 1")
+    if p.enable_dp_lm_head:
+        parts.append("dp lm_head")
+    return ", ".join(parts)
