@@ -60,6 +60,7 @@ class Case:
     model_dir: str
     steps: list[Step] = field(default_factory=tp_steps)
     break_o_proj_reduce: bool = False
+    act_quant: bool = True  # FP8 checkpoints: quantise activations per 128 channels
 
 
 def build_batch(spans: list[Span]) -> ForwardBatch:
@@ -83,7 +84,7 @@ def run_steps(model: DeepseekV3ForCausalLM, steps: list[list[Span]]) -> list[tor
 
 def reference_logits(case: Case) -> list[list[torch.Tensor]]:
     """[step][group] logits of the single-rank model, all groups' spans in one batch."""
-    model = load_ours(Path(case.model_dir), dtype=DTYPE)
+    model = load_ours(Path(case.model_dir), dtype=DTYPE, fp8_act_quant=case.act_quant)
     flat = [[s for group in step for s in group] for step in case.steps]
     out = []
     for step, logits in zip(case.steps, run_steps(model, flat), strict=True):
@@ -98,7 +99,7 @@ def build_rank_model(case: Case, rank: int, comm: GroupComm) -> DeepseekV3ForCau
     dispatcher = None
     if case.parallel.enable_dp_attention and case.parallel.ep_size > 1:
         dispatcher = GatherAllDispatcher(comm, layout, cfg.n_routed_experts)
-    opts = ModelOptions(dtype=DTYPE, layout=layout)
+    opts = ModelOptions(dtype=DTYPE, fp8_act_quant=case.act_quant, layout=layout)
     return DeepseekV3ForCausalLM(cfg, opts, comm, dispatcher)
 
 

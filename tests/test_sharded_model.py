@@ -8,6 +8,7 @@ logits must equal the single-rank model's on the same sequences (fp32 compute).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,11 @@ from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.shard import RankLayout
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # fp32: only the summation order differs
-FP8_TOL = {"rtol": 1e-3, "atol": 1e-3}  # fp8 weights, fp32 compute: same quantisation groups
+# With FP8 activation quantisation that order noise (~1e-6) now and then moves a value across
+# an e4m3 rounding boundary (a 1/16 step), and the tiny random model amplifies it layer by
+# layer: the sharded logits must then be well inside the quantisation's own effect (the
+# single-rank model with vs without activation quantisation), at every step.
+FP8_FLIP_SHARE = 0.5
 # heads * dims and the shared expert's width split on 128 boundaries over 2 ranks
 FP8_SPLITTABLE = {
     "qk_nope_head_dim": 64,
@@ -51,7 +56,8 @@ def two_rank_cases(tiny_bf16_dir: Path, fp8_dir: Path) -> dict[str, Case]:
         Case("tp2_ep2", TP2_EP2, bf16),
         Case("dp2_ep2", DP2, bf16, dp_steps()),
         Case("dp2_ep2_dp_lm_head", DP2_LM, bf16, dp_steps()),
-        Case("tp2_ep2_fp8", TP2_EP2, fp8),
+        Case("tp2_ep2_fp8", TP2_EP2, fp8, act_quant=False),
+        Case("tp2_ep2_fp8_act_quant", TP2_EP2, fp8),
         Case("tp2_no_o_proj_all_reduce", TP2, bf16, break_o_proj_reduce=True),
     ]
     return {c.name: c for c in cases}
@@ -87,6 +93,10 @@ def _assert_matches(case: Case, out: Path, tol: dict[str, float]) -> None:
             )
 
 
+def _rel_norm(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
 def _assert_shard_facts(case: Case, out: Path, num_experts: int) -> None:
     per_rank = num_experts // case.parallel.ep_size
     for rank, result in enumerate(_results(case, out)):
@@ -107,9 +117,22 @@ def test_two_rank_shards_hold_their_slices(name: str, two_rank_cases, two_rank_r
 
 
 def test_fp8_tp2_ep2_matches_single_rank(two_rank_cases, two_rank_results) -> None:
+    """e4m3 weights and 128x128 scales sliced on block boundaries (activations unquantised:
+    exact up to summation order)."""
     case = two_rank_cases["tp2_ep2_fp8"]
-    _assert_matches(case, two_rank_results, FP8_TOL)
+    _assert_matches(case, two_rank_results, TOL)
     _assert_shard_facts(case, two_rank_results, 16)
+
+
+def test_fp8_act_quant_tp2_ep2_close_to_single_rank(two_rank_cases, two_rank_results) -> None:
+    case = two_rank_cases["tp2_ep2_fp8_act_quant"]
+    ref = reference_logits(case)
+    unquantised = reference_logits(dataclasses.replace(case, act_quant=False))
+    for rank, result in enumerate(_results(case, two_rank_results)):
+        for step, logits in enumerate(result["logits"]):
+            err = _rel_norm(logits, ref[step][0])
+            quant_effect = _rel_norm(ref[step][0], unquantised[step][0])
+            assert err < FP8_FLIP_SHARE * quant_effect, f"rank {rank} step {step}: {err}"
 
 
 def test_missing_o_proj_all_reduce_is_caught(two_rank_cases, two_rank_results) -> None:
