@@ -22,12 +22,20 @@ from dsv3serve.layers.fused import can_pack, pack_rows
 from dsv3serve.layers.linear import Linear, make_linear
 from dsv3serve.layers.norm import RMSNorm
 from dsv3serve.layers.rotary import RotaryEmbedding
+from dsv3serve.layers.vocab_parallel import logits_mode, vocab_parallel_logits
 from dsv3serve.model.load_target import LoadTarget
+from dsv3serve.model.sharding import Sharding
 from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
 from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.gate_triton import grouped_topk_fused
+from dsv3serve.moe.sharded import (
+    fusion_blocked_reason,
+    held_experts,
+    run_dispatched,
+    to_local_ids,
+)
 from dsv3serve.moe.shared import (
     SharedFusion,
     append_shared_expert,
@@ -36,6 +44,9 @@ from dsv3serve.moe.shared import (
     packs_shared,
     tie_shared_expert,
 )
+from dsv3serve.parallel.comm import Comm, SingleRank
+from dsv3serve.parallel.dispatch_base import Dispatcher
+from dsv3serve.parallel.shard import RankLayout, check_model
 
 AttnImpl = Literal["auto", "mha", "absorb"]
 
@@ -49,6 +60,7 @@ class ModelOptions:
     fp8_act_quant: bool = True
     moe_backend: str = "torch"
     shared_experts_fusion: SharedFusion = "auto"  # see dsv3serve.moe.shared
+    layout: RankLayout | None = None  # this rank's parallel layout; None: one rank, all whole
 
 
 @dataclass
@@ -63,17 +75,34 @@ class StepContext:
 
 
 class DenseMLP(nn.Module):
-    """SiLU-gated MLP (dense layers and the shared expert)."""
+    """SiLU-gated MLP (dense layers and the shared expert).
 
-    def __init__(self, cfg: ModelConfig, prefix: str, inter: int, opts: ModelOptions) -> None:
+    Under TP gate/up hold this rank's rows of ``inter`` and down its columns; the partial
+    output is all-reduced here, or (``reduce=False``) left to the owner to sum with its own.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        inter: int,
+        opts: ModelOptions,
+        shard: Sharding | None = None,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
         h, dt, aq = cfg.hidden_size, opts.dtype, opts.fp8_act_quant
-        self.gate_proj = make_linear(cfg, f"{prefix}.gate_proj", h, inter, dt, aq)
-        self.up_proj = make_linear(cfg, f"{prefix}.up_proj", h, inter, dt, aq)
-        self.down_proj = make_linear(cfg, f"{prefix}.down_proj", inter, h, dt, aq)
+        self.shard = shard or Sharding(opts.layout)
+        lin = self.shard.linear
+        self.gate_proj = lin(cfg, f"{prefix}.gate_proj", h, inter, dt, aq)
+        self.up_proj = lin(cfg, f"{prefix}.up_proj", h, inter, dt, aq)
+        self.down_proj = lin(cfg, f"{prefix}.down_proj", inter, h, dt, aq)
+        self.partial = self.shard.row_parallel(cfg, f"{prefix}.down_proj")
+        self.reduce = reduce and self.partial
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.shard.comm.all_reduce(y) if self.reduce else y
 
 
 class MoEGate(nn.Module):
@@ -93,21 +122,34 @@ class MoE(nn.Module):
     With shared-expert fusion the shared expert's weights live in slot E of the expert stack
     (its ``shared_experts`` linears are views of it) and, at token counts where fusion is on,
     it runs in the routed launches as expert E with weight 1.
+
+    Sharded (``opts.layout``): the router is replicated. Under TP the rank runs its experts
+    (its EP range, or its slice of every expert) on all tokens and its shared-expert slice;
+    the two partials take ONE all-reduce. Under DP attention with EP the rank's own tokens go
+    through the dispatcher to their experts and back; the shared expert runs whole locally.
     """
 
-    def __init__(self, cfg: ModelConfig, prefix: str, opts: ModelOptions) -> None:
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, opts: ModelOptions, shard: Sharding | None = None
+    ) -> None:
         super().__init__()
         self.cfg, self.fusion = cfg, opts.shared_experts_fusion
         self.moe_backend = opts.moe_backend
+        self.shard = shard or Sharding(opts.layout)
         self.gate = MoEGate(cfg, opts.dtype)
         fp8 = cfg.quant_method == "fp8"
         shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = DenseMLP(cfg, f"{prefix}.shared_experts", shared_inter, opts)
+        self.shared_experts = DenseMLP(
+            cfg, f"{prefix}.shared_experts", shared_inter, opts, self.shard, reduce=False
+        )
         slots = 1 if self._packs_shared(cfg, fp8) else 0
+        held, inter = held_experts(cfg, prefix, opts.layout, fp8)
         self.experts = FusedExperts(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8, opts.dtype,
-            slots,
-        )  # fmt: skip
+            len(held), cfg.hidden_size, inter, fp8, opts.dtype, slots, held.start
+        )
+        self.masks_ids = not self.shard.dispatches and len(held) < cfg.n_routed_experts
+        experts_partial = self.masks_ids or inter < cfg.moe_intermediate_size
+        self.reduce = self.shared_experts.partial or experts_partial
         if slots:
             self.tie_shared()
         self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
@@ -116,7 +158,10 @@ class MoE(nn.Module):
         self._fuse_max_tokens: int | None = None  # resolved on the first forward's device
 
     def _packs_shared(self, cfg: ModelConfig, fp8: bool) -> bool:
-        if not packs_shared(self.fusion, self.moe_backend):
+        blocked = fusion_blocked_reason(self.shard.layout)
+        if blocked is not None and self.fusion == "on":
+            raise ValueError(f"shared_experts_fusion 'on': {blocked}")
+        if blocked is not None or not packs_shared(self.fusion, self.moe_backend):
             return False
         reason = fusable_reason(cfg.n_shared_experts, self.shared_experts.down_proj.is_fp8, fp8)
         if reason is not None and self.fusion == "on":
@@ -155,30 +200,52 @@ class MoE(nn.Module):
         if self.fuses_shared(x):
             weights, ids = append_shared_expert(weights, ids, c.n_routed_experts)
             return self.backend.forward(x, weights, ids, self.experts, with_shared=True)
-        return self.backend.forward(x, weights, ids, self.experts) + self.shared_experts(x)
+        out = self._routed(x, weights, ids) + self.shared_experts(x)
+        return self.shard.comm.all_reduce(out) if self.reduce else out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's routed-expert output for ``x`` (a partial sum under TP)."""
+        if self.shard.dispatches:
+            dispatcher = self.shard.dispatcher
+            assert dispatcher is not None
+            return run_dispatched(dispatcher, self.backend, x, weights, ids, self.experts)
+        if self.masks_ids:
+            weights, ids = to_local_ids(weights, ids, self.experts.expert_ids)
+        return self.backend.forward(x, weights, ids, self.experts)
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention with both the MHA and the weight-absorbed MQA forms."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str, layer_id: int, opts: ModelOptions) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        layer_id: int,
+        opts: ModelOptions,
+        shard: Sharding | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.layer_id, self.dtype = cfg, layer_id, opts.dtype
+        self.shard = shard or Sharding(opts.layout)
         h, heads, dt, aq = cfg.hidden_size, cfg.num_attention_heads, opts.dtype, opts.fp8_act_quant
-        qk = heads * cfg.qk_head_dim
+        qk, lin = heads * cfg.qk_head_dim, self.shard.linear
         if cfg.q_lora_rank:
-            self.q_a_proj = make_linear(cfg, f"{prefix}.q_a_proj", h, cfg.q_lora_rank, dt, aq)
+            self.q_a_proj = lin(cfg, f"{prefix}.q_a_proj", h, cfg.q_lora_rank, dt, aq)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt)
-            self.q_b_proj = make_linear(cfg, f"{prefix}.q_b_proj", cfg.q_lora_rank, qk, dt, aq)
+            self.q_b_proj = lin(cfg, f"{prefix}.q_b_proj", cfg.q_lora_rank, qk, dt, aq)
         else:
-            self.q_proj = make_linear(cfg, f"{prefix}.q_proj", h, qk, dt, aq)
-        self.kv_a_proj_with_mqa = make_linear(
+            self.q_proj = lin(cfg, f"{prefix}.q_proj", h, qk, dt, aq)
+        self.kv_a_proj_with_mqa = lin(
             cfg, f"{prefix}.kv_a_proj_with_mqa", h, cfg.kv_cache_dim, dt, aq
         )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt)
         kv_b_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = make_linear(cfg, f"{prefix}.kv_b_proj", cfg.kv_lora_rank, kv_b_out, dt, aq)
-        self.o_proj = make_linear(cfg, f"{prefix}.o_proj", heads * cfg.v_head_dim, h, dt, aq)
+        self.kv_b_proj = lin(cfg, f"{prefix}.kv_b_proj", cfg.kv_lora_rank, kv_b_out, dt, aq)
+        self.o_proj = lin(cfg, f"{prefix}.o_proj", heads * cfg.v_head_dim, h, dt, aq)
+        # heads on this rank (all of them, or heads / attn_tp): from kv_b_proj's local rows
+        self.heads = self.kv_b_proj.out_features // (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.reduce = self.shard.row_parallel(cfg, f"{prefix}.o_proj")
         self.w_uk: torch.Tensor | None = None  # [H, nope, R], set by post_load()
         self.w_uv: torch.Tensor | None = None  # [H, v, R]
         self.qkv_a_proj: Linear | None = None  # q_a_proj + kv_a_proj_with_mqa, by post_load()
@@ -193,7 +260,7 @@ class MLAttention(nn.Module):
         # checkpoint names, state dict and draft requantisation keep seeing the parts.
         object.__setattr__(self, "qkv_a_proj", packed)
         w = self.kv_b_proj.dequantized_weight(self.dtype)
-        w = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = w.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
 
@@ -211,7 +278,7 @@ class MLAttention(nn.Module):
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [S, 576] -> keys [S, H, 192] and values [S, H, 128]."""
         c = self.cfg
-        s, heads = latent.shape[0], c.num_attention_heads
+        s, heads = latent.shape[0], self.heads
         kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(s, heads, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_pe = latent[:, None, c.kv_lora_rank :].expand(s, heads, c.qk_rope_head_dim)
@@ -219,7 +286,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.cfg
-        t, heads = x.shape[0], c.num_attention_heads
+        t, heads = x.shape[0], self.heads
         q, kv_a = self._project(x)
         q_nope, q_pe = q.view(t, heads, c.qk_head_dim).split(
             [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1
@@ -235,22 +302,30 @@ class MLAttention(nn.Module):
         else:
             q_full = torch.cat([q_nope, q_pe], dim=-1)
             out = ctx.attn.forward_mha(q_full, self.layer_id, c.softmax_scale, self.expand_kv)
-        return self.o_proj(out.reshape(t, heads * c.v_head_dim))
+        out = self.o_proj(out.reshape(t, heads * c.v_head_dim))
+        return self.shard.comm.all_reduce(out) if self.reduce else out
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: MLA then a dense MLP (first ``first_k_dense_replace`` layers) or MoE."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, prefix: str, opts: ModelOptions) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        prefix: str,
+        opts: ModelOptions,
+        shard: Sharding | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
-        self.self_attn = MLAttention(cfg, f"{prefix}.self_attn", layer_id, opts)
+        self.self_attn = MLAttention(cfg, f"{prefix}.self_attn", layer_id, opts, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, f"{prefix}.mlp", opts)
+            self.mlp = MoE(cfg, f"{prefix}.mlp", opts, shard)
         else:
-            self.mlp = DenseMLP(cfg, f"{prefix}.mlp", cfg.intermediate_size, opts)
+            self.mlp = DenseMLP(cfg, f"{prefix}.mlp", cfg.intermediate_size, opts, shard)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -264,14 +339,14 @@ class NextNLayer(nn.Module):
     head are shared with the main model.
     """
 
-    def __init__(self, cfg: ModelConfig, opts: ModelOptions) -> None:
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions, shard: Sharding | None = None) -> None:
         super().__init__()
         h, dt = cfg.hidden_size, opts.dtype
         prefix = f"model.layers.{cfg.num_hidden_layers}"
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dt)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dt)
         self.eh_proj = make_linear(cfg, f"{prefix}.eh_proj", 2 * h, h, dt, opts.fp8_act_quant)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, prefix, opts)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, prefix, opts, shard)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dt)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -281,22 +356,40 @@ class NextNLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """The full model; ``forward`` returns final hidden states, ``compute_logits`` the head."""
+    """The full model; ``forward`` returns final hidden states, ``compute_logits`` the head.
 
-    def __init__(self, cfg: ModelConfig, opts: ModelOptions | None = None) -> None:
+    With ``opts.layout`` the model is one rank's shard: every parameter has its LOCAL shape
+    (:func:`~dsv3serve.parallel.shard.placement_of`), ``comm`` is the group's collectives
+    and ``dispatcher`` (DP attention with EP) moves tokens to their experts' ranks. A layout
+    the model's dimensions cannot split into raises LayoutError here.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: ModelOptions | None = None,
+        comm: Comm | None = None,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.opts = cfg, opts or ModelOptions()
-        dt = self.opts.dtype
+        dt, layout = self.opts.dtype, self.opts.layout
+        if layout is not None:
+            check_model(layout.parallel, cfg)
+        shard = Sharding(layout, comm or SingleRank(), dispatcher)
+        self.shard = shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, f"model.layers.{i}", self.opts)
+            DecoderLayer(cfg, i, f"model.layers.{i}", self.opts, shard)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.lm_head = make_linear(cfg, "lm_head", cfg.hidden_size, cfg.vocab_size, dt)
-        self.nextn = NextNLayer(cfg, self.opts) if cfg.num_nextn_predict_layers else None
+        self.lm_head = shard.linear(cfg, "lm_head", cfg.hidden_size, cfg.vocab_size, dt)
+        self.logits_mode = logits_mode(layout)
+        self.nextn = NextNLayer(cfg, self.opts, shard) if cfg.num_nextn_predict_layers else None
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        shard.check(cfg)
 
     @property
     def num_kv_layers(self) -> int:
@@ -331,7 +424,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False
     ) -> torch.Tensor:
-        """Run the decoder over the batch's new tokens; returns normed hidden [T, H]."""
+        """Run the decoder over the batch's new tokens; returns normed hidden [T, H].
+
+        A batch of 0 tokens runs :meth:`forward_idle` (no attention plan)."""
+        if batch.num_tokens == 0:
+            return self.forward_idle()
         ctx = self.step_context(batch, attn, planned)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
@@ -339,9 +436,25 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
+    def forward_idle(self) -> torch.Tensor:
+        """A step with no tokens on this rank: joins the collectives of every decoder layer in
+        order (under DP attention only the MoE layers have any: dispatch / combine, where
+        this rank still runs its experts on tokens other ranks send). Returns hidden [0, H].
+        """
+        x = self.embed_tokens.weight.new_empty((0, self.cfg.hidden_size))
+        for layer in self.layers:
+            x = layer.mlp(x) if isinstance(layer.mlp, MoE) else x
+        return x
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] in float32 for hidden states [N, H]."""
-        return self.lm_head(hidden).float()
+        """Logits [N, V] in float32 for hidden states [N, H].
+
+        With a vocab-parallel head this is collective (see
+        :mod:`dsv3serve.layers.vocab_parallel`): every rank calls it each step, with 0 rows
+        when it has none, and gets the full vocabulary for its own rows.
+        """
+        return vocab_parallel_logits(self.lm_head, hidden, self.shard.comm, self.logits_mode)
 
     def checkpoint_targets(self) -> dict[str, LoadTarget]:
         """Every checkpoint tensor name this model consumes, mapped to where it goes."""
@@ -357,6 +470,15 @@ class DeepseekV3ForCausalLM(nn.Module):
                 targets[_ckpt_name(self.cfg, name)] = LoadTarget(param)
         return targets
 
+    def not_held_checkpoint_names(self) -> frozenset[str]:
+        """Checkpoint tensors that belong to other ranks (routed experts outside this rank's
+        EP range): expected in the checkpoint, not loaded here. Empty without EP."""
+        names: set[str] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, FusedExperts):
+                names.update(_other_experts(_ckpt_name(self.cfg, name), module, self.cfg))
+        return frozenset(names)
+
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         """Prefixes of checkpoint tensors that are present but deliberately not loaded."""
         mtp = f"model.layers.{self.cfg.num_hidden_layers}"
@@ -364,6 +486,18 @@ class DeepseekV3ForCausalLM(nn.Module):
             return (f"{mtp}.",)
         # The NextN copies of the embedding and head are shared with the main model.
         return (f"{mtp}.embed_tokens.", f"{mtp}.shared_head.head.")
+
+
+def _other_experts(prefix: str, experts: FusedExperts, cfg: ModelConfig) -> list[str]:
+    """Names of the routed-expert tensors of ``prefix`` that ``experts`` does not hold."""
+    suffixes = ["weight", "weight_scale_inv"] if experts.is_fp8 else ["weight"]
+    return [
+        f"{prefix}.{e}.{proj}.{suffix}"
+        for e in range(cfg.n_routed_experts)
+        if e not in experts.expert_ids
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        for suffix in suffixes
+    ]
 
 
 def _ckpt_name(cfg: ModelConfig, name: str) -> str:

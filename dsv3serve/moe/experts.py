@@ -34,10 +34,14 @@ def _blocks(n: int) -> int:
 
 
 class FusedExperts(nn.Module):
-    """Weights of all routed experts of one MoE layer, loadable from per-expert tensors.
+    """Weights of the routed experts one rank holds for one MoE layer, loadable from
+    per-expert tensors.
 
-    ``num_experts`` counts the routed experts (E); ``shared_slots`` (0 or 1) adds the shared
-    expert's slot at index E.
+    ``num_experts`` counts the experts in the stack (E, or E / ep_size under expert
+    parallelism): global experts ``first_expert .. first_expert + num_experts - 1`` in slots
+    ``0 .. num_experts - 1``. ``inter`` is the intermediate size held (``I / moe_tp`` when each
+    expert is split over ranks). ``shared_slots`` (0 or 1) adds the shared expert's slot at
+    index ``num_experts``.
     """
 
     def __init__(
@@ -48,10 +52,11 @@ class FusedExperts(nn.Module):
         fp8: bool,
         dtype: torch.dtype,
         shared_slots: int = 0,
+        first_expert: int = 0,
     ):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.shared_slots = shared_slots
+        self.shared_slots, self.first_expert = shared_slots, first_expert
         slots = num_experts + shared_slots
         wdtype = FP8_DTYPE if fp8 else dtype
         self.w13 = _param((slots, 2 * inter, hidden), wdtype)
@@ -83,12 +88,19 @@ class FusedExperts(nn.Module):
             None if s2 is None else s2[:n],
         )
 
+    @property
+    def expert_ids(self) -> range:
+        """The global ids of the routed experts in the stack, in slot order."""
+        return range(self.first_expert, self.first_expert + self.num_experts)
+
     def checkpoint_targets(self, prefix: str) -> dict[str, LoadTarget]:
-        """Map ``{prefix}.{e}.{gate,up,down}_proj.weight[_scale_inv]`` to slices of the stacks."""
+        """Map ``{prefix}.{g}.{gate,up,down}_proj.weight[_scale_inv]`` of each held global
+        expert ``g`` to slot ``g - first_expert`` of the stacks (each rank's slice of a split
+        expert: ``inter`` gate/up rows and down columns)."""
         targets: dict[str, LoadTarget] = {}
         i, bi = self.inter, _blocks(self.inter)
-        for e in range(self.num_experts):
-            base = f"{prefix}.{e}"
+        for e, g in enumerate(self.expert_ids):
+            base = f"{prefix}.{g}"
             targets[f"{base}.gate_proj.weight"] = LoadTarget(self.w13, (e, slice(0, i)))
             targets[f"{base}.up_proj.weight"] = LoadTarget(self.w13, (e, slice(i, 2 * i)))
             targets[f"{base}.down_proj.weight"] = LoadTarget(self.w2, (e,))

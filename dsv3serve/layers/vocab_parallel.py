@@ -1,0 +1,44 @@
+"""Full logits from a vocab-parallel ``lm_head`` (each rank holds ``V / parts`` rows).
+
+Three modes, chosen once from the layout (:func:`logits_mode`):
+
+* ``local``: the head is whole on this rank; no collective.
+* ``vocab``: every rank has the same hidden rows (TP); one all_gather of the vocab slices.
+* ``rows_vocab``: each rank has its own rows (DP attention); collectives in this order:
+  ``all_gather_rows`` of the hidden rows (syncs the host for the counts), the local vocab
+  slice for every rank's rows, one all_gather of the slices along the vocabulary; each rank
+  keeps its own rows. Every rank must call it each step, also with zero rows.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from dsv3serve.layers.linear import Linear
+from dsv3serve.parallel.comm import Comm
+from dsv3serve.parallel.shard import RankLayout
+
+LogitsMode = Literal["local", "vocab", "rows_vocab"]
+
+
+def logits_mode(layout: RankLayout | None) -> LogitsMode:
+    """How this layout's ``lm_head`` turns hidden rows into full logits."""
+    if layout is None or layout.parallel.lm_head_tp_size == 1:
+        return "local"
+    return "rows_vocab" if layout.parallel.enable_dp_attention else "vocab"
+
+
+def vocab_parallel_logits(
+    head: Linear, hidden: torch.Tensor, comm: Comm, mode: LogitsMode
+) -> torch.Tensor:
+    """Logits [N, V] float32 for this rank's hidden rows [N, H] (``head`` holds V / parts)."""
+    if mode == "local":
+        return head(hidden).float()
+    if mode == "vocab":
+        return comm.all_gather(head(hidden), dim=-1).float()
+    rows, counts = comm.all_gather_rows(hidden)
+    logits = comm.all_gather(head(rows), dim=-1)
+    start = comm.rank * max(counts)
+    return logits[start : start + counts[comm.rank]].float()

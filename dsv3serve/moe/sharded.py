@@ -1,0 +1,71 @@
+"""Routed experts under a parallel layout: which experts (and what width) a rank holds, the
+router's ids mapped onto the local stack, and the dispatch -> local experts -> combine path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.moe.base import MoEBackend
+from dsv3serve.moe.experts import FusedExperts
+from dsv3serve.parallel.dispatch_base import Dispatcher
+from dsv3serve.parallel.shard import RankLayout, check_split, placement_of
+
+
+def held_experts(
+    cfg: ModelConfig, prefix: str, layout: RankLayout | None, fp8: bool
+) -> tuple[range, int]:
+    """``(global expert ids, intermediate size)`` this rank holds for MoE layer ``prefix``
+    (``...mlp``), by :func:`placement_of`; a split off FP8's 128 blocks raises LayoutError."""
+    e, inter, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if layout is None:
+        return range(e), inter
+    experts = layout.expert_range(e)
+    shapes = {"gate_proj": (inter, h), "down_proj": (h, inter)}
+    for proj, shape in shapes.items():
+        name = f"{prefix}.experts.{experts.start}.{proj}.weight"
+        check_split(name, shape, placement_of(name, layout, e), fp8)
+    gate = placement_of(f"{prefix}.experts.{experts.start}.gate_proj.weight", layout, e)
+    return experts, gate.local_shape((inter, h))[0]
+
+
+def to_local_ids(
+    weights: torch.Tensor, ids: torch.Tensor, experts: range
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids [T, K] -> slots of the stack holding ``experts``; a choice of an expert held
+    elsewhere becomes slot 0 with weight 0 (the backends take only valid slots)."""
+    local = ids - experts.start
+    held = (local >= 0) & (local < len(experts))
+    return torch.where(held, weights, 0.0), torch.where(held, local, 0)
+
+
+def run_dispatched(
+    dispatcher: Dispatcher,
+    backend: MoEBackend,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: FusedExperts,
+) -> torch.Tensor:
+    """Routed-expert output [T, H] for this rank's tokens ``x`` [T, H] (T may be 0): send
+    them to their experts' ranks, run the local experts on what arrived, bring sums back."""
+    sent = dispatcher.dispatch(x, ids, weights)
+    held = sent.topk_ids >= 0
+    local_w = torch.where(held, sent.topk_weights, 0.0)
+    local_ids = sent.topk_ids.clamp(min=0)
+    if sent.x.shape[0] == 0:
+        return dispatcher.combine(sent.x, sent)
+    return dispatcher.combine(backend.forward(sent.x, local_w, local_ids, experts), sent)
+
+
+def fusion_blocked_reason(layout: RankLayout | None) -> str | None:
+    """Why this layout cannot run the shared expert as slot E of the stack (None: it can)."""
+    if layout is None:
+        return None
+    p = layout.parallel
+    if p.ep_size > 1:
+        return f"expected every routed expert on the rank, found ep_size {p.ep_size}"
+    if p.attn_tp_size > 1:
+        return f"expected a whole shared expert, found it split over {p.attn_tp_size} ranks"
+    return None
