@@ -21,8 +21,8 @@ from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.model.tiny import cached_tiny_checkpoint
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.backend import BackendOverloaded
 from router.openai_api import APIConfig, OpenAIServer, build_fastapi_app
+from workers.backend import BackendOverloaded
 from workers.local import LocalEngineBackend
 from workers.protocol import GenerateRequest, TokenChunk
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
@@ -87,10 +88,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 def run_one_batch(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run every (batch size, input length) pair, print a table and write JSON."""
-    from dsv3serve.cli import engine_config
-
     need = max(args.batch_size) * (max(args.input_len) + args.output_len)
-    cfg = engine_config(
+    cfg = EngineConfig.from_args(
         args,
         num_kv_tokens=args.num_kv_tokens or need + 64 * args.page_size,
         chunked_prefill_size=-1,

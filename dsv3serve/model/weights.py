@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
+from dsv3serve.layers.load_target import LoadTarget
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
-from dsv3serve.model.load_target import LoadTarget
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 INDEX_FILE = "model.safetensors.index.json"
