@@ -18,6 +18,10 @@ from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 
+# Prompt ids are drawn below this: DeepSeek-V3's special tokens start at 128000 (a model
+# with a smaller vocabulary draws from its whole vocabulary).
+ORDINARY_TOKENS_END = 128000
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -43,8 +47,9 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int) -> dict
     """
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
+    high = min(engine.model_cfg.vocab_size, ORDINARY_TOKENS_END)
     for i in range(batch):
-        ids = [rng.randrange(2, 128000) for _ in range(input_len)]
+        ids = [rng.randrange(2, high) for _ in range(input_len)]
         engine.add_request(Request(f"b{i}", params, prompt_ids=ids))
     prefill = _timed_step(engine)
     decode = []
