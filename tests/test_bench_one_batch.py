@@ -6,21 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
-
 from dsv3serve.cli import main
 from dsv3serve.model.tiny import make_tiny_checkpoint
 
 SMALL_VOCAB = 403  # smaller than the 128000 ordinary ids the bench used to draw from
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _run(model: Path, out: Path) -> dict[str, Any]:
