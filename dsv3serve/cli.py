@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from dsv3serve.bench.kernels import add_kernels_parser
 from dsv3serve.bench.model_args import add_model_parser
@@ -85,49 +84,12 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-SPECULATIVE_FIELDS = (
-    "speculative_algorithm",
-    "speculative_num_steps",
-    "speculative_eagle_topk",
-    "speculative_num_draft_tokens",
-    "speculative_draft_model_quantization",
-)
-
-
-def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
-    """EngineConfig from parsed flags (``extra`` wins)."""
-    fields = {
-        "model": args.model,
-        "load_format": args.load_format,
-        "dtype": args.dtype,
-        "device": args.device,
-        "page_size": args.page_size,
-        "num_kv_tokens": args.num_kv_tokens,
-        "mem_fraction_static": args.mem_fraction_static,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "chunked_prefill_size": args.chunked_prefill_size,
-        "max_running_requests": args.max_running_requests,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": not args.disable_prefix_caching,
-        "moe_backend": args.moe_backend,
-        "shared_experts_fusion": args.shared_experts_fusion,
-        "attention_backend": args.attention_backend,
-        "disable_cuda_graph": args.disable_cuda_graph,
-        "cuda_graph_max_bs": args.cuda_graph_max_bs,
-        "disable_overlap_schedule": args.disable_overlap_schedule,
-        "enable_torch_compile": args.enable_torch_compile,
-        "torch_compile_max_bs": args.torch_compile_max_bs,
-        "hf_overrides": args.hf_overrides,
-    } | {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
-    return EngineConfig(**(fields | extra))
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     from dsv3serve.engine.engine import Engine
     from dsv3serve.engine.request import Request
     from dsv3serve.engine.sampling_params import SamplingParams
 
-    engine = Engine(engine_config(args, num_kv_tokens=args.num_kv_tokens or 8192))
+    engine = Engine(EngineConfig.from_args(args, num_kv_tokens=args.num_kv_tokens or 8192))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

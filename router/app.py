@@ -7,7 +7,6 @@ The router answers OpenAI HTTP and, through Serve's gRPC proxy, ``dsv3serve.v1.G
 """
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -54,7 +53,7 @@ class Router:
         self._init_lock = asyncio.Lock()
         settings = self.cfg.router
         self.metrics = Metrics(Identity("router", ROUTER_NAME, settings.served_model_name))
-        self.auth = APIKeyAuth.from_env(settings.api_key_env, os.environ)
+        self.auth = APIKeyAuth.from_env(settings.api_key_env)
         self.grpc = GenerationService(self.server, self.auth, self.metrics)
         if settings.metrics_port is not None:
             handles = [h for role in self.cfg.roles() for h in workers[role]]

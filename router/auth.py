@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
+from dsv3serve.settings import Settings
 from router.config import ConfigError
 from router.errors import error_body
 
-DEFAULT_KEY_ENV = "DSV3SERVE_API_KEY"
 MISSING_KEY = (
     "You didn't provide an API key. Send it in the Authorization header using Bearer "
     "auth (Authorization: Bearer YOUR_KEY)."
@@ -33,13 +33,14 @@ class APIKeyAuth:
     key: bytes | None
 
     @classmethod
-    def from_env(cls, key_env: str | None, environ: Mapping[str, str]) -> APIKeyAuth:
-        """The key from ``environ[key_env]``, or from ``$DSV3SERVE_API_KEY`` if not named.
+    def from_env(cls, key_env: str | None, environ: Mapping[str, str] | None = None) -> APIKeyAuth:
+        """The key from ``environ[key_env]``, or from ``$DSV3SERVE_API_KEY`` if not named
+        (``environ``: default the process environment, read through dsv3serve.settings).
 
         Raises ConfigError when ``key_env`` names a variable that is unset or empty: a
         key that was asked for must not silently turn authentication off.
         """
-        value = environ.get(key_env or DEFAULT_KEY_ENV, "").strip()
+        value = Settings.from_env(environ, api_key_env=key_env).api_key
         if key_env is not None and not value:
             raise ConfigError(
                 f"router.api_key_env: expected environment variable {key_env} to hold the "

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from router.backend import BackendError
+from workers.backend import BackendError
 
 INVALID_REQUEST = "invalid_request_error"
 INTERNAL_ERROR = "internal_error"

@@ -22,7 +22,6 @@ import grpc
 
 from dsv3serve.metrics import Metrics
 from router.auth import APIKeyAuth, metadata_value
-from router.backend import BackendError, error_from_chunk
 from router.errors import APIError, from_backend_error, internal_error
 from router.grpc_convert import (
     chat_body,
@@ -35,6 +34,7 @@ from router.openai_api import OpenAIServer, Prepared
 from router.openai_protocol import ResponseBuilder
 from router.proto import generate_pb2 as pb
 from router.sse import StreamGuard
+from workers.backend import BackendError, error_from_chunk
 from workers.protocol import TokenChunk
 
 logger = logging.getLogger(__name__)

@@ -181,7 +181,7 @@ def check_line(url: str, data: dict[str, Any], grpc_port: int | None) -> str:
 
     first = data["applications"][0]
     settings = ServingConfig.parse(first["args"]).router
-    key = APIKeyAuth.from_env(settings.api_key_env, os.environ).key
+    key = APIKeyAuth.from_env(settings.api_key_env).key
     api_key = key.decode() if key else "none"
     line = f"dsv3serve is up at {url}; one chat completion: "
     line += repr(check(url, settings.served_model_name, api_key))

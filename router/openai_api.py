@@ -25,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.admission import Admission, Slot
-from router.backend import BackendError, GenerationBackend, error_from_chunk
 from router.errors import (
     INTERNAL_ERROR,
     APIError,
@@ -44,6 +43,7 @@ from router.openai_protocol import (
     SamplingFields,
 )
 from router.sse import SSEResponse, StreamGuard, close_quietly, stream_events
+from workers.backend import BackendError, GenerationBackend, error_from_chunk
 from workers.protocol import GenerateRequest, TokenChunk
 
 logger = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ from contextlib import aclosing
 from typing import Any
 
 from dsv3serve.metrics import Identity, Metrics
-from router.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
 from router.config import RouterSettings
 from router.policy import ReplicaSet, prefill_order
 from router.relay import relay
+from workers.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
 from workers.protocol import (
     DecodeRequest,
     GenerateRequest,

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from router.backend import BackendError, BackendUnavailable, error_from_chunk
+from workers.backend import BackendError, BackendUnavailable, error_from_chunk
 from workers.protocol import TokenChunk
 from workers.protocol import decode as parse
 

@@ -17,9 +17,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.admission import Slot
-from router.backend import BackendError, error_from_chunk
 from router.errors import INTERNAL_ERROR, error_body
 from router.openai_protocol import ResponseBuilder
+from workers.backend import BackendError, error_from_chunk
 from workers.protocol import TokenChunk
 
 logger = logging.getLogger(__name__)

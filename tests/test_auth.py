@@ -16,7 +16,8 @@ import openai
 import pytest
 from serving_util import free_port, local_serve, running_app, serving_config
 
-from router.auth import DEFAULT_KEY_ENV, MISSING_KEY, WRONG_KEY, APIKeyAuth
+from dsv3serve.settings import API_KEY_ENV
+from router.auth import MISSING_KEY, WRONG_KEY, APIKeyAuth
 from router.config import ConfigError
 from router.proto import generate_pb2 as pb
 from router.proto.generate_pb2_grpc import GenerationStub
@@ -37,7 +38,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     grpc_port = free_port()
-    env = {"runtime_env": {"env_vars": {DEFAULT_KEY_ENV: KEY}}}
+    env = {"runtime_env": {"env_vars": {API_KEY_ENV: KEY}}}
     with (
         local_serve(grpc_port) as base,
         running_app(base, APP, serving_config(mode="colocated"), {"ray_actor_options": env}) as url,
@@ -128,8 +129,8 @@ def test_no_key_means_open() -> None:
 
 
 def test_key_from_the_default_variable_or_a_named_one() -> None:
-    default = APIKeyAuth.from_env(None, {DEFAULT_KEY_ENV: f" {KEY}\n"})  # a Secret's newline
-    named = APIKeyAuth.from_env("MY_KEY", {"MY_KEY": KEY, DEFAULT_KEY_ENV: "other"})
+    default = APIKeyAuth.from_env(None, {API_KEY_ENV: f" {KEY}\n"})  # a Secret's newline
+    named = APIKeyAuth.from_env("MY_KEY", {"MY_KEY": KEY, API_KEY_ENV: "other"})
     for auth in (default, named):
         assert auth.refusal(GOOD) is None and auth.refusal(f"bearer  {KEY} ") is None
         assert auth.refusal(None) == auth.refusal("Bearer") == MISSING_KEY

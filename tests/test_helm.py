@@ -1,4 +1,6 @@
-"""The Helm chart helm/dsv3serve: lint, render, schemas, the Serve config, secure defaults.
+"""The Helm chart helm/dsv3serve: lint, render, schemas, the Serve config, bad values.
+
+Secure defaults are in test_helm_security.py.
 
 Real tools, offline, no cluster and no helm binary. Test dependencies (pip):
   helm-python-sdk==0.2.2      Helm v4 SDK (lint, render, values.schema.json) through ctypes
@@ -24,63 +26,27 @@ import kubernetes_validate
 import pytest
 import referencing
 import yaml
+from helm_util import (
+    CHART,
+    LAYOUTS,
+    ROOT,
+    env_of,
+    layouts,
+    of_kind,
+    pod_templates,
+    rayservice,
+    render,
+    serve_config,
+)
 from kubernetes_validate.utils import latest_version
 from ray.serve.schema import ServeDeploySchema
 
 from dsv3serve.engine.config import EngineConfig
 from router.config import RouterSettings, ServingConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "helm" / "dsv3serve"
-VALUES_DIR = ROOT / "helm" / "values"
 RAYSERVICE_SCHEMA = Path(__file__).parent / "data" / "kuberay" / "rayservice-v1.schema.json"
 K8S_VERSIONS = ("1.27.0", latest_version())  # the chart's kubeVersion floor, and the newest
 CORE_KINDS = {"Service", "Secret", "ConfigMap", "NetworkPolicy"}
-INTERNAL_PORTS = {6379, 8265, 10001, 52365}  # GCS, dashboard, Ray client, dashboard agent
-METRICS_PORTS = {8001, 8080}  # the router's merged /metrics, Ray's exporter
-
-LAYOUTS = {
-    "one-node-1p1d": yaml.safe_load((VALUES_DIR / "one-node-1p1d.yaml").read_text()),
-    "multi-node": yaml.safe_load((VALUES_DIR / "multi-node.yaml").read_text()),
-    "chart-defaults": {"model": {"path": "/models/DeepSeek-V3"}},
-}
-layouts = pytest.mark.parametrize("layout", sorted(LAYOUTS))
-
-
-def render(values: dict[str, Any], chart: Path = CHART) -> list[dict[str, Any]]:
-    """Every object the chart renders for ``values`` (release dsv3, namespace llm)."""
-    with helm.Chart.load(chart) as loaded:
-        manifests = loaded.render(values, name="dsv3", namespace="llm", is_install=True)
-    docs = []
-    for path, text in sorted(manifests.items()):
-        if path.endswith(".yaml"):
-            docs += [doc for doc in yaml.safe_load_all(text) if doc]
-    return docs
-
-
-def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [doc for doc in docs if doc["kind"] == kind]
-
-
-def rayservice(values: dict[str, Any]) -> dict[str, Any]:
-    (only,) = of_kind(render(values), "RayService")
-    return only
-
-
-def serve_config(values: dict[str, Any]) -> dict[str, Any]:
-    return yaml.safe_load(rayservice(values)["spec"]["serveConfigV2"])
-
-
-def pod_templates(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Pod template per group name ('head', 'prefill', 'decode')."""
-    cluster = service["spec"]["rayClusterConfig"]
-    groups = {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
-    return {"head": cluster["headGroupSpec"]["template"], **groups}
-
-
-def env_of(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    (container,) = template["spec"]["containers"]
-    return {e["name"]: e for e in container.get("env") or []}
 
 
 # --- lint and schemas -----------------------------------------------------------------
@@ -236,130 +202,6 @@ def test_engine_and_router_schemas_track_the_config_classes() -> None:
     chart_set = {"metrics_host", "metrics_port"}  # from metrics.routerPort, bound to the pod IP
     router_keys = set(schema["properties"]["router"]["properties"])
     assert router_keys == set(RouterSettings.model_fields) - chart_set
-
-
-# --- secure defaults ------------------------------------------------------------------
-
-
-def service_ports(service: dict[str, Any]) -> set[int]:
-    return {p["port"] for p in service["spec"]["ports"]} | {
-        p["targetPort"] for p in service["spec"]["ports"] if isinstance(p.get("targetPort"), int)
-    }
-
-
-@layouts
-def test_router_service_exposes_only_http_and_grpc(layout: str) -> None:
-    services = {s["metadata"]["name"]: s for s in of_kind(render(LAYOUTS[layout]), "Service")}
-    router = services["dsv3-dsv3serve"]
-    assert router["spec"]["type"] == "ClusterIP"
-    assert [(p["port"], p["targetPort"]) for p in router["spec"]["ports"]] == [
-        (8000, "serve"),
-        (9000, "grpc"),
-    ]
-    for service in services.values():
-        assert service_ports(service).isdisjoint(INTERNAL_PORTS), service["metadata"]["name"]
-        assert service["spec"]["type"] == "ClusterIP" or service is router
-    metrics = services["dsv3-dsv3serve-metrics"]
-    assert metrics["spec"]["clusterIP"] == "None" and service_ports(metrics) == METRICS_PORTS
-
-
-@layouts
-def test_kuberay_head_service_and_dashboard_stay_internal(layout: str) -> None:
-    cluster = rayservice(LAYOUTS[layout])["spec"]["rayClusterConfig"]
-    head = cluster["headGroupSpec"]
-    assert head["serviceType"] == "ClusterIP" and head["enableIngress"] is False
-    # KubeRay deploys serveConfigV2 through the dashboard on the pod IP; the NetworkPolicy
-    # limits that port to the operator's namespace and Ray's token guards it.
-    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
-    assert cluster["enableInTreeAutoscaling"] is False
-    for template in pod_templates(rayservice(LAYOUTS[layout])).values():
-        assert template["spec"]["automountServiceAccountToken"] is False
-
-
-@layouts
-def test_ray_token_auth_on_every_ray_container(layout: str) -> None:
-    service = rayservice(LAYOUTS[layout])
-    secret = "dsv3-dsv3serve-ray-auth"
-    assert service["spec"]["rayClusterConfig"]["authOptions"] == {
-        "mode": "token",
-        "secretName": secret,
-    }
-    for group, template in pod_templates(service).items():
-        env = env_of(template)
-        assert env["RAY_AUTH_MODE"]["value"] == "token", group
-        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret, "key": "auth_token"}, group
-        assert ("DSV3SERVE_API_KEY" in env) == (group == "head")
-    secrets = {s["metadata"]["name"]: s for s in of_kind(render(LAYOUTS[layout]), "Secret")}
-    assert len(secrets[secret]["data"]["auth_token"]) >= 48
-
-
-def policies(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    docs = of_kind(render(values), "NetworkPolicy")
-    return {p["metadata"]["name"].removeprefix("dsv3-dsv3serve-"): p["spec"] for p in docs}
-
-
-def rule_ports(rule: dict[str, Any]) -> set[int] | None:
-    """The ports a rule opens; None means every port."""
-    return {p["port"] for p in rule["ports"]} if "ports" in rule else None
-
-
-@layouts
-def test_network_policies_fence_the_release(layout: str) -> None:
-    specs = policies(LAYOUTS[layout])
-    release = {"app.kubernetes.io/name": "dsv3serve", "app.kubernetes.io/instance": "dsv3"}
-    for spec in specs.values():
-        assert spec["policyTypes"] == ["Ingress"]
-        assert release.items() <= spec["podSelector"]["matchLabels"].items()
-    (internal,) = specs["internal"]["ingress"]
-    assert internal["from"] == [{"podSelector": {"matchLabels": release}}]
-    open_rules = [r for s in specs.values() for r in s["ingress"] if "from" not in r]
-    assert [rule_ports(r) for r in open_rules] == [{8000, 9000}]  # the only rule from anywhere
-    assert specs["router"]["podSelector"]["matchLabels"]["dsv3serve.io/role"] == "head"
-    (operator,) = specs["operator"]["ingress"]
-    assert rule_ports(operator) == {8265}
-    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "kuberay-system"
-    }
-    (scrape,) = specs["metrics"]["ingress"]
-    assert rule_ports(scrape) == METRICS_PORTS
-    assert "monitoring" in json.dumps(scrape["from"])
-
-
-def test_service_monitor_scrapes_the_metrics_service() -> None:
-    docs = render(LAYOUTS["multi-node"])
-    (monitor,) = of_kind(docs, "ServiceMonitor")
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    (metrics,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics")]
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
-    )
-    ports = {p["name"]: p["targetPort"] for p in metrics["spec"]["ports"]}
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == list(ports)
-    head = pod_templates(of_kind(docs, "RayService")[0])["head"]["spec"]["containers"][0]
-    assert set(ports.values()) <= {p["name"] for p in head["ports"]}
-
-
-def test_existing_secrets_are_referenced_not_created() -> None:
-    values = copy.deepcopy(LAYOUTS["multi-node"])
-    values["rayAuth"] = {"existingSecret": "ray-token"}
-    values["apiKey"] = {"existingSecret": "llm-keys", "secretKey": "key"}
-    docs = render(values)
-    assert of_kind(docs, "Secret") == []
-    env = env_of(pod_templates(of_kind(docs, "RayService")[0])["head"])
-    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "ray-token"
-    assert env["DSV3SERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "llm-keys",
-        "key": "key",
-    }
-
-
-def test_given_api_key_is_stored() -> None:
-    values = {**LAYOUTS["multi-node"], "apiKey": {"value": "sk-test-123"}}
-    (secret,) = [
-        s for s in of_kind(render(values), "Secret") if s["metadata"]["name"].endswith("-api-key")
-    ]
-    assert secret["data"]["api-key"] == "c2stdGVzdC0xMjM="  # base64 of sk-test-123
 
 
 # --- bad values -----------------------------------------------------------------------

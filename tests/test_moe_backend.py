@@ -8,7 +8,7 @@ import torch
 from moe_util import random_routing
 from pydantic import ValidationError
 
-from dsv3serve.cli import build_parser, engine_config
+from dsv3serve.cli import build_parser
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
@@ -50,10 +50,9 @@ def test_config_and_cli_accept_triton() -> None:
     with pytest.raises(ValidationError, match="moe_backend"):
         EngineConfig(model="tiny", moe_backend="cutlass")
     args = build_parser().parse_args(["generate", "--prompt", "x", "--moe-backend", "triton"])
-    assert engine_config(args).moe_backend == "triton"
-    assert engine_config(build_parser().parse_args(["generate", "--prompt", "x"])).moe_backend == (
-        "torch"
-    )
+    assert EngineConfig.from_args(args).moe_backend == "triton"
+    plain = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert EngineConfig.from_args(plain).moe_backend == "torch"
 
 
 def _greedy_tokens(moe_backend: str) -> list[int]:

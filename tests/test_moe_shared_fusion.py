@@ -13,7 +13,7 @@ from moe_util import random_routing
 
 from dsv3serve.bench.kernels_moe import fusion_max_tokens as bench_fusion_max_tokens
 from dsv3serve.bench.model_roofline import mlp_decode_bytes
-from dsv3serve.cli import build_parser, engine_config
+from dsv3serve.cli import build_parser
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
@@ -157,7 +157,7 @@ def test_model_logits_fusion_on_vs_off(fixture: str, request: pytest.FixtureRequ
 def test_engine_config_and_cli_flag() -> None:
     assert EngineConfig(model="tiny").shared_experts_fusion == "auto"
     args = build_parser().parse_args(["generate", "--prompt", "x", "--shared-experts-fusion", "on"])
-    assert engine_config(args).shared_experts_fusion == "on"
+    assert EngineConfig.from_args(args).shared_experts_fusion == "on"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--shared-experts-fusion", "yes"])
 

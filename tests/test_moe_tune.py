@@ -1,4 +1,4 @@
-"""The tuner's search space (the timing itself needs a GPU: ``python -m dsv3serve.moe.tune``)."""
+"""The tuner's search space (the timing itself needs a GPU: ``dsv3serve.bench.moe_tune``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from dsv3serve.moe.experts import random_experts
-from dsv3serve.moe.moe_config import MoEConfig, default_config
-from dsv3serve.moe.tune import (
+from dsv3serve.bench.moe_tune import (
     BLOCK_MS,
     QUICK_TOKENS,
     block_ms,
@@ -19,6 +17,8 @@ from dsv3serve.moe.tune import (
     tune_table,
     write_table,
 )
+from dsv3serve.moe.experts import random_experts
+from dsv3serve.moe.moe_config import MoEConfig, default_config
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)

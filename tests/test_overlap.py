@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_engine import GREEDY, drain, make_engine, prompts
 
-from dsv3serve.cli import build_parser, engine_config
+from dsv3serve.cli import build_parser
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
@@ -315,8 +315,8 @@ def test_overlap_is_on_for_cuda_only_unless_forced_and_never_with_speculation() 
     args = build_parser().parse_args(
         ["generate", "--prompt", "x", "--disable-overlap-schedule", "--enable-torch-compile"]
     )
-    flags = engine_config(args, device="cuda")
+    flags = EngineConfig.from_args(args, device="cuda")
     assert flags.disable_overlap_schedule and not flags.overlap_schedule
     assert flags.enable_torch_compile and flags.torch_compile_max_bs == 32
-    plain = engine_config(build_parser().parse_args(["generate", "--prompt", "x"]))
+    plain = EngineConfig.from_args(build_parser().parse_args(["generate", "--prompt", "x"]))
     assert not plain.disable_overlap_schedule and not plain.enable_torch_compile

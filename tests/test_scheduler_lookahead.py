@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_scheduler import (
+from scheduler_util import (
     EOS,
     VOCAB,
     FakeKVModel,

@@ -19,7 +19,7 @@ from scipy.stats import chi2_contingency
 from spec_util import TargetOracleDraft, scratch_drafts
 from test_engine import drain, make_engine, prompts
 
-from dsv3serve.cli import build_parser, engine_config
+from dsv3serve.cli import build_parser
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine, KVExport
@@ -291,16 +291,15 @@ def test_cli_flags_reach_the_engine_config() -> None:
             "unquant",
         ]
     )
-    cfg = engine_config(args)
+    cfg = EngineConfig.from_args(args)
     assert (cfg.speculative_algorithm, cfg.spec_num_steps, cfg.speculative_num_draft_tokens) == (
         "EAGLE",
         2,
         3,
     )
     assert cfg.speculative_draft_model_quantization == "unquant"
-    assert (
-        engine_config(build_parser().parse_args(["generate", "--prompt", "x"])).spec_num_steps == 0
-    )
+    plain = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert EngineConfig.from_args(plain).spec_num_steps == 0
 
 
 def test_unquantised_draft_is_still_lossless(reference) -> None:

@@ -13,9 +13,14 @@ from typing import Any
 
 import torch
 
+from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
+
+# Prompt ids are drawn below this: DeepSeek-V3's special tokens start at 128000 (a model
+# with a smaller vocabulary draws from its whole vocabulary).
+ORDINARY_TOKENS_END = 128000
 
 
 def _sync(device: torch.device) -> None:
@@ -42,8 +47,9 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int) -> dict
     """
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
+    high = min(engine.model_cfg.vocab_size, ORDINARY_TOKENS_END)
     for i in range(batch):
-        ids = [rng.randrange(2, 128000) for _ in range(input_len)]
+        ids = [rng.randrange(2, high) for _ in range(input_len)]
         engine.add_request(Request(f"b{i}", params, prompt_ids=ids))
     prefill = _timed_step(engine)
     decode = []
@@ -87,10 +93,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 def run_one_batch(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run every (batch size, input length) pair, print a table and write JSON."""
-    from dsv3serve.cli import engine_config
-
     need = max(args.batch_size) * (max(args.input_len) + args.output_len)
-    cfg = engine_config(
+    cfg = EngineConfig.from_args(
         args,
         num_kv_tokens=args.num_kv_tokens or need + 64 * args.page_size,
         chunked_prefill_size=-1,

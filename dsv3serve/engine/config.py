@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -160,3 +161,43 @@ class EngineConfig(BaseModel):
                 f"speculative_num_draft_tokens: found {draft_tokens}, expected "
                 f"speculative_num_steps + 1 = {steps + 1} for a chain draft (topk=1)"
             )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **extra: Any) -> EngineConfig:
+        """The config from parsed ``dsv3serve`` engine flags; ``extra`` wins over a flag.
+
+        Each flag in ``FLAG_FIELDS`` sets the field of its name, and
+        ``--disable-prefix-caching`` clears ``enable_prefix_caching``.
+        """
+        fields = {name: getattr(args, name) for name in FLAG_FIELDS}
+        fields["enable_prefix_caching"] = not args.disable_prefix_caching
+        return cls(**(fields | extra))
+
+
+FLAG_FIELDS = (  # engine flags (dsv3serve.cli) named exactly as their EngineConfig field
+    "model",
+    "load_format",
+    "dtype",
+    "device",
+    "page_size",
+    "num_kv_tokens",
+    "mem_fraction_static",
+    "kv_cache_dtype",
+    "chunked_prefill_size",
+    "max_running_requests",
+    "max_num_batched_tokens",
+    "moe_backend",
+    "shared_experts_fusion",
+    "attention_backend",
+    "disable_cuda_graph",
+    "cuda_graph_max_bs",
+    "disable_overlap_schedule",
+    "enable_torch_compile",
+    "torch_compile_max_bs",
+    "hf_overrides",
+    "speculative_algorithm",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_draft_model_quantization",
+)

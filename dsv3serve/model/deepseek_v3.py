@@ -20,10 +20,10 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.layers.fused import can_pack, pack_rows
 from dsv3serve.layers.linear import Linear, make_linear
+from dsv3serve.layers.load_target import LoadTarget
 from dsv3serve.layers.norm import RMSNorm
 from dsv3serve.layers.rotary import RotaryEmbedding
 from dsv3serve.layers.vocab_parallel import logits_mode, vocab_parallel_logits
-from dsv3serve.model.load_target import LoadTarget
 from dsv3serve.model.sharding import Sharding
 from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.base import MoEBackend

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from dsv3serve.settings import Settings
 from dsv3serve.tokenizer.files import write_tokenizer_files
 
 # The published DeepSeek-V3 config.json (facts of the released checkpoint).
@@ -73,7 +73,7 @@ def preset_dir(name: str, overrides: dict[str, Any] | None = None) -> Path:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     config = {**PRESETS[name], **(overrides or {})}
     key = "-".join(f"{k}{v}" for k, v in sorted((overrides or {}).items()))
-    root = Path(os.environ.get("DSV3SERVE_CACHE", Path.home() / ".cache" / "dsv3serve"))
+    root = Settings.from_env().cache_dir
     path = root / f"preset-{name}{'-' + key if key else ''}"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -9,7 +9,6 @@ The tokenizer is the published DeepSeek-V3 one (vocab padded to 129,280).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv3serve.kernels.fp8_ref import quant_weight_block
+from dsv3serve.settings import Settings
 from dsv3serve.tokenizer.files import write_tokenizer_files
 
 TINY_CONFIG: dict[str, Any] = {
@@ -233,7 +233,7 @@ def make_tiny_checkpoint(
 
 def cached_tiny_checkpoint(fp8: bool = True, seed: int = 0) -> Path:
     """The tiny checkpoint in ``$DSV3SERVE_CACHE`` (default ~/.cache/dsv3serve), made once."""
-    root = Path(os.environ.get("DSV3SERVE_CACHE", Path.home() / ".cache" / "dsv3serve"))
+    root = Settings.from_env().cache_dir
     path = root / f"tiny-{'fp8' if fp8 else 'bf16'}-seed{seed}-v1"
     if (path / "config.json").exists():
         return path

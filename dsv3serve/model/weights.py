@@ -14,8 +14,8 @@ import torch
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
+from dsv3serve.layers.load_target import LoadTarget
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
-from dsv3serve.model.load_target import LoadTarget
 from dsv3serve.model.shard_load import iter_local, read_index
 from dsv3serve.parallel.shard import RankLayout
 from dsv3serve.parallel.shard_tensors import LocalTensor, local_tensors

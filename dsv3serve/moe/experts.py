@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX
-from dsv3serve.model.load_target import LoadTarget
+from dsv3serve.layers.load_target import LoadTarget
 
 
 class ExpertStack(NamedTuple):

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from dsv3serve.tokenizer.chat_template import THINK_END, THINK_START
 
 
 @dataclass(frozen=True)

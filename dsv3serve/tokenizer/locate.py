@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from dsv3serve.settings import Settings
 from dsv3serve.tokenizer.files import TOKENIZER_JSON, write_tokenizer_files
 
 # Built-in names whose tokenizer is the published DeepSeek-V3 one.
@@ -22,7 +22,7 @@ def tokenizer_dir(model: str) -> Path:
     """
     if model not in BUILTIN_MODELS:
         return Path(model)
-    root = Path(os.environ.get("DSV3SERVE_CACHE", Path.home() / ".cache" / "dsv3serve"))
+    root = Settings.from_env().cache_dir
     path = root / "tokenizer-deepseek-v3"
     if not (path / TOKENIZER_JSON).exists():
         root.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """Check the torch_dist connector between a prefill and a decode engine on two devices.
 
-    python -m kv_transfer.check_gpu --out result.json               # cuda:0 -> cuda:1, NCCL
-    python -m kv_transfer.check_gpu --device cpu --out result.json  # two CPU processes, gloo
+    python -m dsv3serve.bench.kv_check_gpu --out result.json               # cuda:0 -> cuda:1, NCCL
+    python -m dsv3serve.bench.kv_check_gpu --device cpu --out result.json  # two CPU processes, gloo
 
-Two spawned processes (:mod:`kv_transfer.check_sides`): a prefill engine on cuda:0 and a
+Two spawned processes (:mod:`dsv3serve.bench.kv_check_sides`): a prefill engine on cuda:0 and a
 decode engine, plus a colocated reference engine, on cuda:1 (tiny model). It checks
 
 1. the decode side's greedy tokens equal the colocated run's, and reports the largest
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer import check_sides
+from dsv3serve.bench import kv_check_sides
 
 _DEFAULTS = {"cuda": {"bw_tokens": 8192, "bw_iters": 10}, "cpu": {"bw_tokens": 1024, "bw_iters": 3}}
 
@@ -70,8 +70,8 @@ def run_sides(args: dict[str, Any], workdir: Path) -> dict[str, dict[str, Any]]:
     prefill_end, decode_end = ctx.Pipe()
     procs, outs = {}, {}
     for side, end, fn in (
-        ("prefill", prefill_end, check_sides.prefill_side),
-        ("decode", decode_end, check_sides.decode_side),
+        ("prefill", prefill_end, kv_check_sides.prefill_side),
+        ("decode", decode_end, kv_check_sides.decode_side),
     ):
         outs[side] = workdir / f"{side}.json"
         own = args | {"device": args[f"{side}_device"], "out": str(outs[side])}

@@ -1,4 +1,4 @@
-"""The two processes of ``python -m kv_transfer.check_gpu``: a prefill side and a decode side.
+"""The two processes of ``python -m dsv3serve.bench.kv_check_gpu``: prefill side, decode side.
 
 They talk over a Pipe in JSON strings only. The prefill side prefills prompts on its
 engine and publishes the pages through the torch_dist connector; the decode side pulls

@@ -1,5 +1,9 @@
-"""What the HTTP layer needs from whatever runs the requests (local engine, colocated
-Ray workers, or the prefill/decode pair), and the errors a backend may raise."""
+"""What the router's HTTP layer needs from whatever runs the requests (local engine,
+colocated Ray workers, or the prefill/decode pair), and the errors a backend may raise.
+
+It lives in ``workers/`` (below ``router/``) so that both the backends here and the
+router's HTTP and gRPC layers can import it; it imports no torch.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``python -m dsv3serve.moe.tune``: time the fused MoE's launch configs on this GPU and write
+"""``python -m dsv3serve.bench.moe_tune``: time the fused MoE's launch configs on this GPU and write
 the table that :func:`dsv3serve.moe.moe_config.get_config` reads.
 
 For each token count T, with random routing from the real router over random logits: for each
@@ -8,7 +8,7 @@ best times wins. Times are CUDA-graph medians (``dsv3serve bench kernels``' meth
 config that does not compile or fit in shared memory is skipped. The table is written as
 ``<out>/E=..,N=..,K=..,device=..,dtype=...json``::
 
-    python -m dsv3serve.moe.tune --dtype fp8 --tokens 1 8 32 128 512 4096
+    python -m dsv3serve.bench.moe_tune --dtype fp8 --tokens 1 8 32 128 512 4096
 
 ``--shared`` tunes the stack with the shared expert fused (E + 1 experts, every token also
 routed to expert E: the E=257 table). ``--quick`` searches 7 token counts, the block sizes
@@ -133,7 +133,7 @@ def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dsv3serve.moe.tune",
+        prog="python -m dsv3serve.bench.moe_tune",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,56 @@
+"""Rendering the Helm chart helm/dsv3serve for its tests (helm-python-sdk, offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "dsv3serve"
+VALUES_DIR = ROOT / "helm" / "values"
+LAYOUTS = {
+    "one-node-1p1d": yaml.safe_load((VALUES_DIR / "one-node-1p1d.yaml").read_text()),
+    "multi-node": yaml.safe_load((VALUES_DIR / "multi-node.yaml").read_text()),
+    "chart-defaults": {"model": {"path": "/models/DeepSeek-V3"}},
+}
+layouts = pytest.mark.parametrize("layout", sorted(LAYOUTS))
+
+
+def render(values: dict[str, Any], chart: Path = CHART) -> list[dict[str, Any]]:
+    """Every object the chart renders for ``values`` (release dsv3, namespace llm)."""
+    with helm.Chart.load(chart) as loaded:
+        manifests = loaded.render(values, name="dsv3", namespace="llm", is_install=True)
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".yaml"):
+            docs += [doc for doc in yaml.safe_load_all(text) if doc]
+    return docs
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def rayservice(values: dict[str, Any]) -> dict[str, Any]:
+    (only,) = of_kind(render(values), "RayService")
+    return only
+
+
+def serve_config(values: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rayservice(values)["spec"]["serveConfigV2"])
+
+
+def pod_templates(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pod template per group name ('head', 'prefill', 'decode')."""
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
+    return {"head": cluster["headGroupSpec"]["template"], **groups}
+
+
+def env_of(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    (container,) = template["spec"]["containers"]
+    return {e["name"]: e for e in container.get("env") or []}
