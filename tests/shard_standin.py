@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dsv3serve.config import ModelConfig
-from dsv3serve.model.load_target import LoadTarget
+from dsv3serve.layers.load_target import LoadTarget
 from dsv3serve.model.weights import shard_files
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.shard import RankLayout, placement_of
