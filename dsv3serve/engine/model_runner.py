@@ -13,7 +13,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.engine.compile import decode_model, warn_if_compile_unused
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
-from dsv3serve.engine.overlap import FutureTokens
+from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
