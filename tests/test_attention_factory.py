@@ -33,6 +33,9 @@ def test_attention_class_lookup_and_capabilities() -> None:
     assert FlashInferMLAAttention.supports_cuda_graphs
     assert not FlashInferMLAAttention.serves_fp8_pool
     assert TritonMLAAttention.supports_cuda_graphs and TritonMLAAttention.serves_fp8_pool
+    assert TorchRefAttention.materialises_scores
+    assert not FlashInferMLAAttention.materialises_scores
+    assert not TritonMLAAttention.materialises_scores
     with pytest.raises(ValueError, match="supported"):
         attention_backend_class("flashmla", BF16)
 

@@ -3,8 +3,8 @@
 As in SGLang, compilation applies to the captured decode batch sizes up to
 ``torch_compile_max_bs``; larger captured sizes, prefill and extend steps stay eager. The
 compiled kernels are then recorded into the CUDA graphs, so a replay pays no Python or
-guard cost. Off by default, and only on the CUDA-graph path (CUDA and an attention backend that
-supports CUDA graphs).
+guard cost. Off by default, and only on the CUDA-graph path (CUDA and an attention
+backend that supports CUDA graphs).
 """
 
 from __future__ import annotations
