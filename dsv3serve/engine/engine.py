@@ -27,7 +27,7 @@ from dsv3serve.engine.intake import InvalidRequestError, new_sequence
 from dsv3serve.engine.loops import PlainLoop, SpecLoop, StepLoop
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.overlap import OverlapLoop
-from dsv3serve.engine.pd_hooks import KVExport, PDHooks
+from dsv3serve.engine.pd_hooks import FirstToken, KVExport, PDHooks
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
 from dsv3serve.engine.scheduler import Scheduler
@@ -206,7 +206,8 @@ class Engine:
         draft = None
         if draft_token is not None and draft_hidden is not None:
             draft = (draft_token, draft_hidden)
-        self._pd.import_kv(req, first_token, pages, first_logprob, first_top, draft)
+        first = FirstToken(first_token, first_logprob, first_top, draft)
+        self._pd.import_kv(req, pages, first)
 
 
 def _scheduler_config(cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int) -> SchedulerConfig:

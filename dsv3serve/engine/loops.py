@@ -42,10 +42,8 @@ class PlainLoop:
     def step(self) -> list[TokenOutput]:
         """Run one step to the end; returns its outputs and the pending ones."""
         core = self.core
-        outputs = core.take_pending()
-        batch = core.schedule()
+        outputs, batch = _begin_step(core)
         if batch is not None:
-            core.observe(batch.items)
             result = core.runner.run(batch.items)
             sampled = core.sample(result)
             tokens = sampled.token_ids.tolist()
@@ -83,10 +81,8 @@ class SpecLoop:
     def step(self) -> list[TokenOutput]:
         """Run one speculative step to the end; returns its outputs and the pending ones."""
         core = self.core
-        outputs = core.take_pending()
-        batch = core.schedule()
+        outputs, batch = _begin_step(core)
         if batch is not None:
-            core.observe(batch.items)
             outputs += self._spec_step(batch)
         outputs += core.finished_by_scheduler()
         self.spec.retain(core.states)
@@ -114,3 +110,12 @@ class SpecLoop:
         state = self.core.states[item.seq_id]
         seq = state.seq
         return VerifyRequest(state.params, state.generator, seq.prompt_ids, seq.output_ids, drafts)
+
+
+def _begin_step(core: EngineCore) -> tuple[list[TokenOutput], ScheduledBatch | None]:
+    """The pending outputs and the scheduled (and observed) batch of a step."""
+    outputs = core.take_pending()
+    batch = core.schedule()
+    if batch is not None:
+        core.observe(batch.items)
+    return outputs, batch

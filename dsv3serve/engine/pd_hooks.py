@@ -31,6 +31,17 @@ class KVExport:
     draft: DraftState | None = None
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill side's first token of an imported request, with its logprobs and,
+    under speculative decoding, the seed of the first draft chain (token, hidden [H])."""
+
+    token: int
+    logprob: float = 0.0
+    top: dict[int, float] | None = None
+    draft: tuple[int, torch.Tensor] | None = None
+
+
 class PDHooks:
     """Export and import of KV over one :class:`EngineCore`; it becomes the core's
     ``on_prefilled``, so every prefilled sequence is recorded as an export."""
@@ -81,27 +92,17 @@ class PDHooks:
         """Decode side: give back reserved pages that will not be used."""
         self.core.scheduler.release_reservation(pages)
 
-    def import_kv(
-        self,
-        req: Request,
-        first_token: int,
-        pages: list[int],
-        first_logprob: float = 0.0,
-        first_top: dict[int, float] | None = None,
-        draft: tuple[int, torch.Tensor] | None = None,
-    ) -> None:
+    def import_kv(self, req: Request, pages: list[int], first: FirstToken) -> None:
         """Decode side: continue ``req`` from KV already written into reserved ``pages``;
-        its first output (``first_token``) waits in the core's pending outputs.
-
-        ``draft`` (token, hidden [H]) seeds the first draft chain under speculative decoding.
-        """
+        its first output (``first.token``) waits in the core's pending outputs."""
         core = self.core
         core.check_new_id(req.request_id)
         prompt = core.prompt_ids(req)
-        seq = new_sequence(req, 0, prompt, output_ids=[first_token])
+        seq = new_sequence(req, 0, prompt, output_ids=[first.token])
         core.scheduler.add_prefilled(seq, pages)
         state = core.track(seq, 0, req.params, prompt)
-        if self.spec is not None and draft is not None:
-            hidden = draft[1].to(core.runner.device)
-            self.spec.set_state(seq.seq_id, DraftState(seq.num_tokens, draft[0], hidden))
-        core.push_pending(core.emit(state, [first_logprob], [first_top or {}]))
+        if self.spec is not None and first.draft is not None:
+            token, hidden = first.draft
+            draft = DraftState(seq.num_tokens, token, hidden.to(core.runner.device))
+            self.spec.set_state(seq.seq_id, draft)
+        core.push_pending(core.emit(state, [first.logprob], [first.top or {}]))
