@@ -68,7 +68,7 @@ class Engine:
         self.scheduler = Scheduler(_scheduler_config(cfg, self.model_cfg, runner.num_pages))
         self.sampler = Sampler(make_generator(cfg.seed, runner.device))
         self.spec: SpecDecoder | None = None
-        self.spec_stats = SpecStats(cfg.spec_num_steps)
+        self._spec_stats = SpecStats(cfg.spec_num_steps)
         if cfg.spec_num_steps:
             quant = cfg.speculative_draft_model_quantization
             self.spec = SpecDecoder(runner, cfg.spec_num_steps, quant)
@@ -86,13 +86,24 @@ class Engine:
         if self.cfg.model_copy(update={"speculative_algorithm": None}).overlap_schedule:
             logger.info("overlap schedule off: speculative decoding runs without it")
         if self.spec is not None:
-            return SpecLoop(self._core, self.spec, self.spec_stats)
+            return SpecLoop(self._core, self.spec, self._spec_stats)
         return PlainLoop(self._core)
 
     @property
     def runner(self) -> Any:
         """What runs the forward: this rank's ModelRunner, or what ``use_runner`` gave."""
         return self._core.runner
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's acceptance counts (all zero without it)."""
+        return self._spec_stats
+
+    @spec_stats.setter
+    def spec_stats(self, stats: SpecStats) -> None:
+        self._spec_stats = stats
+        if isinstance(self._loop, SpecLoop):
+            self._loop.stats = stats
 
     @property
     def metrics(self) -> Metrics | None:
