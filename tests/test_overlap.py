@@ -20,7 +20,7 @@ from dsv3serve.cli import build_parser
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.overlap import FutureTokens
+from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampling_params import SamplingParams
 

@@ -1,8 +1,12 @@
-"""MLA attention backends behind one interface; choose with :func:`create_attention_backend`."""
+"""MLA attention backends behind one interface; choose with :func:`create_attention_backend`
+(or ask :func:`attention_backend_class` what a name would build, before building it)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
+
+import torch
 
 from dsv3serve.attention.base import AttentionBackend, MLADims
 
@@ -10,7 +14,30 @@ if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
     from dsv3serve.kvcache.pool import MLAKVPool
 
+logger = logging.getLogger(__name__)
+
 ATTENTION_BACKENDS = ("torch", "flashinfer")
+
+
+def attention_backend_class(name: str, kv_dtype: torch.dtype) -> type[AttentionBackend]:
+    """The class ``create_attention_backend(name, pool)`` builds for a pool of ``kv_dtype``;
+    its class attributes answer capability questions (CUDA graphs, fp8 pools).
+
+    ``flashinfer`` over an fp8 pool, which flashinfer's MLA kernels cannot read, is
+    :class:`~dsv3serve.attention.triton_mla.TritonMLAAttention`: our Triton kernel for the
+    absorbed form, flashinfer's ragged prefill over dequantised latents for the MHA form.
+    """
+    if name == "torch":
+        from dsv3serve.attention.ref import TorchRefAttention
+
+        return TorchRefAttention
+    if name == "flashinfer":
+        from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
+        from dsv3serve.attention.triton_mla import TritonMLAAttention
+
+        fp8 = kv_dtype == torch.float8_e4m3fn
+        return TritonMLAAttention if fp8 else FlashInferMLAAttention
+    raise ValueError(f"attention backend {name!r} unknown; supported: {list(ATTENTION_BACKENDS)}")
 
 
 def create_attention_backend(
@@ -20,31 +47,24 @@ def create_attention_backend(
     dims: MLADims | None = None,
     cuda_graph: CudaGraphLimits | None = None,
 ) -> AttentionBackend:
-    """Build the named backend; raises ValueError naming the supported ones.
+    """Build the named backend (the class :func:`attention_backend_class` names); raises
+    ValueError naming the supported ones.
 
     ``flashinfer`` needs ``dims`` (it plans with the head shapes and softmax scale) and a
     CUDA pool; flashinfer itself is imported only here, on first use. ``cuda_graph``
-    (flashinfer only) sizes its CUDA-graph-safe buffers. With an fp8 pool, which
-    flashinfer's MLA kernels cannot read, ``flashinfer`` means our Triton decode kernel
-    for the absorbed form and flashinfer's prefill over dequantised latents for the MHA
-    form (:class:`~dsv3serve.attention.triton_mla.TritonMLAAttention`).
+    (flashinfer only) sizes its CUDA-graph-safe buffers.
     """
+    cls = attention_backend_class(name, pool.dtype)
     if name == "torch":
-        from dsv3serve.attention.ref import TorchRefAttention
-
-        return TorchRefAttention(pool, kv_lora_rank)
-    if name == "flashinfer":
-        if dims is None:
-            raise ValueError("attention backend 'flashinfer' needs the model's MLADims")
-        if pool.device.type != "cuda":
-            raise ValueError(
-                f"attention backend 'flashinfer' needs a CUDA device, got {pool.device}"
-            )
-        if pool.is_fp8:
-            from dsv3serve.attention.triton_mla import TritonMLAAttention
-
-            return TritonMLAAttention(pool, dims, cuda_graph=cuda_graph)
-        from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
-
-        return FlashInferMLAAttention(pool, dims, cuda_graph=cuda_graph)
-    raise ValueError(f"attention backend {name!r} unknown; supported: {list(ATTENTION_BACKENDS)}")
+        return cls(pool, kv_lora_rank)
+    if dims is None:
+        raise ValueError("attention backend 'flashinfer' needs the model's MLADims")
+    if pool.device.type != "cuda":
+        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {pool.device}")
+    if pool.is_fp8:
+        logger.info(
+            "attention_backend flashinfer with kv_cache_dtype fp8_e4m3: decode and verify run "
+            "the Triton MLA kernel over the fp8 pool (flashinfer's MLA needs a bf16 cache); "
+            "prefill and extend run flashinfer ragged MHA over latents dequantised to bf16"
+        )
+    return cls(pool, dims, cuda_graph=cuda_graph)

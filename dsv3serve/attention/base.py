@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -56,7 +56,18 @@ class MLADims:
 
 
 class AttentionBackend(ABC):
-    """MLA attention over a paged latent KV cache."""
+    """MLA attention over a paged latent KV cache.
+
+    Capabilities (class attributes, so callers can ask before building one):
+    ``supports_cuda_graphs``: decode batches may be captured into CUDA graphs (plans into
+    fixed device buffers); ``serves_fp8_pool``: reads an fp8 pool (e4m3 rows with
+    per-token scales); ``materialises_scores``: a prefill holds the dense float32
+    attention scores [heads, L, L] in memory.
+    """
+
+    supports_cuda_graphs: ClassVar[bool] = False
+    serves_fp8_pool: ClassVar[bool] = True
+    materialises_scores: ClassVar[bool] = False
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:

@@ -163,6 +163,9 @@ class _MLAWrappers:
 class FlashInferMLAAttention(AttentionBackend):
     """MLA over the paged latent cache with flashinfer kernels (bf16/fp16 cache)."""
 
+    supports_cuda_graphs = True
+    serves_fp8_pool = False
+
     def __init__(
         self,
         pool: MLAKVPool,

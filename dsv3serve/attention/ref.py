@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 class TorchRefAttention(AttentionBackend):
     """Readable reference: gathers each sequence's latents and runs masked softmax."""
 
+    materialises_scores = True
+
     def __init__(self, pool: MLAKVPool, kv_lora_rank: int) -> None:
         self.pool = pool
         self.rank = kv_lora_rank

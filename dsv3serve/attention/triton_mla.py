@@ -100,6 +100,9 @@ class _GraphMeta:
 class TritonMLAAttention(AttentionBackend):
     """MLA over the paged latent cache (bf16 or fp8): Triton absorbed form, see module doc."""
 
+    supports_cuda_graphs = True
+    serves_fp8_pool = True
+
     def __init__(
         self,
         pool: MLAKVPool,

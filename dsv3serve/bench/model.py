@@ -82,10 +82,11 @@ def choose_num_moe_layers(
     if device.type != "cuda":
         return 2
     mtp, dtype = not args.no_mtp, torch.bfloat16
-    fp = footprint(args.preset, mtp, dtype, kv_tokens, _kv_dtype(args.kv_cache_dtype, dtype))
+    kv_dtype = _kv_dtype(args.kv_cache_dtype, dtype)
+    fp = footprint(args.preset, mtp, dtype, kv_tokens, kv_dtype)
     cfg = bench_model_config(args.preset, 1, mtp)
     max_prefill = max(plan.prefill_lens, default=0)
-    reserve = activation_reserve_bytes(cfg, max_prefill, args.attention_backend)
+    reserve = activation_reserve_bytes(cfg, max_prefill, args.attention_backend, kv_dtype)
     if args.reserve_gb is not None:
         reserve = int(args.reserve_gb * 1e9)
     return auto_num_moe_layers(torch.cuda.mem_get_info(device)[0], fp, reserve)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dsv3serve.attention import attention_backend_class
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.model_runner import ModelRunner
@@ -97,11 +98,14 @@ def footprint(
     return Footprint(one - (two - one), two - one, kv_layer, 1 + int(mtp))
 
 
-def activation_reserve_bytes(cfg: ModelConfig, max_prefill: int, attention_backend: str) -> int:
-    """Rough device memory kept free for the forwards. The torch reference attention
-    materialises float32 scores [heads, L, L] about three times in a prefill of L tokens."""
+def activation_reserve_bytes(
+    cfg: ModelConfig, max_prefill: int, attention_backend: str, kv_dtype: torch.dtype
+) -> int:
+    """Rough device memory kept free for the forwards. A backend that materialises scores
+    (the torch reference) holds float32 [heads, L, L] about three times in a prefill of L
+    tokens."""
     reserve = BASE_RESERVE_BYTES
-    if attention_backend == "torch":
+    if attention_backend_class(attention_backend, kv_dtype).materialises_scores:
         reserve += 3 * cfg.num_attention_heads * max_prefill**2 * 4
     return reserve
 

@@ -3,7 +3,8 @@
 As in SGLang, compilation applies to the captured decode batch sizes up to
 ``torch_compile_max_bs``; larger captured sizes, prefill and extend steps stay eager. The
 compiled kernels are then recorded into the CUDA graphs, so a replay pays no Python or
-guard cost. Off by default, and only on the CUDA-graph path (CUDA + flashinfer).
+guard cost. Off by default, and only on the CUDA-graph path (CUDA and an attention
+backend that supports CUDA graphs).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def warn_if_compile_unused(cfg: EngineConfig, use_graphs: bool) -> None:
     if cfg.enable_torch_compile and not use_graphs:
         logger.warning(
             "enable_torch_compile: ignored, it compiles the CUDA-graph decode forward, which "
-            "needs device cuda, attention_backend flashinfer and CUDA graphs (found device "
-            "%s, attention_backend %s, disable_cuda_graph %s)",
+            "needs device cuda, an attention backend with CUDA graphs (flashinfer) and CUDA "
+            "graphs on (found device %s, attention_backend %s, disable_cuda_graph %s)",
             cfg.device,
             cfg.attention_backend,
             cfg.disable_cuda_graph,

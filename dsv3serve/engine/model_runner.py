@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv3serve.attention import MLADims, create_attention_backend
+from dsv3serve.attention import MLADims, attention_backend_class, create_attention_backend
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.compile import decode_model, warn_if_compile_unused
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
-from dsv3serve.engine.overlap import FutureTokens
+from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
@@ -93,13 +93,11 @@ class ModelRunner:
             )
 
     def _use_cuda_graphs(self) -> bool:
-        """Decode CUDA graphs: on CUDA with the flashinfer backend, unless disabled."""
+        """Decode CUDA graphs: on CUDA with a backend that supports them, unless disabled."""
         c = self.cfg
-        return (
-            self.device.type == "cuda"
-            and c.attention_backend == "flashinfer"
-            and not c.disable_cuda_graph
-        )
+        if self.device.type != "cuda" or c.disable_cuda_graph:
+            return False
+        return attention_backend_class(c.attention_backend, self._kv_dtype()).supports_cuda_graphs
 
     def _num_scratch_pages(self) -> int:
         """Pages for the padding rows of captured batches: a speculative verify pads with

@@ -24,62 +24,15 @@ Speculative decoding and multi-rank groups run without overlap.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
+from torch import Tensor
 
+from dsv3serve.engine.core import EngineCore, top_logprobs
+from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.request import TokenOutput
 from dsv3serve.engine.sampler import SampleOutput
 from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
-
-if TYPE_CHECKING:
-    from dsv3serve.engine.engine import Engine
-
-
-class FutureTokens:
-    """Device ring buffer of sampled token ids, addressed by negative placeholder ids.
-
-    ``buffer`` is [size] int64 on the model's device. A step that samples ``n`` rows
-    reserves ``n`` consecutive slots; placeholder ``-(slot + 1)`` stands for the token the
-    step writes into ``slot``. Only the placeholders of the two most recent steps are ever
-    live, so ``size >= 3 * max_rows + 1`` keeps them apart.
-    """
-
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.buffer = torch.zeros(size, dtype=torch.int64, device=device)
-        self._next = 0
-
-    @property
-    def size(self) -> int:
-        return int(self.buffer.shape[0])
-
-    def reserve(self, num: int) -> int:
-        """First slot of ``num`` consecutive free slots (wrapping to 0 at the end)."""
-        if num > self.size:
-            raise ValueError(f"expected at most {self.size} sampled rows per step, got {num}")
-        if self._next + num > self.size:
-            self._next = 0
-        start, self._next = self._next, self._next + num
-        return start
-
-    @staticmethod
-    def placeholders(start: int, num: int) -> list[int]:
-        """The placeholder ids of slots ``start .. start+num-1``."""
-        return [-(start + i + 1) for i in range(num)]
-
-    def store(self, start: int, token_ids: Tensor) -> None:
-        """Write ``token_ids`` [n] int64 (on the buffer's device) into slots from ``start``."""
-        self.buffer[start : start + token_ids.shape[0]].copy_(token_ids)
-
-    def resolve(self, ids: Tensor) -> Tensor:
-        """``ids`` [T] int64 with each placeholder replaced by its slot's token (no sync)."""
-        return torch.where(ids < 0, self.buffer[(-1 - ids).clamp(min=0)], ids)
-
-    def install(self, embedding: nn.Module) -> RemovableHandle:
-        """Resolve placeholders in the input ids of every ``embedding`` call (graphs too)."""
-        return embedding.register_forward_pre_hook(lambda _m, args: (self.resolve(args[0]),))
 
 
 @dataclass
@@ -134,52 +87,65 @@ class LaunchedStep:
 
 
 class OverlapLoop:
-    """``Engine.step()`` in overlap mode; see the module docstring."""
+    """``Engine.step()`` in overlap mode over the core's public stages; see the module
+    docstring. While attached it is the core's ``in_flight_rollback``."""
 
-    def __init__(self, engine: Engine, future: FutureTokens) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCore, future: FutureTokens) -> None:
+        self.core = core
         self.future = future
         self.launched: LaunchedStep | None = None
+        core.in_flight_rollback = self.rollback
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step's tokens are still unread."""
+        return self.launched is not None
+
+    def detach(self) -> None:
+        """Stop rolling back for the core (before another loop takes over)."""
+        if self.launched is not None:
+            raise RuntimeError("use_runner: a step is in flight; call it before any step")
+        self.core.in_flight_rollback = None
 
     def step(self) -> list[TokenOutput]:
         """Schedule and launch step n+1, then resolve step n; returns step n's outputs."""
-        e = self.engine
-        outputs, e._pending = e._pending, []
-        batch = e.scheduler.schedule()
+        core = self.core
+        outputs = core.take_pending()
+        batch = core.schedule()
         prev, self.launched = self.launched, None
         if batch is not None and prev is not None and self._needs_history(batch, prev):
             outputs += self._resolve(prev)
             prev, batch = None, _running_only(batch)
         if batch is not None:
-            e._observe(batch.items)
+            core.observe(batch.items)
             self.launched = self._launch(batch)
         if prev is not None:
             outputs += self._resolve(prev)
-        return outputs + e._scheduler_finished()
+        return outputs + core.finished_by_scheduler()
 
     def rollback(self, item_seq_id: str) -> None:
         """Undo the in-flight step's work for a sequence about to finish or abort."""
         item = None if self.launched is None else self.launched.by_seq.get(item_seq_id)
         if item is not None:
-            self.engine.scheduler.rollback_launch(item)
+            self.core.scheduler.rollback_launch(item)
 
     def _needs_history(self, batch: ScheduledBatch, prev: LaunchedStep) -> bool:
         """Whether a penalised row of ``batch`` has an unresolved token of ``prev``."""
         pending = prev.sampled_ids
         for item in batch.sample_items:
-            state = self.engine._states.get(item.seq_id)
+            state = self.core.state(item.seq_id)
             if state is not None and state.params.has_penalties and item.seq_id in pending:
                 return True
         return False
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        e = self.engine
-        result = e.runner.run(batch.items)
-        sampled = e._sample(result)
+        core = self.core
+        result = core.runner.run(batch.items)
+        sampled = core.sample(result)
         start = self.future.reserve(len(result.sampled_items))
         self.future.store(start, sampled.token_ids)
         placeholders = self.future.placeholders(start, len(result.sampled_items))
-        e.scheduler.on_step_launched(
+        core.scheduler.on_step_launched(
             batch,
             {item.seq_id: p for item, p in zip(result.sampled_items, placeholders, strict=True)},
         )
@@ -189,18 +155,18 @@ class OverlapLoop:
 
     def _resolve(self, step: LaunchedStep) -> list[TokenOutput]:
         """Wait for ``step``'s tokens, put them in place of its placeholders and emit."""
-        e = self.engine
+        core = self.core
         tokens, logprobs, tops = step.host.wait()
         outputs = []
         for row, item in enumerate(step.sampled_items):
-            if not e.scheduler.resolve_token(item, step.placeholders[row], tokens[row]):
+            if not core.scheduler.resolve_token(item, step.placeholders[row], tokens[row]):
                 continue  # rolled back: finished or aborted after the launch
-            state = e._states.get(item.seq_id)
+            state = core.state(item.seq_id)
             if state is None:
                 continue
-            top = {} if tops is None else e._top_dict(state, tops, row)
+            top = {} if tops is None else top_logprobs(state, tops, row)
             end = item.start + item.num_tokens + 1 - len(item.seq.prompt_ids)
-            outputs.append(e._emit(state, [logprobs[row]], [top], end=end))
+            outputs.append(core.emit(state, [logprobs[row]], [top], end=end))
         return outputs
 
 

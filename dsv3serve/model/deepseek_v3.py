@@ -28,8 +28,6 @@ from dsv3serve.model.sharding import Sharding
 from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
-from dsv3serve.moe.gate import grouped_topk
-from dsv3serve.moe.gate_triton import grouped_topk_fused
 from dsv3serve.moe.sharded import (
     fusion_blocked_reason,
     held_experts,
@@ -153,8 +151,7 @@ class MoE(nn.Module):
         if slots:
             self.tie_shared()
         self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
-        # the Triton backend also routes with the fused gate kernel (on CUDA)
-        self.route = grouped_topk_fused if opts.moe_backend == "triton" else grouped_topk
+        self.route = self.backend.route  # e.g. the Triton backend's fused gate kernel
         self._fuse_max_tokens: int | None = None  # resolved on the first forward's device
 
     def _packs_shared(self, cfg: ModelConfig, fp8: bool) -> bool:

@@ -7,17 +7,23 @@ from dsv3serve.moe.base import MoEBackend
 MOE_BACKENDS = ("torch", "triton")
 
 
+def moe_backend_class(name: str) -> type[MoEBackend]:
+    """The class ``create_moe_backend(name)`` builds; its class attributes answer capability
+    questions before a backend exists (``packs_shared_expert``, ``route``)."""
+    if name == "torch":
+        from dsv3serve.moe.ref import TorchRefMoE
+
+        return TorchRefMoE
+    if name == "triton":
+        from dsv3serve.moe.triton_moe import TritonMoE
+
+        return TritonMoE
+    raise ValueError(f"moe backend {name!r} unknown; supported: {list(MOE_BACKENDS)}")
+
+
 def create_moe_backend(name: str, act_quant: bool = True) -> MoEBackend:
     """Build the named MoE backend; raises ValueError naming the supported ones.
 
     ``triton`` runs the fused kernels on CUDA tensors and the torch reference elsewhere.
     """
-    if name == "torch":
-        from dsv3serve.moe.ref import TorchRefMoE
-
-        return TorchRefMoE(act_quant)
-    if name == "triton":
-        from dsv3serve.moe.triton_moe import TritonMoE
-
-        return TritonMoE(act_quant)
-    raise ValueError(f"moe backend {name!r} unknown; supported: {list(MOE_BACKENDS)}")
+    return moe_backend_class(name)(act_quant)

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
 from dsv3serve.moe.experts import FusedExperts
+from dsv3serve.moe.gate import grouped_topk
 
 
 class MoEBackend(ABC):
-    """Computes ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` for every token."""
+    """Computes ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` for every token.
+
+    Capabilities (class attributes, so callers can ask before building one):
+    ``route`` is the router the layer uses with this backend (the biased grouped top-k,
+    ``grouped_topk``'s signature); ``routes_in_kernel``: that router is a fused kernel;
+    ``packs_shared_expert``: ``shared_experts_fusion='auto'`` gives the expert stack the
+    shared expert's slot E (see :mod:`dsv3serve.moe.shared`).
+    """
+
+    route = staticmethod(grouped_topk)
+    routes_in_kernel: ClassVar[bool] = False
+    packs_shared_expert: ClassVar[bool] = False
 
     @abstractmethod
     def forward(

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from dsv3serve.kernels.fp8_ref import BLOCK
+from dsv3serve.moe import moe_backend_class
 from dsv3serve.moe.experts import FusedExperts
 from dsv3serve.moe.moe_config import shared_fusion_max_tokens
 
@@ -53,8 +54,9 @@ def fusable_reason(n_shared_experts: int, shared_fp8: bool, experts_fp8: bool) -
 
 
 def packs_shared(mode: SharedFusion, backend: str) -> bool:
-    """Whether the layer builds the extra slot: ``on``, or ``auto`` with the Triton backend."""
-    return mode == "on" or (mode == "auto" and backend == "triton")
+    """Whether the layer builds the extra slot: ``on``, or ``auto`` with a backend that
+    packs the shared expert (the Triton one)."""
+    return mode == "on" or (mode == "auto" and moe_backend_class(backend).packs_shared_expert)
 
 
 def fusion_max_tokens(

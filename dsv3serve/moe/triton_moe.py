@@ -31,6 +31,7 @@ from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX
 from dsv3serve.moe.align import ExpertBlocks, moe_align_block_size
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
+from dsv3serve.moe.gate_triton import grouped_topk_fused
 from dsv3serve.moe.moe_config import GemmTile, MoEConfig, get_config
 from dsv3serve.moe.ref import TorchRefMoE
 
@@ -219,7 +220,14 @@ def fused_moe(
 
 
 class TritonMoE(MoEBackend):
-    """The fused Triton MoE on CUDA tensors; the torch reference elsewhere (CPU, no Triton)."""
+    """The fused Triton MoE on CUDA tensors; the torch reference elsewhere (CPU, no Triton).
+
+    Routes with the fused gate kernel (on CUDA) and packs the shared expert under ``auto``.
+    """
+
+    route = staticmethod(grouped_topk_fused)
+    routes_in_kernel = True
+    packs_shared_expert = True
 
     def __init__(self, act_quant: bool = True) -> None:
         self.act_quant = act_quant

@@ -1,0 +1,42 @@
+"""Request intake: prompt validation and the sequences a request becomes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv3serve.engine.request import Request
+from dsv3serve.engine.sequence import Sequence
+from dsv3serve.tokenizer.tokenizer import Tokenizer
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never run (bad prompt, too long, duplicate id)."""
+
+
+def prompt_ids(req: Request, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """``req``'s prompt as token ids in ``[0, vocab_size)``; raises InvalidRequestError."""
+    if (req.prompt is None) == (req.prompt_ids is None):
+        raise InvalidRequestError("exactly one of prompt and prompt_ids must be given")
+    ids = (
+        req.prompt_ids
+        if req.prompt_ids is not None
+        else tokenizer.encode(req.prompt or "", add_bos=True)
+    )
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    return list(ids)
+
+
+def new_sequence(req: Request, index: int, prompt: list[int], **extra: Any) -> Sequence:
+    """Sequence ``index`` of ``req`` (``extra``: further ``Sequence`` fields)."""
+    return Sequence(
+        seq_id=f"{req.request_id}#{index}",
+        prompt_ids=prompt,
+        max_new_tokens=req.params.max_new_tokens,
+        request_id=req.request_id,
+        salt=req.salt,
+        **extra,
+    )

@@ -1,0 +1,108 @@
+"""Prefill/decode disaggregation hooks on the engine core: the prefill side exports a
+prefilled request's pages and first token, the decode side reserves pages for incoming KV
+and continues a request from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv3serve.engine.core import EngineCore
+from dsv3serve.engine.intake import new_sequence
+from dsv3serve.engine.request import Request
+from dsv3serve.engine.sequence import Sequence
+from dsv3serve.engine.spec.loop import DraftState, SpecDecoder
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """What a prefill-only request hands to the decode side.
+
+    With speculative decoding the pages also hold the draft layer's KV, and ``draft``
+    is where the decode side's first draft chain starts (see ``import_kv``).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int
+    pages: list[int]
+    page_size: int
+    draft: DraftState | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill side's first token of an imported request, with its logprobs and,
+    under speculative decoding, the seed of the first draft chain (token, hidden [H])."""
+
+    token: int
+    logprob: float = 0.0
+    top: dict[int, float] | None = None
+    draft: tuple[int, torch.Tensor] | None = None
+
+
+class PDHooks:
+    """Export and import of KV over one :class:`EngineCore`; it becomes the core's
+    ``on_prefilled``, so every prefilled sequence is recorded as an export."""
+
+    def __init__(self, core: EngineCore, spec: SpecDecoder | None, page_size: int) -> None:
+        self.core, self.spec, self.page_size = core, spec, page_size
+        self._exports: dict[str, KVExport] = {}
+        core.on_prefilled = self.record_export
+
+    def record_export(self, seq: Sequence) -> None:
+        """Keep ``seq``'s pages and first token for the decode side to pull."""
+        draft = None if self.spec is None else self.spec.state(seq.seq_id)
+        self._exports[seq.request_id] = KVExport(
+            seq.request_id,
+            seq.prompt_ids,
+            seq.output_ids[-1],
+            list(seq.page_table),
+            self.page_size,
+            draft,
+        )
+
+    def forget(self, request_id: str) -> None:
+        """Drop ``request_id``'s export record (its pages go with the abort)."""
+        self._exports.pop(request_id, None)
+
+    def export_kv(self, request_id: str) -> KVExport:
+        """Prefill side: the pages and first token of a finished prefill-only request."""
+        if request_id not in self._exports:
+            raise KeyError(f"request {request_id!r} has no exported KV (not prefilled here?)")
+        return self._exports[request_id]
+
+    def has_export(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a prefilled request whose pages wait for a pull."""
+        return request_id in self._exports
+
+    def release_export(self, request_id: str) -> None:
+        """Prefill side: free the exported pages once the decode side has them."""
+        self._exports.pop(request_id, None)
+        state = self.core.drop_state(f"{request_id}#0")
+        if state is not None:
+            self.core.scheduler.release_exported(state.seq)
+
+    def reserve_kv(self, num_tokens: int) -> list[int] | None:
+        """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
+        return self.core.scheduler.reserve(num_tokens)
+
+    def release_reservation(self, pages: list[int]) -> None:
+        """Decode side: give back reserved pages that will not be used."""
+        self.core.scheduler.release_reservation(pages)
+
+    def import_kv(self, req: Request, pages: list[int], first: FirstToken) -> None:
+        """Decode side: continue ``req`` from KV already written into reserved ``pages``;
+        its first output (``first.token``) waits in the core's pending outputs."""
+        core = self.core
+        core.check_new_id(req.request_id)
+        prompt = core.prompt_ids(req)
+        seq = new_sequence(req, 0, prompt, output_ids=[first.token])
+        core.scheduler.add_prefilled(seq, pages)
+        state = core.track(seq, 0, req.params, prompt)
+        if self.spec is not None and first.draft is not None:
+            token, hidden = first.draft
+            draft = DraftState(seq.num_tokens, token, hidden.to(core.runner.device))
+            self.spec.set_state(seq.seq_id, draft)
+        core.push_pending(core.emit(state, [first.logprob], [first.top or {}]))
