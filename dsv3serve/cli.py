@@ -11,7 +11,7 @@ from dsv3serve.bench.kernels import add_kernels_parser
 from dsv3serve.bench.model_args import add_model_parser
 from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.parallel.plan_cli import add_plan_parser
+from dsv3serve.plan.cli import add_plan_parser
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

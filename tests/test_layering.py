@@ -21,10 +21,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dsv3serve.tokenizer",),
     ("dsv3serve.parsers",),
     ("dsv3serve.kernels", "dsv3serve.kvcache"),
+    ("dsv3serve.parallel",),  # layouts, the shard rule, collectives, dispatch / combine
     ("dsv3serve.page_table", "dsv3serve.layers"),
     ("dsv3serve.forward_batch",),
     ("dsv3serve.attention", "dsv3serve.moe"),
     ("dsv3serve.model",),
+    ("dsv3serve.plan",),  # the memory planner (the checkpoint's shapes through the rule)
     ("dsv3serve.engine",),
     ("kv_transfer",),
     ("workers",),
@@ -33,19 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dsv3serve.cli",),  # the `dsv3serve` command: `serve` starts the router
 )
 
-KNOWN_CYCLES: dict[str, frozenset[str]] = {
-    # removed by the engine-core restructure: delete this entry once it is merged
-    # (engine -> model_runner -> overlap, engine -> spec.loop -> model_runner; overlap
-    # imports engine under TYPE_CHECKING)
-    "engine-core": frozenset(
-        {
-            "dsv3serve.engine.engine",
-            "dsv3serve.engine.overlap",
-            "dsv3serve.engine.model_runner",
-            "dsv3serve.engine.spec.loop",
-        }
-    ),
-}
+KNOWN_CYCLES: dict[str, frozenset[str]] = {}
 
 TORCH_FREE = ("router",)  # packages whose import must not load torch
 

@@ -17,7 +17,8 @@ from dsv3serve.model.shard_load import read_index
 from dsv3serve.model.tiny import checkpoint_shapes, is_quantized, make_tiny_checkpoint
 from dsv3serve.model.weights import load_checkpoint, shard_files
 from dsv3serve.parallel.config import ParallelConfig
-from dsv3serve.parallel.planner import (
+from dsv3serve.parallel.shard import RankLayout
+from dsv3serve.plan.planner import (
     GB,
     KINDS,
     PlanError,
@@ -26,7 +27,6 @@ from dsv3serve.parallel.planner import (
     nextn_shared_names,
     plan,
 )
-from dsv3serve.parallel.shard import RankLayout
 
 V3 = ModelConfig.from_dict(DEEPSEEK_V3_CONFIG)
 REPO = Path(__file__).resolve().parents[1]

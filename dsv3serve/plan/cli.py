@@ -10,8 +10,8 @@ from typing import Any
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.parallel.config import ParallelConfig
-from dsv3serve.parallel.planner import Plan, PlanError, plan
-from dsv3serve.parallel.planner_report import plan_json, plan_table
+from dsv3serve.plan.planner import Plan, PlanError, plan
+from dsv3serve.plan.report import plan_json, plan_table
 
 
 def add_plan_parser(sub: Any) -> None:

@@ -1,11 +1,11 @@
-"""Print a :class:`~dsv3serve.parallel.planner.Plan` as a table or JSON."""
+"""Print a :class:`~dsv3serve.plan.planner.Plan` as a table or JSON."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from dsv3serve.parallel.planner import GB, KINDS, Plan, describe
+from dsv3serve.plan.planner import GB, KINDS, Plan, describe
 
 
 def plan_table(p: Plan, model: str) -> str:
