@@ -44,9 +44,10 @@ class MLADims:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> MLADims:
+    def from_config(cls, cfg: ModelConfig, attn_tp_size: int = 1) -> MLADims:
+        """The shapes of one rank: ``num_attention_heads / attn_tp_size`` heads."""
         return cls(
-            cfg.num_attention_heads,
+            cfg.num_attention_heads // attn_tp_size,
             cfg.kv_lora_rank,
             cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim,

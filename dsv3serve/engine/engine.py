@@ -119,8 +119,12 @@ class Engine:
         """Whether steps run with the overlap scheduler."""
         return self._overlap is not None
 
-    def use_runner(self, runner: Any) -> None:
-        """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``)."""
+    def use_runner(self, runner: Any, scheduler: Any = None) -> None:
+        """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``).
+
+        ``scheduler`` (DP attention: one scheduler per DP rank) replaces this engine's;
+        call it before any request.
+        """
         if self.spec is not None:
             raise ValueError(
                 "speculative_algorithm: speculative decoding runs on one rank only; a "
@@ -132,6 +136,10 @@ class Engine:
             self._overlap = None
             self._loop = PlainLoop(self._core)
         self._core.runner = runner
+        if scheduler is not None:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("use_runner: requests are queued; call it before any")
+            self.scheduler = self._core.scheduler = scheduler
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, req: Request, prefill_only: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from dsv3serve.engine.compile import decode_model, warn_if_compile_unused
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.future_tokens import FutureTokens
+from dsv3serve.engine.rank_parts import agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
@@ -23,6 +25,8 @@ from dsv3serve.page_table import slots_of
 
 if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -53,16 +57,20 @@ class ModelRunner:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg)
+        check_fits(cfg, model_cfg, self.device)
+        self.parts = rank_parts(cfg, model_cfg)
         opts = ModelOptions(
             dtype=self.dtype,
             attn_impl=cfg.attn_impl,
             fp8_act_quant=cfg.fp8_act_quant,
             moe_backend=cfg.moe_backend,
             shared_experts_fusion=cfg.shared_experts_fusion,
+            layout=self.parts.layout,
         )
         with torch.device(self.device):
-            self.model = DeepseekV3ForCausalLM(model_cfg, opts)
-        load_weights(self.model, model_dir, cfg.load_format)
+            p = self.parts
+            self.model = DeepseekV3ForCausalLM(model_cfg, opts, p.comm, p.dispatcher)
+        load_weights(self.model, model_dir, cfg.load_format, self.parts.layout)
         self.future: FutureTokens | None = None  # overlap scheduler's placeholder tokens
         if cfg.overlap_schedule:
             self.future = FutureTokens(3 * cfg.max_running_requests + 1, self.device)
@@ -75,7 +83,7 @@ class ModelRunner:
             cfg.attention_backend,
             self.pool,
             model_cfg.kv_lora_rank,
-            MLADims.from_config(model_cfg),
+            MLADims.from_config(model_cfg, cfg.parallel.attn_tp_size),
             cuda_graph=self._graph_limits() if use_graphs else None,
         )
         self.graphs: DecodeGraphs | None = None
@@ -96,6 +104,9 @@ class ModelRunner:
         """Decode CUDA graphs: on CUDA with a backend that supports them, unless disabled."""
         c = self.cfg
         if self.device.type != "cuda" or c.disable_cuda_graph:
+            return False
+        if self.parts.in_group:
+            logger.info("CUDA graphs off: multi-rank groups run decode steps eagerly for now")
             return False
         return attention_backend_class(c.attention_backend, self._kv_dtype()).supports_cuda_graphs
 
@@ -144,7 +155,7 @@ class ModelRunner:
             )
         return MLAKVPool(
             layers,
-            num_pages,
+            agree_on_pages(num_pages, self.device),
             page,
             self.model_cfg.kv_cache_dim,
             self._kv_dtype(),

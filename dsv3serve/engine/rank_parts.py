@@ -1,0 +1,81 @@
+"""What one rank of a group needs to build its shard: layout, collectives, dispatcher.
+
+A group's ranks have joined one torch.distributed process group before any builds its
+model (``tp_size`` ranks, this one ``dist.get_rank()``); a one-rank engine needs none.
+On a GPU the memory planner checks the layout before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsv3serve.config import ModelConfig
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.parallel.comm import Comm, make_comm
+from dsv3serve.parallel.config import LayoutError
+from dsv3serve.parallel.dispatch import create_dispatcher
+from dsv3serve.parallel.dispatch_base import Dispatcher
+from dsv3serve.parallel.shard import RankLayout
+from dsv3serve.plan.planner import plan
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """This rank's layout (None: one rank), collectives and MoE dispatcher."""
+
+    layout: RankLayout | None = None
+    comm: Comm | None = None
+    dispatcher: Dispatcher | None = None
+
+    @property
+    def in_group(self) -> bool:
+        return self.layout is not None
+
+
+def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:
+    """The parts for this process's rank of ``cfg``'s group."""
+    if cfg.tp_size == 1:
+        return RankParts()
+    if not dist.is_initialized() or dist.get_world_size() != cfg.tp_size:
+        found = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise LayoutError(
+            f"tp_size {cfg.tp_size}: expected every rank to have joined a process group of "
+            f"{cfg.tp_size} before building the engine, found {found} (LLM, `dsv3serve` and "
+            "the Ray workers start the ranks)"
+        )
+    rank = dist.get_rank()
+    layout = RankLayout(cfg.parallel, rank)
+    dispatcher = None
+    if cfg.enable_dp_attention and cfg.ep_size > 1:
+        dispatcher = create_dispatcher(cfg.parallel, model_cfg.n_routed_experts, rank)
+    return RankParts(layout, make_comm(), dispatcher)
+
+
+def agree_on_pages(num_pages: int, device: torch.device) -> int:
+    """The smallest KV capacity of all ranks (each may compute its own from free memory)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return num_pages
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    pages = torch.tensor([num_pages], dtype=torch.int64, device=on)
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN)
+    return int(pages)
+
+
+def check_fits(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> None:
+    """On a GPU: refuse a layout the memory planner says does not fit, before loading."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory / 1e9
+    plan(
+        model_cfg,
+        cfg.parallel,
+        total,
+        cfg.mem_fraction_static,
+        cfg.page_size,
+        cfg.kv_cache_dtype,
+        cfg.cuda_graph_max_bs,
+        disable_cuda_graph=cfg.disable_cuda_graph,
+    )
