@@ -30,7 +30,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "enable_dp_lm_head": True,
     },
     "tp4-ep4": {"tp_size": 4, "ep_size": 4},
+    "dp4-ep4": {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True, "ep_size": 4},
 }
+# DP attention gives each rank its own pool of num_kv_tokens: smaller ones (by dp_size) so
+# the workload still preempts on a rank that holds two sequences.
+DP_KV_TOKENS = {2: 40, 4: 32}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,12 @@ def reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
 def test_layout_matches_the_single_rank_engine(
     layout: str, tiny_bf16_dir: Path, reference: dict[str, list[int]]
 ) -> None:
-    with LLM(str(tiny_bf16_dir), **SCENARIO_ENGINE, **LAYOUTS[layout]) as llm:
+    engine_args = {**SCENARIO_ENGINE, **LAYOUTS[layout]}
+    if engine_args.get("enable_dp_attention"):
+        engine_args["num_kv_tokens"] = DP_KV_TOKENS[engine_args["dp_size"]]
+    with LLM(str(tiny_bf16_dir), **engine_args) as llm:
         tokens = run_scenario(llm.engine)
         assert_no_leaks(llm.engine)
+        scheduler = llm.engine.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
     assert tokens == reference

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv3serve.engine.config import EngineConfig
@@ -44,6 +45,7 @@ def _follow(cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads
     cfg = rank_config(EngineConfig.model_validate_json(cfg_json), rank)
     init_group(group_spec(cfg, rank, Path(rendezvous), timeout_s))
     run_follower(cfg)
+    dist.destroy_process_group()
 
 
 @dataclass
@@ -54,7 +56,9 @@ class LocalGroup:
     workdir: Any
 
     def join(self, timeout_s: float = FOLLOWER_JOIN_TIMEOUT_S) -> None:
-        """Wait for the followers to exit (after the leader's STOP)."""
+        """Wait for the followers to exit (after the leader's STOP) and leave the group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for proc in self.processes:
             proc.join(timeout_s)
         failed = [p.exitcode for p in self.processes if p.exitcode != 0]
