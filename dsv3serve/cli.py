@@ -6,12 +6,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsv3serve.bench.kernels import add_kernels_parser
 from dsv3serve.bench.model_args import add_model_parser
 from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.parallel.args import add_layout_args
 from dsv3serve.plan.cli import add_plan_parser
+
+if TYPE_CHECKING:
+    from dsv3serve.engine.engine import Engine
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +66,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--torch-compile-max-bs", type=int, default=32, help="largest compiled decode batch"
     )
     _speculative_args(p)
+    add_layout_args(p)
     p.add_argument(
         "--hf-overrides",
         type=json.loads,
@@ -85,11 +91,17 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from dsv3serve.engine.engine import Engine
+    from dsv3serve.engine.llm import LLM
+
+    cfg = EngineConfig.from_args(args, num_kv_tokens=args.num_kv_tokens or 8192)
+    with LLM.from_config(cfg) as llm:  # --tp-size N: starts the other ranks here
+        return _generate(llm.engine, args)
+
+
+def _generate(engine: Engine, args: argparse.Namespace) -> int:
     from dsv3serve.engine.request import Request
     from dsv3serve.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig.from_args(args, num_kv_tokens=args.num_kv_tokens or 8192))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

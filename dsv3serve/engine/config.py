@@ -200,4 +200,5 @@ FLAG_FIELDS = (  # engine flags (dsv3serve.cli) named exactly as their EngineCon
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
     "speculative_draft_model_quantization",
+    *PARALLEL_FIELDS,
 )

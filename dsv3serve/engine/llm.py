@@ -43,7 +43,16 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        cfg = EngineConfig(model=model, **engine_args)
+        self._start(EngineConfig(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLM:
+        """An LLM over a validated EngineConfig (the CLI's flags)."""
+        llm = cls.__new__(cls)
+        llm._start(cfg)
+        return llm
+
+    def _start(self, cfg: EngineConfig) -> None:
         self._group: LocalGroup | None = None
         self._leader: Any = None
         if cfg.tp_size > 1:

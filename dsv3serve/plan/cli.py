@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv3serve.config import ModelConfig
+from dsv3serve.parallel.args import add_layout_args, layout_from_args
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.plan.planner import Plan, PlanError, plan
 from dsv3serve.plan.report import plan_json, plan_table
@@ -18,12 +19,7 @@ def add_plan_parser(sub: Any) -> None:
     """Add ``plan`` to the ``dsv3serve`` subcommands (SGLang's flag spellings)."""
     p = sub.add_parser("plan", help="per-rank weights, reserves and KV capacity of a layout")
     p.add_argument("--model", default="deepseek-v3", help="checkpoint dir, 'tiny', 'deepseek-v3'")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--dp-size", type=int, default=1)
-    p.add_argument("--enable-dp-attention", action="store_true")
-    p.add_argument("--ep-size", type=int, default=1)
-    p.add_argument("--moe-dense-tp-size", type=int, default=None)
-    p.add_argument("--enable-dp-lm-head", action="store_true")
+    add_layout_args(p)
     p.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, e.g. 141, 80")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=64)
@@ -50,14 +46,11 @@ def model_config(model: str) -> ModelConfig:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan; on a refusal also the reason on stderr, exit code 2."""
-    parallel = ParallelConfig(
-        tp_size=args.tp_size,
-        dp_size=args.dp_size,
-        enable_dp_attention=args.enable_dp_attention,
-        ep_size=args.ep_size,
-        moe_dense_tp_size=args.moe_dense_tp_size,
-        enable_dp_lm_head=args.enable_dp_lm_head,
-    )
+    try:
+        parallel = layout_from_args(args)
+    except ValueError as err:
+        print(f"refused: {err}", file=sys.stderr)
+        return 2
     try:
         result = _plan(args, parallel)
     except PlanError as err:
