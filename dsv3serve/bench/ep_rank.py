@@ -111,18 +111,16 @@ def build(
     except torch.cuda.OutOfMemoryError:
         if kv.kv_cache_dtype == "fp8_e4m3":
             raise
+        runner = None
+    if runner is None:  # outside the handler: its traceback no longer pins the partial model
         gc.collect()
         torch.cuda.empty_cache()
         print(f"out of memory with a {kv.kv_cache_dtype} KV pool; retrying fp8_e4m3", flush=True)
-        return build(args, layout, spec, _fp8_choice(args, layout, spec))
+        return build(args, layout, spec, kv_choice(args, layout, spec, want="fp8_e4m3"))
     fill_kv_random(runner.pool)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return runner, recorder, kv
-
-
-def _fp8_choice(args: argparse.Namespace, layout: RankLayout, spec: BuildSpec) -> KVChoice:
-    return kv_choice(args, layout, spec, want="fp8_e4m3")
 
 
 def kv_choice(
