@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import traceback
 from typing import Any
 
@@ -16,7 +15,13 @@ from dsv3serve.bench.model_projection import project_full_depth, project_graph_c
 from dsv3serve.bench.model_roofline import Roofline, decode_roofline
 from dsv3serve.bench.model_spec_graphs import SpecGraphTimer
 from dsv3serve.bench.model_steps import draft_step, forward_step
-from dsv3serve.bench.model_timing import Marks, StepTime, layer_marks, time_step
+from dsv3serve.bench.model_timing import (
+    Marks,
+    StepTime,
+    layer_marks,
+    time_decode_graph,
+    time_step,
+)
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch
@@ -81,25 +86,10 @@ class ModelBench:
         }
 
     def _time_graph(self, batch_size: int, context: int) -> float | None:
-        """Median ms of the whole decode step through the runner's CUDA graphs (host
-        padding and planning, replay, logits copy), or None without a graph for it."""
-        graphs = self.runner.graphs
+        """Median ms of the whole decode step through the runner's CUDA graphs, or None."""
         page, vocab = self.runner.cfg.page_size, self.cfg.vocab_size
         spans = context_spans(batch_size, context, 1, page, vocab)
-        if graphs is None or not graphs.can_run(spans):
-            return None
-        for _ in range(self.plan.warmup):
-            graphs.run(spans)
-        times = []
-        for _ in range(self.plan.iters):
-            torch.cuda.synchronize(self.runner.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs.run(spans)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return time_decode_graph(self.runner, spans, self.plan.warmup, self.plan.iters)
 
     def _part(self, name: str, t: StepTime, roof: Roofline) -> dict[str, Any]:
         index = int(name[len("layer") :]) if name.startswith("layer") else None

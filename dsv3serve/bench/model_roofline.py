@@ -46,23 +46,39 @@ def attention_decode_bytes(attn: MLAttention) -> int:
     return storage_bytes(_params(attn, skip=("kv_b_proj.",)) + derived)
 
 
+def expert_bytes(mlp: MoE) -> float:
+    """Bytes of one routed expert of the layer's stack (weights and FP8 scales)."""
+    experts = mlp.experts
+    slots = experts.num_experts + experts.shared_slots  # a fused shared expert is slot E
+    return storage_bytes(_params(experts)) / slots
+
+
+def moe_fixed_bytes(mlp: MoE) -> int:
+    """Router and shared expert: what an MoE layer reads whatever the routing."""
+    # element bytes: a fused shared expert's weights are views into the expert stack
+    return sum(p.numel() * p.element_size() for p in _params(mlp, skip=("experts.",)))
+
+
 def mlp_decode_bytes(mlp: nn.Module, tokens: int) -> float:
     """Dense MLP: all weights; MoE: router + shared expert + expected distinct experts."""
     if not isinstance(mlp, MoE):
         return float(storage_bytes(_params(mlp)))
-    experts = mlp.experts
-    slots = experts.num_experts + experts.shared_slots  # a fused shared expert is slot E
-    expert_bytes = storage_bytes(_params(experts)) / slots
-    hit = expected_experts_hit(experts.num_experts, mlp.cfg.num_experts_per_tok, tokens)
-    # element bytes: a fused shared expert's weights are views into the expert stack
-    rest = sum(p.numel() * p.element_size() for p in _params(mlp, skip=("experts.",)))
-    return rest + hit * expert_bytes
+    hit = expected_experts_hit(mlp.experts.num_experts, mlp.cfg.num_experts_per_tok, tokens)
+    return moe_fixed_bytes(mlp) + hit * expert_bytes(mlp)
+
+
+def norm_bytes(layer: DecoderLayer) -> int:
+    """The layer's two RMSNorm weights."""
+    return storage_bytes(_params(layer.input_layernorm) + _params(layer.post_attention_layernorm))
 
 
 def layer_weight_bytes(layer: DecoderLayer, tokens: int) -> float:
     """Weight bytes one decoder layer reads for a decode step of ``tokens`` new tokens."""
-    norms = storage_bytes(_params(layer.input_layernorm) + _params(layer.post_attention_layernorm))
-    return norms + attention_decode_bytes(layer.self_attn) + mlp_decode_bytes(layer.mlp, tokens)
+    return (
+        norm_bytes(layer)
+        + attention_decode_bytes(layer.self_attn)
+        + mlp_decode_bytes(layer.mlp, tokens)
+    )
 
 
 def kv_read_bytes(pool: MLAKVPool, batch_size: int, context: int) -> int:

@@ -13,10 +13,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from dsv3serve.forward_batch import SeqSpan
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+if TYPE_CHECKING:
+    from dsv3serve.engine.model_runner import ModelRunner
 
 
 class Marks:
@@ -102,3 +107,25 @@ def time_step(step: Callable[[Marks], None], marks: Marks, warmup: int, iters: i
             parts.setdefault(name, []).append(ms)
     medians = {name: statistics.median(v) for name, v in parts.items()}
     return StepTime(statistics.median(totals), medians, iters)
+
+
+def time_decode_graph(
+    runner: ModelRunner, spans: list[SeqSpan], warmup: int, iters: int
+) -> float | None:
+    """Median ms of the decode step over ``spans`` through the runner's CUDA graphs (host
+    padding and planning, replay, logits copy), or None without a graph for it."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.can_run(spans):
+        return None
+    for _ in range(warmup):
+        graphs.run(spans)
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize(runner.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.run(spans)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

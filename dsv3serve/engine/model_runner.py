@@ -15,7 +15,7 @@ from dsv3serve.engine.compile import decode_model, warn_if_compile_unused
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.future_tokens import FutureTokens
-from dsv3serve.engine.rank_parts import agree_on_pages, check_fits, rank_parts
+from dsv3serve.engine.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
@@ -51,14 +51,26 @@ class StepResult:
 
 
 class ModelRunner:
-    """Builds the model and its KV pool on one device and runs scheduled batches."""
+    """Builds the model and its KV pool on one device and runs scheduled batches.
 
-    def __init__(self, cfg: EngineConfig, model_dir: Path | None, model_cfg: ModelConfig):
+    ``parts``: this rank's layout, collectives and dispatcher, given instead of joined from
+    torch.distributed (the one-GPU timing-only loopback of ``docs/perf/bench_ep_rank.py``);
+    they must match ``cfg``'s layout. CUDA graphs stay on if they are graph safe.
+    """
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_dir: Path | None,
+        model_cfg: ModelConfig,
+        parts: RankParts | None = None,
+    ):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg)
         check_fits(cfg, model_cfg, self.device)
-        self.parts = rank_parts(cfg, model_cfg)
+        given = parts is not None
+        self.parts = parts.check_layout(cfg.parallel) if given else rank_parts(cfg, model_cfg)
         opts = ModelOptions(
             dtype=self.dtype,
             attn_impl=cfg.attn_impl,
@@ -105,7 +117,7 @@ class ModelRunner:
         c = self.cfg
         if self.device.type != "cuda" or c.disable_cuda_graph:
             return False
-        if self.parts.in_group:
+        if not self.parts.graph_safe:
             logger.info("CUDA graphs off: multi-rank groups run decode steps eagerly for now")
             return False
         return attention_backend_class(c.attention_backend, self._kv_dtype()).supports_cuda_graphs

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.parallel.comm import Comm, make_comm
-from dsv3serve.parallel.config import LayoutError
+from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.dispatch import create_dispatcher
 from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.shard import RankLayout
@@ -33,6 +33,22 @@ class RankParts:
     @property
     def in_group(self) -> bool:
         return self.layout is not None
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether decode steps can be captured into CUDA graphs: one rank, or collectives
+        and dispatcher that say so (the timing-only loopbacks; no real group yet)."""
+        comm_ok = self.comm is None or self.comm.graph_safe
+        return comm_ok and (self.dispatcher is None or self.dispatcher.graph_safe)
+
+    def check_layout(self, parallel: ParallelConfig) -> RankParts:
+        """``self`` if its layout is ``parallel`` (the engine config's), else LayoutError."""
+        found = None if self.layout is None else self.layout.parallel
+        if found != (parallel if parallel.world_size > 1 else None):
+            raise LayoutError(
+                f"expected rank parts for the engine's layout {parallel}, found {found}"
+            )
+        return self
 
 
 def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:

@@ -11,6 +11,7 @@ and to slice); ``all_reduce`` and ``all_gather`` stay on the device.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,13 @@ from torch import Tensor
 
 
 class Comm(ABC):
-    """Collectives of one group: sum, equal-size gather and gather of varying row counts."""
+    """Collectives of one group: sum, equal-size gather and gather of varying row counts.
+
+    ``graph_safe``: every collective can be captured into a CUDA graph (no host sync, no
+    process-group call); True only where nothing crosses processes.
+    """
+
+    graph_safe: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -50,6 +57,8 @@ class Comm(ABC):
 
 class SingleRank(Comm):
     """A group of one rank: every collective returns its input."""
+
+    graph_safe: ClassVar[bool] = True
 
     @property
     def world_size(self) -> int:

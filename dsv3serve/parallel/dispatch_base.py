@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -37,6 +37,10 @@ class Dispatcher(ABC):
 
     num_local_experts: int
     """Routed experts each rank holds (global expert ``e`` lives on rank ``e // this``)."""
+
+    graph_safe: ClassVar[bool] = False
+    """``dispatch`` and ``combine`` can be captured into a CUDA graph (static shapes, no host
+    sync, no process-group call)."""
 
     @abstractmethod
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:

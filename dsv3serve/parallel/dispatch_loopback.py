@@ -4,17 +4,17 @@ that exists only to time one EP rank's share of the work on a single GPU."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from dsv3serve.parallel.dispatch_base import Dispatched, Dispatcher
 from dsv3serve.parallel.dispatch_pack import (
+    RoutePlan,
     WireFormat,
     check_payload_dtype,
     check_routing,
-    copy_mask,
-    plan_routes,
     sum_back,
 )
 
@@ -22,6 +22,8 @@ from dsv3serve.parallel.dispatch_pack import (
 class NoDispatch(Dispatcher):
     """``ep_size`` 1: every expert is local, nothing moves. ``dispatch`` returns the tokens as
     they are (ids int64, weights float32); ``combine`` returns ``y``."""
+
+    graph_safe: ClassVar[bool] = True
 
     def __init__(self, num_experts: int) -> None:
         self.num_local_experts = num_experts
@@ -45,16 +47,21 @@ class _LoopbackState:
 class LoopbackTimingOnlyDispatcher(Dispatcher):
     """FOR TIMING ONLY -- NOT a correct multi-rank MoE.
 
-    Pretends to be EP rank ``rank`` of ``ep_size`` in a one-process run: ``dispatch`` keeps
-    only the tokens with at least one expert in this rank's range (their other experts are
-    dropped, and no other rank's tokens arrive), and moves them through the same pack / unpack
-    path as :class:`~dsv3serve.parallel.dispatch_a2a.AllToAllDispatcher`, with a local copy
-    where the collective would be. ``combine`` returns [T, H]: this rank's part of each token,
+    Pretends to be EP rank ``rank`` of ``ep_size`` in a one-process run: ``dispatch`` keeps,
+    of each token's top-k, only the experts in this rank's range (the others are dropped, and
+    no other rank's tokens arrive), and moves the tokens through the same pack / unpack path
+    as :class:`~dsv3serve.parallel.dispatch_a2a.AllToAllDispatcher`, with a local copy where
+    the collective would be. ``combine`` returns [T, H]: this rank's part of each token,
     zeros for tokens routed elsewhere. A one-GPU benchmark of one EP rank's share of the model
-    thus times realistic local expert work; its outputs are not the model's.
+    thus times the local expert work of this rank's own tokens; its outputs are not the
+    model's.
 
-    One host sync per ``dispatch`` (the copy counts), none in ``combine``.
+    CUDA-graph safe (no host sync, static shapes): EVERY token arrives as one row, those with
+    no expert here with all ids ``-1`` and weights 0 (the all-to-all would not send them;
+    their rows cost the local experts nothing but the weight-0 slots the caller clamps).
     """
+
+    graph_safe: ClassVar[bool] = True
 
     def __init__(
         self, num_experts: int, ep_size: int, rank: int, payload_dtype: torch.dtype | None = None
@@ -69,15 +76,20 @@ class LoopbackTimingOnlyDispatcher(Dispatcher):
         self.num_local_experts = num_experts // ep_size
         self.payload_dtype = check_payload_dtype(payload_dtype)
 
+    def local_routes(self, topk_ids: Tensor, topk_weights: Tensor) -> RoutePlan:
+        """Every token once, ids local to this rank (``-1``, weight 0, for other ranks')."""
+        local = topk_ids - self.rank * self.num_local_experts
+        here = (topk_ids >= 0) & (local >= 0) & (local < self.num_local_experts)
+        src = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+        ids = torch.where(here, local, -1).to(torch.int32)
+        return RoutePlan(src, ids, torch.where(here, topk_weights.float(), 0.0))
+
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
         check_routing(x, topk_ids, topk_weights)
-        mask = copy_mask(topk_ids, self.num_local_experts, self.ep_size)
-        counts = mask.sum(0).tolist()  # the one host sync
-        plan = plan_routes(topk_ids, topk_weights, self.num_local_experts, mask, sum(counts))
-        first, rows = sum(counts[: self.rank]), counts[self.rank]
+        plan = self.local_routes(topk_ids, topk_weights)
         wire = WireFormat(x.shape[1], topk_ids.shape[1], x.dtype, self.payload_dtype)
-        arrived = wire.pack(x, plan, first, rows).clone()  # stands in for the all-to-all
-        state = _LoopbackState(plan.src_token[first : first + rows], x.shape[0])
+        arrived = wire.pack(x, plan).clone()  # stands in for the all-to-all
+        state = _LoopbackState(plan.src_token, x.shape[0])
         return Dispatched(*wire.unpack(arrived), state=state)
 
     def combine(self, y: Tensor, dispatched: Dispatched) -> Tensor:
