@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 from http_util import free_socket
+from plan_util import plan_published
 from ray.serve.schema import ServeDeploySchema
 
-from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.model.presets import PRESETS
-from dsv3serve.plan.planner import plan
 from router.config import ConfigError, ServingConfig
 from router.launch import load_deploy_file, local_pd_config
 
@@ -85,23 +83,6 @@ def test_colocated_gpu_files_run_dp_attention_with_ep_over_every_rank(
     assert layout.enable_dp_attention
 
 
-def plan_engine(engine: EngineConfig, gpu_memory_gb: float) -> None:
-    """The planner on the published DeepSeek-V3 with ``engine``'s layout and memory knobs
-    (as the engine's own check on a GPU rank, plus its prefill chunk); raises if no fit."""
-    chunk = {"chunked_prefill_size": engine.chunked_prefill_size}
-    plan(
-        ModelConfig.from_dict(PRESETS["deepseek-v3"]),
-        engine.parallel,
-        gpu_memory_gb,
-        engine.mem_fraction_static,
-        engine.page_size,
-        engine.kv_cache_dtype,
-        engine.cuda_graph_max_bs,
-        disable_cuda_graph=engine.disable_cuda_graph,
-        **(chunk if engine.chunked_prefill_size > 0 else {}),
-    )
-
-
 @pytest.mark.parametrize(("name", "gpu_memory_gb"), sorted(GPU_FILES.items()))
 def test_gpu_deploy_file_layouts_fit_the_published_model(name: str, gpu_memory_gb: int) -> None:
     cfg = serving_config(DEPLOY / name)
@@ -110,7 +91,7 @@ def test_gpu_deploy_file_layouts_fit_the_published_model(name: str, gpu_memory_g
         assert engine.model == "/models/DeepSeek-V3" and engine.tp_size > 1
         # multi-rank groups run without CUDA graphs and overlap: the files must say so
         assert engine.disable_cuda_graph and not engine.overlap_schedule
-        plan_engine(engine, gpu_memory_gb)
+        plan_published(engine, gpu_memory_gb)
 
 
 @pytest.mark.parametrize("name", sorted(GPU_FILES))
@@ -129,7 +110,7 @@ def test_four_rank_groups_of_the_published_model_do_not_fit_an_h200() -> None:
     """Why no file splits one 8xH200 node into two groups of 4 (prefill + decode)."""
     engine = EngineConfig(model="/models/DeepSeek-V3", device="cuda", tp_size=4, ep_size=4)
     with pytest.raises(ValueError, match=r"layout tp 4, ep 4 does not fit"):
-        plan_engine(engine, 141)
+        plan_published(engine, 141)
 
 
 @pytest.mark.parametrize(
