@@ -32,9 +32,7 @@ def test_group_size_cannot_be_set_and_is_not_serialised() -> None:
 def test_speculation_with_several_ranks_is_refused_naming_both(role: str) -> None:
     with pytest.raises(ValidationError) as err:
         WorkerConfig(role=role, engine={**SPEC_ENGINE.model_dump(), "tp_size": 2})
-    assert "speculative_algorithm NEXTN with tp_size 2: MTP runs on one rank only" in str(
-        err.value
-    )
+    assert "speculative_algorithm NEXTN with tp_size 2: MTP runs on one rank only" in str(err.value)
 
 
 def test_one_rank_with_speculation_and_groups_without_it_are_accepted() -> None:
