@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "dsv3serve"
 VALUES_DIR = ROOT / "helm" / "values"
 LAYOUTS = {
-    "one-node-1p1d": yaml.safe_load((VALUES_DIR / "one-node-1p1d.yaml").read_text()),
-    "multi-node": yaml.safe_load((VALUES_DIR / "multi-node.yaml").read_text()),
+    **{p.stem: yaml.safe_load(p.read_text()) for p in sorted(VALUES_DIR.glob("*.yaml"))},
     "chart-defaults": {"model": {"path": "/models/DeepSeek-V3"}},
 }
 layouts = pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -45,7 +44,7 @@ def serve_config(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def pod_templates(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Pod template per group name ('head', 'prefill', 'decode')."""
+    """Pod template per group name ('head', then 'prefill' and 'decode' or 'colocated')."""
     cluster = service["spec"]["rayClusterConfig"]
     groups = {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
     return {"head": cluster["headGroupSpec"]["template"], **groups}

@@ -9,18 +9,33 @@ from pathlib import Path
 import pytest
 import yaml
 from http_util import free_socket
+from plan_util import plan_published
 from ray.serve.schema import ServeDeploySchema
 
+from dsv3serve.engine.config import EngineConfig
 from router.config import ConfigError, ServingConfig
 from router.launch import load_deploy_file, local_pd_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 FILES = sorted(DEPLOY.glob("*.yaml"))
+# GPU memory (GB, as the planner counts) of each GPU deploy file's cards.
+GPU_FILES = {
+    "h200x8-colocated.yaml": 141,
+    "two-node-h200-pd.yaml": 141,
+    "two-node-h100-ep16.yaml": 80,
+}
 
 
 def test_the_expected_deploy_files_exist() -> None:
     names = {f.name for f in FILES}
-    assert {"local-pd.yaml", "local-colocated.yaml", "h200x8-pd.yaml", "two-node-pd.yaml"} <= names
+    assert {"local-pd.yaml", "local-colocated.yaml", *GPU_FILES} <= names
+    gpu_files = {f.name for f in FILES if serving_config(f).engine.device.startswith("cuda")}
+    assert gpu_files == set(GPU_FILES), "give every GPU deploy file its GPU memory here"
+
+
+def serving_config(path: Path) -> ServingConfig:
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    return ServingConfig.parse(app["args"])
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -37,11 +52,65 @@ def test_embedded_default_is_deploy_local_pd() -> None:
     assert local_pd_config() == yaml.safe_load((DEPLOY / "local-pd.yaml").read_text())
 
 
-def test_two_node_example_pins_groups_to_different_nodes() -> None:
-    args = yaml.safe_load((DEPLOY / "two-node-pd.yaml").read_text())["applications"][0]["args"]
-    cfg = ServingConfig.parse(args)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_role_of_a_deploy_file_has_a_valid_worker_config(path: Path) -> None:
+    cfg = serving_config(path)
+    for role in cfg.roles():
+        worker = cfg.worker_config(role)
+        assert worker.group_size == worker.engine.tp_size == worker.engine.parallel.world_size
+
+
+def test_two_node_h200_pd_pins_groups_to_different_nodes() -> None:
+    cfg = serving_config(DEPLOY / "two-node-h200-pd.yaml")
     assert cfg.prefill.resources.keys().isdisjoint(cfg.decode.resources.keys())
     assert cfg.kv_connector == "torch_dist"
+    prefill, decode = (cfg.worker_config(r).engine.parallel for r in ("prefill", "decode"))
+    assert (prefill.tp_size, prefill.dp_size, prefill.ep_size) == (8, 1, 8)
+    assert (decode.tp_size, decode.dp_size, decode.ep_size) == (8, 8, 8)
+    assert decode.enable_dp_attention and not prefill.enable_dp_attention
+
+
+@pytest.mark.parametrize(
+    ("name", "ranks"), [("h200x8-colocated.yaml", 8), ("two-node-h100-ep16.yaml", 16)]
+)
+def test_colocated_gpu_files_run_dp_attention_with_ep_over_every_rank(
+    name: str, ranks: int
+) -> None:
+    cfg = serving_config(DEPLOY / name)
+    layout = cfg.worker_config("colocated").engine.parallel
+    assert cfg.mode == "colocated" and cfg.colocated.num_replicas == 1
+    assert (layout.tp_size, layout.dp_size, layout.ep_size) == (ranks, ranks, ranks)
+    assert layout.enable_dp_attention
+
+
+@pytest.mark.parametrize(("name", "gpu_memory_gb"), sorted(GPU_FILES.items()))
+def test_gpu_deploy_file_layouts_fit_the_published_model(name: str, gpu_memory_gb: int) -> None:
+    cfg = serving_config(DEPLOY / name)
+    for role in cfg.roles():
+        engine = cfg.worker_config(role).engine
+        assert engine.model == "/models/DeepSeek-V3" and engine.tp_size > 1
+        # multi-rank groups run without CUDA graphs and overlap: the files must say so
+        assert engine.disable_cuda_graph and not engine.overlap_schedule
+        plan_published(engine, gpu_memory_gb)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_FILES))
+def test_gpu_deploy_file_header_pastes_the_plan_of_each_layout(name: str) -> None:
+    """The header's ``dsv3serve plan`` lines name each role's layout and the file's GPU."""
+    text, cfg = (DEPLOY / name).read_text(), serving_config(DEPLOY / name)
+    for role in cfg.roles():
+        p = cfg.worker_config(role).engine.parallel
+        flags = f"--tp-size {p.tp_size}"
+        flags += f" --dp-size {p.dp_size} --enable-dp-attention" if p.enable_dp_attention else ""
+        command = f"# $ dsv3serve plan --model deepseek-v3 {flags} --ep-size {p.ep_size} "
+        assert f"{command}--gpu-memory-gb {GPU_FILES[name]} --disable-cuda-graph\n" in text
+
+
+def test_four_rank_groups_of_the_published_model_do_not_fit_an_h200() -> None:
+    """Why no file splits one 8xH200 node into two groups of 4 (prefill + decode)."""
+    engine = EngineConfig(model="/models/DeepSeek-V3", device="cuda", tp_size=4, ep_size=4)
+    with pytest.raises(ValueError, match=r"layout tp 4, ep 4 does not fit"):
+        plan_published(engine, 141)
 
 
 @pytest.mark.parametrize(
@@ -76,13 +145,20 @@ SPEC = {"model": "tiny", "speculative_algorithm": "NEXTN"}
     ("change", "message"),
     [
         (
-            {"engine": SPEC, "decode": {"group_size": 2}},
-            r"decode\.group_size: found 2 with engine\.speculative_algorithm NEXTN, expected "
-            "group_size 1",
+            {"engine": SPEC, "decode": {"engine": {"tp_size": 2}}},
+            r"decode\.engine: speculative_algorithm NEXTN with tp_size 2: MTP runs on one rank",
         ),
         (
-            {"prefill": {"group_size": 4, "engine": {"speculative_algorithm": "EAGLE"}}},
-            r"prefill\.group_size: found 4 with engine\.speculative_algorithm EAGLE",
+            {"prefill": {"engine": {"tp_size": 4, "speculative_algorithm": "EAGLE"}}},
+            r"prefill\.engine: speculative_algorithm EAGLE with tp_size 4",
+        ),
+        (
+            {"decode": {"group_size": 2}},
+            r"decode: .*group_size was replaced by engine\.tp_size",
+        ),
+        (
+            {"prefill": {"engine": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}}},
+            r"prefill: engine\.enable_dp_attention: a prefill group publishes KV from rank 0",
         ),
         (
             {"decode": {"engine": {"speculative_algorithm": "NEXTN"}}},

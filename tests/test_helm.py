@@ -39,9 +39,10 @@ from helm_util import (
     serve_config,
 )
 from kubernetes_validate.utils import latest_version
+from plan_util import plan_published
 from ray.serve.schema import ServeDeploySchema
 
-from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.config import PARALLEL_FIELDS, EngineConfig
 from router.config import RouterSettings, ServingConfig
 
 RAYSERVICE_SCHEMA = Path(__file__).parent / "data" / "kuberay" / "rayservice-v1.schema.json"
@@ -87,7 +88,7 @@ def test_rayservice_validates_against_kuberay_schema(layout: str) -> None:
 
 
 def test_kuberay_schema_catches_a_misspelt_field() -> None:
-    service = rayservice(LAYOUTS["multi-node"])
+    service = rayservice(LAYOUTS["two-node-h200-pd"])
     service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
     assert not kuberay_validator().is_valid(service)
 
@@ -104,7 +105,8 @@ def test_serve_config_validates_with_ray_and_serving_config(layout: str) -> None
     for app in config["applications"]:
         assert app["import_path"] == "router.app:build_app"
         cfg = ServingConfig.parse(app["args"])
-        assert cfg.mode == "pd" and cfg.kv_connector in ("torch_dist", "nixl")
+        assert cfg.mode == LAYOUTS[layout].get("mode", "pd")
+        assert cfg.kv_connector in ("torch_dist", "nixl") or cfg.mode == "colocated"
         assert (cfg.router.metrics_host, cfg.router.metrics_port) == ("0.0.0.0", 8001)
 
 
@@ -119,15 +121,18 @@ def test_each_role_fits_only_its_own_worker_group(layout: str) -> None:
     groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
     cfg = ServingConfig.parse(args)
-    for role in ("prefill", "decode"):
+    assert set(groups) == set(cfg.roles())
+    for role in cfg.roles():
         want, group = getattr(cfg, role), groups[role]
         offered = ray_start_resources(group)
-        other = ray_start_resources(groups["decode" if role == "prefill" else "prefill"])
         assert want.resources and set(want.resources) <= set(offered)
-        assert set(want.resources).isdisjoint(other), "a rank could land on the other role"
+        for other in set(cfg.roles()) - {role}:
+            offers = ray_start_resources(groups[other])
+            assert set(want.resources).isdisjoint(offers), "a rank could land on the other role"
         gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
-        ranks = want.num_replicas * want.group_size
-        assert want.group_size <= gpus and ranks <= group["replicas"] * gpus
+        # a replica's tp_size ranks may span pods; all replicas fit in the role's GPUs
+        ranks = want.num_replicas * cfg.worker_config(role).group_size
+        assert ranks <= group["replicas"] * gpus
         # the ranks take every Ray CPU of the pod, so the router (1 CPU) runs on the head
         assert int(group["rayStartParams"]["num-cpus"]) == gpus * want.num_cpus
 
@@ -157,7 +162,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_render_valid_objects(variant: str) -> None:
-    values = LAYOUTS["multi-node"] | VARIANTS[variant]
+    values = LAYOUTS["two-node-h200-pd"] | VARIANTS[variant]
     docs = render(values)
     for doc in docs:
         if doc["kind"] in CORE_KINDS:
@@ -170,7 +175,7 @@ def test_variants_render_valid_objects(variant: str) -> None:
 
 
 def test_switches_remove_what_they_name() -> None:
-    docs = render(LAYOUTS["multi-node"] | VARIANTS["bare"] | VARIANTS["no-auth"])
+    docs = render(LAYOUTS["two-node-h200-pd"] | VARIANTS["bare"] | VARIANTS["no-auth"])
     kinds = {doc["kind"] for doc in docs}
     assert kinds == {"RayService", "Service"}  # the router Service alone
     (service,) = of_kind(docs, "RayService")
@@ -179,26 +184,63 @@ def test_switches_remove_what_they_name() -> None:
         assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "DSV3SERVE_API_KEY"}.isdisjoint(env_of(template))
 
 
-def test_values_files_describe_the_two_layouts() -> None:
-    one = ServingConfig.parse(serve_config(LAYOUTS["one-node-1p1d"])["applications"][0]["args"])
-    assert (one.prefill.group_size, one.decode.group_size) == (4, 4)
-    one_node = LAYOUTS["one-node-1p1d"]
-    assert one_node["prefill"]["workers"]["gpus"] == one_node["decode"]["workers"]["gpus"] == 4
-    node_types = {
-        one_node[r]["workers"]["nodeSelector"]["nvidia.com/gpu.product"]
-        for r in ("prefill", "decode")
-    }
-    assert len(node_types) == 1
-    multi = ServingConfig.parse(serve_config(LAYOUTS["multi-node"])["applications"][0]["args"])
-    assert (multi.prefill.num_replicas, multi.prefill.group_size) == (1, 8)
-    assert (multi.decode.num_replicas, multi.decode.group_size) == (2, 8)
-    assert LAYOUTS["multi-node"]["decode"]["workers"]["replicas"] == 2
+def serving(layout: str) -> ServingConfig:
+    return ServingConfig.parse(serve_config(LAYOUTS[layout])["applications"][0]["args"])
+
+
+def layout_of(cfg: ServingConfig, role: str) -> tuple[int, int, bool, int]:
+    """(tp_size, dp_size, enable_dp_attention, ep_size) of ``role``'s engine."""
+    p = cfg.worker_config(role).engine.parallel
+    return p.tp_size, p.dp_size, p.enable_dp_attention, p.ep_size
+
+
+def pods_of(layout: str, role: str) -> tuple[int, int]:
+    """(pods, GPUs per pod) of ``role``'s worker group in a values file."""
+    workers = LAYOUTS[layout][role]["workers"]
+    return workers["replicas"], workers["gpus"]
+
+
+def test_values_files_describe_the_three_layouts() -> None:
+    one = serving("one-node-h200-colocated")
+    assert one.roles() == ("colocated",) and one.colocated.num_replicas == 1
+    assert layout_of(one, "colocated") == (8, 8, True, 8)
+    assert pods_of("one-node-h200-colocated", "colocated") == (1, 8)
+    pd = serving("two-node-h200-pd")
+    assert (pd.prefill.num_replicas, pd.decode.num_replicas) == (1, 1)
+    assert layout_of(pd, "prefill") == (8, 1, False, 8)
+    assert layout_of(pd, "decode") == (8, 8, True, 8)
+    assert pods_of("two-node-h200-pd", "prefill") == pods_of("two-node-h200-pd", "decode") == (1, 8)
+    ep16 = serving("two-node-h100-ep16")
+    assert layout_of(ep16, "colocated") == (16, 16, True, 16)
+    assert pods_of("two-node-h100-ep16", "colocated") == (2, 8)  # the group spans both pods
+    defaults = serving("chart-defaults")  # the two-node H200 PD layout
+    assert [defaults.worker_config(r) for r in ("prefill", "decode")] == [
+        pd.worker_config(r) for r in ("prefill", "decode")
+    ]
+
+
+# GPU memory (GB, as the planner counts) by the nodeSelector's nvidia.com/gpu.product.
+GPU_MEMORY_GB = {"NVIDIA-H200": 141, "NVIDIA-H100-80GB-HBM3": 80}
+
+
+@layouts
+def test_every_layout_fits_the_published_model_on_its_gpus(layout: str) -> None:
+    cfg, values = serving(layout), LAYOUTS[layout]
+    for role in cfg.roles():
+        selector = values.get(role, {}).get("workers", {}).get("nodeSelector", {})
+        product = selector.get("nvidia.com/gpu.product", "NVIDIA-H200")  # defaults: H200
+        engine = cfg.worker_config(role).engine
+        # multi-rank groups run without CUDA graphs and overlap: the values must say so
+        assert engine.disable_cuda_graph and not engine.overlap_schedule
+        plan_published(engine, GPU_MEMORY_GB[product])
 
 
 def test_engine_and_router_schemas_track_the_config_classes() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     engine_keys = set(schema["definitions"]["engine"]["properties"])
-    assert engine_keys == set(EngineConfig.model_fields) - {"model"}
+    assert engine_keys == set(EngineConfig.model_fields) - {"model", *PARALLEL_FIELDS}
+    layout_keys = set(schema["definitions"]["layout"]["properties"])
+    assert layout_keys == set(PARALLEL_FIELDS) - {"tp_size"}  # tp_size is <role>.tpSize
     chart_set = {"metrics_host", "metrics_port"}  # from metrics.routerPort, bound to the pod IP
     router_keys = set(schema["properties"]["router"]["properties"])
     assert router_keys == set(RouterSettings.model_fields) - chart_set
@@ -208,8 +250,8 @@ def test_engine_and_router_schemas_track_the_config_classes() -> None:
 
 
 def changed(path: str, value: Any) -> dict[str, Any]:
-    """The multi-node values with the dotted ``path`` set to ``value`` (None deletes it)."""
-    values = copy.deepcopy(LAYOUTS["multi-node"])
+    """The two-node PD values with the dotted ``path`` set to ``value`` (None deletes it)."""
+    values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
     *parents, last = path.split(".")
     node = values
     for key in parents:
@@ -235,6 +277,13 @@ def changed(path: str, value: Any) -> dict[str, Any]:
         ("router.policy", "random", r"at '/router/policy'"),
         ("gpuEnv.NCCL_NVLS_ENABLE", 0, r"at '/gpuEnv/NCCL_NVLS_ENABLE': got number, want string"),
         ("service.type", "ExternalName", r"at '/service/type'"),
+        ("mode", "both", r"at '/mode': value must be one of"),
+        ("prefill.groupSize", 8, r"at '/prefill': additional properties 'groupSize' not allowed"),
+        ("decode.tpSize", 0, r"at '/decode/tpSize': minimum"),
+        ("engine.tp_size", 8, r"at '/engine': additional properties 'tp_size' not allowed"),
+        ("decode.engine.ep_size", 8, r"at '/decode/engine': additional properties 'ep_size'"),
+        ("decode.layout.dp_size", 0, r"at '/decode/layout/dp_size': minimum"),
+        ("decode.layout.tp_size", 8, r"at '/decode/layout': additional properties 'tp_size'"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message: str) -> None:
@@ -245,18 +294,28 @@ def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("decode.numReplicas", 3, r"decode\.numReplicas: 3 replicas x groupSize 8 need 24 GPUs"),
         (
-            "prefill.groupSize",
+            "decode.numReplicas",
+            3,
+            r"decode\.numReplicas: 3 replicas x tpSize 8 need 24 GPUs, but decode\.workers has "
+            r"1 pods x 8 GPUs = 8",
+        ),
+        (
+            "prefill.tpSize",
             16,
-            r"prefill\.groupSize: found 16, expected <= prefill\.workers\.gpus",
+            r"prefill\.numReplicas: 1 replicas x tpSize 16 need 16 GPUs, but prefill\.workers",
+        ),
+        (
+            "prefill.layout.enable_dp_attention",
+            True,
+            r"prefill\.layout\.enable_dp_attention: found true, expected false",
         ),
         ("rayVersion", "2.50.0", r"rayVersion: found 2\.50\.0, expected >= 2\.52\.0"),
         ("metrics.rayPort", 8001, r"metrics\.routerPort: found 8001, the same as metrics\.rayPort"),
         (
             "engine.speculative_algorithm",
             "NEXTN",
-            r"prefill\.groupSize: found 8 with engine\.speculative_algorithm NEXTN, expected 1",
+            r"prefill\.tpSize: found 8 with engine\.speculative_algorithm NEXTN, expected 1",
         ),
     ],
 )
@@ -267,11 +326,14 @@ def test_layouts_ray_cannot_place_fail_naming_the_field(
         render(changed(path, value))
 
 
+ONE_RANK = {"tpSize": 1, "layout": {"dp_size": 1, "enable_dp_attention": False, "ep_size": 1}}
+
+
 def one_rank_groups(prefill_engine: dict[str, Any], decode_engine: dict[str, Any]) -> dict:
-    """The multi-node values with one rank per replica and these role engine overrides."""
-    values = copy.deepcopy(LAYOUTS["multi-node"])
+    """The two-node PD values with one rank per replica and these role engine overrides."""
+    values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
     for role, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
-        values[role] |= {"groupSize": 1, "engine": engine}
+        values[role] |= ONE_RANK | {"engine": engine}
     return values
 
 
@@ -303,7 +365,7 @@ def test_chart_dashboards_mirror_deploy_grafana() -> None:
 
 
 def test_each_packaged_dashboard_is_a_labelled_config_map() -> None:
-    maps = of_kind(render(LAYOUTS["multi-node"]), "ConfigMap")
+    maps = of_kind(render(LAYOUTS["two-node-h200-pd"]), "ConfigMap")
     packaged = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
     found = {}
     for config_map in maps:
@@ -319,7 +381,8 @@ def test_dashboard_file_names_become_config_map_names(tmp_path: Path) -> None:
     board = {"title": "probe", "panels": []}  # a stand-in file, only to exercise the template
     (chart / "dashboards" / "PD_Overview.json").write_text(json.dumps(board))
     maps = {
-        m["metadata"]["name"]: m for m in of_kind(render(LAYOUTS["multi-node"], chart), "ConfigMap")
+        m["metadata"]["name"]: m
+        for m in of_kind(render(LAYOUTS["two-node-h200-pd"], chart), "ConfigMap")
     }
     config_map = maps["dsv3-dsv3serve-dashboard-pd-overview"]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"

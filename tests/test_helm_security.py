@@ -112,7 +112,7 @@ def test_network_policies_fence_the_release(layout: str) -> None:
 
 
 def test_service_monitor_scrapes_the_metrics_service() -> None:
-    docs = render(LAYOUTS["multi-node"])
+    docs = render(LAYOUTS["two-node-h200-pd"])
     (monitor,) = of_kind(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     (metrics,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics")]
@@ -126,7 +126,7 @@ def test_service_monitor_scrapes_the_metrics_service() -> None:
 
 
 def test_existing_secrets_are_referenced_not_created() -> None:
-    values = copy.deepcopy(LAYOUTS["multi-node"])
+    values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
     values["rayAuth"] = {"existingSecret": "ray-token"}
     values["apiKey"] = {"existingSecret": "llm-keys", "secretKey": "key"}
     docs = render(values)
@@ -140,7 +140,7 @@ def test_existing_secrets_are_referenced_not_created() -> None:
 
 
 def test_given_api_key_is_stored() -> None:
-    values = {**LAYOUTS["multi-node"], "apiKey": {"value": "sk-test-123"}}
+    values = {**LAYOUTS["two-node-h200-pd"], "apiKey": {"value": "sk-test-123"}}
     (secret,) = [
         s for s in of_kind(render(values), "Secret") if s["metadata"]["name"].endswith("-api-key")
     ]

@@ -1,4 +1,5 @@
-"""WorkerConfig: one replica's settings, validated once (here: speculation vs groups)."""
+"""WorkerConfig: one replica's settings, validated once (group size = engine.tp_size, the
+refusals of layouts a role cannot run, speculation vs multi-rank groups)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,50 @@ from dsv3serve.engine.config import EngineConfig
 from workers.config import WorkerConfig
 
 SPEC_ENGINE = EngineConfig(model="tiny", speculative_algorithm="NEXTN", speculative_num_steps=2)
+DP_ATTENTION = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 8])
+def test_group_size_is_the_engine_tp_size(tp_size: int) -> None:
+    engine = EngineConfig(model="tiny", tp_size=tp_size)
+    assert WorkerConfig(role="decode", engine=engine).group_size == tp_size
+
+
+def test_group_size_cannot_be_set_and_is_not_serialised() -> None:
+    with pytest.raises(ValidationError, match="group_size"):
+        WorkerConfig(role="decode", engine=EngineConfig(model="tiny"), group_size=2)
+    data = WorkerConfig(role="decode", engine=EngineConfig(model="tiny", tp_size=2)).model_dump()
+    assert "group_size" not in data and data["engine"]["tp_size"] == 2
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
-def test_group_of_several_ranks_with_speculation_is_rejected_naming_both(role: str) -> None:
+def test_speculation_with_several_ranks_is_refused_naming_both(role: str) -> None:
     with pytest.raises(ValidationError) as err:
-        WorkerConfig(role=role, engine=SPEC_ENGINE, group_size=2)
-    (error,) = err.value.errors()
-    assert error["loc"] == ("group_size",)
-    assert "found 2 with engine.speculative_algorithm NEXTN, expected group_size 1" in str(
-        err.value
-    )
+        WorkerConfig(role=role, engine={**SPEC_ENGINE.model_dump(), "tp_size": 2})
+    assert "speculative_algorithm NEXTN with tp_size 2: MTP runs on one rank only" in str(err.value)
 
 
 def test_one_rank_with_speculation_and_groups_without_it_are_accepted() -> None:
     assert WorkerConfig(role="decode", engine=SPEC_ENGINE).group_size == 1
-    plain = EngineConfig(model="tiny")
-    assert WorkerConfig(role="decode", engine=plain, group_size=8).group_size == 8
+    plain = EngineConfig(model="tiny", tp_size=8, ep_size=8)
+    assert WorkerConfig(role="prefill", engine=plain).group_size == 8
 
 
-def test_the_rule_holds_for_the_json_a_replica_is_started_with() -> None:
+def test_prefill_with_dp_attention_is_refused_and_other_roles_accept_it() -> None:
+    engine = EngineConfig(model="tiny", **DP_ATTENTION)
+    with pytest.raises(ValidationError, match=r"engine\.enable_dp_attention: a prefill group"):
+        WorkerConfig(role="prefill", engine=engine)
+    for role in ("decode", "colocated"):
+        assert WorkerConfig(role=role, engine=engine).engine.parallel.attn_tp_size == 1
+
+
+def test_the_rules_hold_for_the_json_a_replica_is_started_with() -> None:
     data = WorkerConfig(role="decode", engine=SPEC_ENGINE).model_dump(mode="json")
-    with pytest.raises(ValidationError, match="group_size"):
-        WorkerConfig.model_validate_json(json.dumps({**data, "group_size": 4}))
+    with pytest.raises(ValidationError, match="tp_size 4"):
+        WorkerConfig.model_validate_json(
+            json.dumps({**data, "engine": {**data["engine"], "tp_size": 4}})
+        )
+    dp = WorkerConfig(role="decode", engine=EngineConfig(model="tiny", **DP_ATTENTION))
+    as_prefill = {**dp.model_dump(mode="json"), "role": "prefill"}
+    with pytest.raises(ValidationError, match="enable_dp_attention"):
+        WorkerConfig.model_validate_json(json.dumps(as_prefill))

@@ -67,6 +67,11 @@ upgrades keep it), else a new random one. Args: (list ctx secretName key given).
 {{/* The Ray custom resource that pins a role's ranks to its worker pods. */}}
 {{- define "dsv3serve.nodeResource" -}}{{ . }}_node{{- end -}}
 
+{{/* The worker roles of the mode, space-separated: "prefill decode" or "colocated". */}}
+{{- define "dsv3serve.roles" -}}
+{{- if eq .Values.mode "colocated" -}}colocated{{- else -}}prefill decode{{- end -}}
+{{- end -}}
+
 {{/*
 A role's engine.speculative_algorithm ("" when off): its own engine override, else the
 shared engine's. Args: (list ctx role).
@@ -83,7 +88,8 @@ shared engine's. Args: (list ctx role).
 
 {{/*
 Fail early, with the field names, on layouts Ray could never place or the engine refuses.
-Args: (list ctx role).
+A replica's tpSize ranks may span pods (its PACK placement group fills one pod, then the
+next), so only the role's GPUs in total bound them. Args: (list ctx role).
 */}}
 {{- define "dsv3serve.checkRole" -}}
 {{- $ctx := index . 0 -}}
@@ -91,26 +97,29 @@ Args: (list ctx role).
 {{- $g := index $ctx.Values $role -}}
 {{- $w := $g.workers -}}
 {{- $spec := include "dsv3serve.specAlgorithm" (list $ctx $role) -}}
-{{- if and $spec (gt (int $g.groupSize) 1) -}}
-{{- fail (printf "%s.groupSize: found %d with engine.speculative_algorithm %s, expected 1: a multi-rank group does not broadcast the draft state yet" $role (int $g.groupSize) $spec) -}}
+{{- if and $spec (gt (int $g.tpSize) 1) -}}
+{{- fail (printf "%s.tpSize: found %d with engine.speculative_algorithm %s, expected 1: MTP runs on one rank only for now" $role (int $g.tpSize) $spec) -}}
 {{- end -}}
-{{- if gt (int $g.groupSize) (int $w.gpus) -}}
-{{- fail (printf "%s.groupSize: found %d, expected <= %s.workers.gpus (%d): one replica's ranks must fit in one pod" $role (int $g.groupSize) $role (int $w.gpus)) -}}
+{{- if and (eq $role "prefill") ($g.layout | default dict).enable_dp_attention -}}
+{{- fail "prefill.layout.enable_dp_attention: found true, expected false: a prefill group publishes KV from rank 0's pool, so it runs TP; DP attention is for decode and colocated groups" -}}
 {{- end -}}
-{{- $need := mul $g.numReplicas $g.groupSize -}}
-{{- $have := mul $w.replicas (div $w.gpus $g.groupSize) $g.groupSize -}}
+{{- $need := mul $g.numReplicas $g.tpSize -}}
+{{- $have := mul $w.replicas $w.gpus -}}
 {{- if gt (int $need) (int $have) -}}
-{{- fail (printf "%s.numReplicas: %d replicas x groupSize %d need %d GPUs in whole groups, but %s.workers has %d pods x %d GPUs (room for %d)" $role (int $g.numReplicas) (int $g.groupSize) (int $need) $role (int $w.replicas) (int $w.gpus) (int $have)) -}}
+{{- fail (printf "%s.numReplicas: %d replicas x tpSize %d need %d GPUs, but %s.workers has %d pods x %d GPUs = %d" $role (int $g.numReplicas) (int $g.tpSize) (int $need) $role (int $w.replicas) (int $w.gpus) (int $have)) -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "dsv3serve.checkValues" -}}
-{{- include "dsv3serve.checkRole" (list . "prefill") -}}
-{{- include "dsv3serve.checkRole" (list . "decode") -}}
+{{- range $role := include "dsv3serve.roles" . | splitList " " -}}
+{{- include "dsv3serve.checkRole" (list $ $role) -}}
+{{- end -}}
+{{- if eq .Values.mode "pd" -}}
 {{- $pSpec := include "dsv3serve.specAlgorithm" (list . "prefill") -}}
 {{- $dSpec := include "dsv3serve.specAlgorithm" (list . "decode") -}}
 {{- if ne (empty $pSpec) (empty $dSpec) -}}
 {{- fail (printf "prefill and decode engine.speculative_algorithm: found %q and %q, expected both set or both unset (decode drafts from the prefill side's draft state)" $pSpec $dSpec) -}}
+{{- end -}}
 {{- end -}}
 {{- if eq (int .Values.metrics.routerPort) (int .Values.metrics.rayPort) -}}
 {{- fail (printf "metrics.routerPort: found %d, the same as metrics.rayPort" (int .Values.metrics.routerPort)) -}}

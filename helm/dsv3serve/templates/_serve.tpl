@@ -1,25 +1,29 @@
 {{/*
-The app args: a router.config.ServingConfig built from values. Each role's ranks ask for one
-GPU and one unit of "<role>_node", a Ray resource only that role's pods advertise, so prefill
-ranks land on prefill pods and decode ranks on decode pods.
+The app args: a router.config.ServingConfig built from values. Each role's engine is the shared
+engine plus its tp_size (tpSize), its layout fields and its own engine overrides. Each rank asks
+for one GPU and one unit of "<role>_node", a Ray resource only that role's pods advertise, so a
+role's ranks land on its own pods; a group larger than a pod spans pods (the replica's PACK
+placement group fills one pod's GPUs, then the next).
 */}}
 {{- define "dsv3serve.servingArgs" -}}
 {{- $v := .Values -}}
 {{- $engine := merge (dict "model" $v.model.path) (deepCopy $v.engine) -}}
 {{- $router := merge (dict "metrics_host" "0.0.0.0" "metrics_port" (int $v.metrics.routerPort)) (deepCopy $v.router) -}}
-{{- $args := dict "mode" "pd" "engine" $engine "router" $router -}}
+{{- $args := dict "mode" $v.mode "engine" $engine "router" $router -}}
+{{- if eq $v.mode "pd" -}}
 {{- $_ := set $args "kv_connector" $v.kvTransfer.connector -}}
 {{- $_ = set $args "kv_connector_options" ($v.kvTransfer.options | default dict) -}}
 {{- if hasKey $v.kvTransfer "leaseS" -}}
 {{- $_ = set $args "kv_lease_s" $v.kvTransfer.leaseS -}}
 {{- end -}}
-{{- range $role := list "prefill" "decode" -}}
+{{- end -}}
+{{- range $role := include "dsv3serve.roles" . | splitList " " -}}
 {{- $g := index $v $role -}}
-{{- $group := dict "num_replicas" (int $g.numReplicas) "group_size" (int $g.groupSize) -}}
-{{- $_ = set $group "num_cpus" (int $g.cpusPerRank) -}}
-{{- $_ = set $group "num_gpus" 1 -}}
+{{- $group := dict "num_replicas" (int $g.numReplicas) "num_cpus" (int $g.cpusPerRank) -}}
+{{- $_ := set $group "num_gpus" 1 -}}
 {{- $_ = set $group "resources" (dict (include "dsv3serve.nodeResource" $role) 1) -}}
-{{- $_ = set $group "engine" ($g.engine | default dict) -}}
+{{- $layout := merge (dict "tp_size" (int $g.tpSize)) (deepCopy ($g.layout | default dict)) -}}
+{{- $_ = set $group "engine" (merge (deepCopy ($g.engine | default dict)) $layout) -}}
 {{- $_ = set $args $role $group -}}
 {{- end -}}
 {{- toYaml $args -}}
