@@ -1,13 +1,25 @@
-"""Shared fixtures: tiny checkpoints written once per session, and model helpers."""
+"""Shared fixtures: tiny checkpoints written once per session, and model helpers.
+
+The tests mirror the packages (``tests/engine/``, ``tests/serving/``, ...); helpers and
+fakes live in ``tests/support/``. Test modules import helpers (and a few other test
+modules' helpers) by module name, so ``support/`` and every test folder go on ``sys.path``.
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from dsv3serve.model.tiny import make_tiny_checkpoint
+
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name.isidentifier()):
+    if str(_folder) not in sys.path and _folder.name not in ("data", "__pycache__"):
+        sys.path.insert(0, str(_folder))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -28,3 +40,13 @@ def tiny_bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_fp8"), fp8=True)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny ops run faster on one thread than on two OpenMP threads sharing a busy 2-core
+    box; use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -14,8 +14,8 @@ export PYTHONPATH=/tmp/site:.whl/site:.
   date -u; } > "$OUT/env.txt" 2>&1
 T_TESTS=${T_TESTS:-170} T_KERNELS=${T_KERNELS:-130} T_MODEL=${T_MODEL:-230}
 timeout -k 5 "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -n 6 -rfE \
-  --junitxml="$OUT/gpu_tests.xml" tests/test_moe_kernels_gpu.py \
-  tests/test_attention_flashinfer_gpu.py tests/test_moe_kernels_sm90.py > "$OUT/gpu_tests.log" 2>&1
+  --junitxml="$OUT/gpu_tests.xml" tests/moe/test_moe_kernels_gpu.py \
+  tests/attention/test_attention_flashinfer_gpu.py tests/moe/test_moe_kernels_sm90.py > "$OUT/gpu_tests.log" 2>&1
 echo "tests rc=$?" >> "$OUT/env.txt"
 timeout -k 5 "$T_KERNELS" python3 -m dsv3serve.cli bench kernels --only moe,gate,mla \
   --json "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1

@@ -8,14 +8,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:.whl/site:. PYTHONUNBUFFERED=1
 PYT="python3 -m pytest -q -p no:cacheprovider -rfE -m gpu"
-HEAVY="tests/test_full_width_fp8_gpu.py tests/test_moe_kernels_gpu.py tests/test_overlap_gpu.py tests/test_gpu_engine_vs_cpu.py"
+HEAVY="tests/model/test_full_width_fp8_gpu.py tests/moe/test_moe_kernels_gpu.py tests/engine/test_overlap_gpu.py tests/engine/test_gpu_engine_vs_cpu.py"
 stage_tests() {  # light files in parallel; the ones holding 45+ GB, or printing numbers, one at a time
-  light=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e full_width -e moe_kernels_gpu -e overlap_gpu -e engine_vs_cpu)
+  light=$(grep -l "mark.gpu" tests/*/test_*.py | grep -v -e full_width -e moe_kernels_gpu -e overlap_gpu -e engine_vs_cpu)
   timeout -k 5 260 $PYT -n 3 $light > "$OUT/gpu_tests_light.log" 2>&1; echo "light rc=$?"
   tail -3 "$OUT/gpu_tests_light.log"
   timeout -k 5 200 $PYT -s $HEAVY > "$OUT/gpu_tests_heavy.log" 2>&1; echo "heavy rc=$?"
   grep -E "rel_err|margin|identical|replays|passed|failed" "$OUT/gpu_tests_heavy.log" | tail -12
-  timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels_sm90.py \
+  timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/moe/test_moe_kernels_sm90.py \
     > "$OUT/sm90.log" 2>&1; echo "sm90 rc=$?"; tail -1 "$OUT/sm90.log"
 }
 stage_kernels() {

@@ -21,7 +21,7 @@ them. Several query tokens of one sequence (speculative verify) are separate row
 their own ``kv_len`` (bottom-right causal: query ``j`` of ``n`` sees ``kv_len - n + 1 + j``).
 
 The oracle is :meth:`dsv3serve.attention.ref.TorchRefAttention.forward_absorbed` on the same
-pool (tests: ``tests/test_mla_decode_interp.py``, ``tests/test_mla_decode_gpu.py``).
+pool (tests: ``tests/kernels/test_mla_decode_interp.py``, ``tests/kernels/test_mla_decode_gpu.py``).
 """
 
 from __future__ import annotations

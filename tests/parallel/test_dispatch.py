@@ -274,4 +274,4 @@ def test_dispatch_refuses_mismatched_routing() -> None:
 
 
 def test_docs_deepep_exists() -> None:
-    assert (Path(__file__).parents[1] / "docs" / "deepep.md").is_file()
+    assert (Path(__file__).resolve().parents[2] / "docs" / "deepep.md").is_file()

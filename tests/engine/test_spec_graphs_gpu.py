@@ -217,7 +217,7 @@ def test_extend_replay_gives_the_eager_extend_states(engine: Engine, batch_size:
     # committed rows. The same function in bf16 with e4m3 activation quantisation, whose
     # rounding flips (one e4m3 step is 6%) move single elements by a few per cent of the
     # scale (seen on an H200: 4-10% of elements past 2% of the max), so the bound is on
-    # the relative L2 error, as for the other FP8 paths (tests/test_moe_kernels_gpu.py).
+    # the relative L2 error, as for the other FP8 paths (tests/moe/test_moe_kernels_gpu.py).
     err = float((got_hidden.float() - want_hidden.float()).norm() / want_hidden.float().norm())
     assert err < EXTEND_RTOL, f"extend hidden rel err {err:.2e}"
     got_logits = engine.spec.draft.compute_logits(got_hidden)

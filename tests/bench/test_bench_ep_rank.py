@@ -37,13 +37,7 @@ from dsv3serve.parallel.dispatch_loopback import LoopbackTimingOnlyDispatcher
 from dsv3serve.parallel.shard import RankLayout
 from dsv3serve.plan.planner import GB
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _args(tmp_path: Path, layout: str, rank: int) -> argparse.Namespace:

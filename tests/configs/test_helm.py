@@ -45,7 +45,9 @@ from ray.serve.schema import ServeDeploySchema
 from dsv3serve.engine.config import PARALLEL_FIELDS, EngineConfig
 from router.config import RouterSettings, ServingConfig
 
-RAYSERVICE_SCHEMA = Path(__file__).parent / "data" / "kuberay" / "rayservice-v1.schema.json"
+RAYSERVICE_SCHEMA = (
+    Path(__file__).resolve().parents[1] / "data" / "kuberay" / "rayservice-v1.schema.json"
+)
 K8S_VERSIONS = ("1.27.0", latest_version())  # the chart's kubeVersion floor, and the newest
 CORE_KINDS = {"Service", "Secret", "ConfigMap", "NetworkPolicy"}
 

@@ -51,13 +51,7 @@ def _positive(x: Any) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    """Tiny ops run faster on one thread than on two OpenMP threads sharing a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

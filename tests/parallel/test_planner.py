@@ -29,7 +29,7 @@ from dsv3serve.plan.planner import (
 )
 
 V3 = ModelConfig.from_dict(DEEPSEEK_V3_CONFIG)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dp_ep(n: int) -> ParallelConfig:

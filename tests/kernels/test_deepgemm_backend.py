@@ -1,5 +1,5 @@
 """The optional DeepGEMM backend's selection, with fake ``deep_gemm`` modules on the CPU
-(tests/fake_deep_gemm.py): chosen only when it imports and its self-check passes."""
+(tests/support/fake_deep_gemm.py): chosen only when it imports and its self-check passes."""
 
 from __future__ import annotations
 

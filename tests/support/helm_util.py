@@ -9,7 +9,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "dsv3serve"
 VALUES_DIR = ROOT / "helm" / "values"
 LAYOUTS = {

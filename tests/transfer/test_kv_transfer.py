@@ -263,7 +263,7 @@ def test_shm_receiver_in_unrelated_process_leaves_segment_to_publisher() -> None
     publisher = create_kv_connector("shm", random_pool("bfloat16", 14))
     handle = publisher.publish("solo", [4, 9], 8)
     script = _SHM_RECEIVER.format(layers=LAYERS, pages=PAGES, page_size=PAGE_SIZE)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": str(root)}
     out = subprocess.run(
         [sys.executable, "-c", script], input=handle.model_dump_json(), env=env,

@@ -24,7 +24,7 @@ mean top-1 gap 0.45: not degenerate): the error saturates near 0.13-0.15 with wi
 GPU path adds bf16 rounding of the fast kernels' intermediates (~0.4% each).
 0.25 is that ~0.15 with headroom for the GPU kernels' own rounding and seed spread; a gross
 fault (a wrong layer output, a stale KV page) moves rows by O(1) and fails it (a negated
-dense-MLP output gives 1.3 in the CPU check, ``tests/test_fp8_compare.py``); a fault in a
+dense-MLP output gives 1.3 in the CPU check, ``tests/kernels/test_fp8_compare.py``); a fault in a
 single 128x128 scale block may stay under it (the kernel unit tests cover those).
 The printed stats (``-s``) also give top-1 agreement and the reference logits' spread
 (row std, top-1 gap), to show the logits are not degenerate.

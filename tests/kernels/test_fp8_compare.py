@@ -1,4 +1,4 @@
-"""CPU checks of the FP8-vs-dequantised comparison harness (``tests/fp8_compare.py``).
+"""CPU checks of the FP8-vs-dequantised comparison harness (``tests/support/fp8_compare.py``).
 
 A reduced-width DeepSeek-V3 of the bench model's structure (one dense, one MoE layer, the
 real head dims, 16 experts top-8 in 8 groups) in float32 on the torch backends:

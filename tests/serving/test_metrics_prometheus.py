@@ -19,7 +19,7 @@ import pytest
 from http_util import free_socket
 from serving_util import local_serve, running_app, serving_config
 
-GRAFANA = Path(__file__).resolve().parent.parent / "deploy" / "grafana"
+GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 APP = "metrics"
 SUBSTITUTIONS = {"$__rate_interval": "1m", "$model": "tiny"}
 COLON_LINT = "metric names should not contain ':'"

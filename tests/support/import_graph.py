@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dsv3serve", "kv_transfer", "workers", "router")
 Where = Literal["module", "function", "type_checking"]
 

@@ -16,7 +16,7 @@ from dsv3serve.engine.config import EngineConfig
 from router.config import ConfigError, ServingConfig
 from router.launch import load_deploy_file, local_pd_config
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 FILES = sorted(DEPLOY.glob("*.yaml"))
 # GPU memory (GB, as the planner counts) of each GPU deploy file's cards.
 GPU_FILES = {
