@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from dsv3serve.engine.async_engine import AsyncEngine
+from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError
 from dsv3serve.engine.engine import Engine, InvalidRequestError
+from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
@@ -69,6 +70,19 @@ def _error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
 async def _chunks(outputs: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenChunk]:
     async for out in outputs:
         yield chunk_from_output(out)
+
+
+async def _unless_dead(
+    request_id: str, chunks: AsyncIterator[TokenChunk]
+) -> AsyncIterator[TokenChunk]:
+    """``chunks``, ended by a 503 error chunk if the engine dies (a rank of its group died or
+    a collective timed out): the router answers the client; the health check restarts us."""
+    try:
+        async with aclosing(chunks) as it:
+            async for chunk in it:
+                yield chunk
+    except EngineDeadError as exc:
+        yield _error_chunk(request_id, f"{exc}; this replica is restarting", 503)
 
 
 def _engine_request(req: GenerateRequest) -> Request:
@@ -176,9 +190,12 @@ class EngineHost:
         return self.aengine.call(read)
 
     # ---- colocated -------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Colocated serving: the whole request here; closing the stream aborts it."""
         self._require("colocated")
+        return _unless_dead(req.request_id, self._generate(req))
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         try:
             stream = self.aengine.generate(_engine_request(req))
             metered = self.metrics.stream(_chunks(stream), True)
@@ -245,9 +262,12 @@ class EngineHost:
         if pages:
             self.aengine.call(lambda e: e.release_reservation(pages))
 
-    async def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
+    def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Pull the KV into the reservation, then stream every output token."""
         self._require("decode")
+        return _unless_dead(msg.request.request_id, self._decode(msg))
+
+    async def _decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         self._start_reaper()
         rid = msg.request.request_id
         try:
@@ -346,9 +366,23 @@ class EngineHost:
             return pages
         return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
 
+    # ---- health and the group ---------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if this replica cannot serve: its engine died (EngineDeadError) or a rank of
+        its group ended. Never blocks."""
+        self.aengine.check_alive()
+        if self.group is not None:
+            self.group.check()
+
+    def kv_digests(self) -> list[list[float]]:
+        """Every rank's KV pool fingerprint, one float per layer, in rank order (one entry
+        without a group). TP ranks hold the same pool; DP-attention ranks their own."""
+        if self.group is None:
+            return [self.aengine.call(lambda e: pool_digest(e.runner.pool)).tolist()]
+        digests = self.aengine.call(lambda _: self.group.leader.digests())
+        return [d.tolist() for d in digests]
+
     def group_in_sync(self) -> bool:
         """Whether every rank's KV pool holds the same bytes (True without a group)."""
-        if self.group is None:
-            return True
-        digests = self.aengine.call(lambda _: self.group.leader.digests())
-        return all(bool((d == digests[0]).all()) for d in digests)
+        digests = self.kv_digests()
+        return all(d == digests[0] for d in digests)
