@@ -18,6 +18,7 @@ over both ranks (each reservation goes to the rank with the most room).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import openai
 import pytest
+import ray
 from ray import serve
 from serving_util import (
     TINY_ENGINE,
@@ -40,6 +42,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
+from workers.group import rank_actor_name
 
 APP = "group"
 MAX_TOKENS = 8
@@ -49,6 +52,8 @@ PROMPTS = {
     "right": "Experts travel; attention stays home.",
 }
 TP2 = {"tp_size": 2}
+FAIL_WITHIN_S = 90.0  # a dead rank fails the in-flight stream within this
+RECOVER_WITHIN_S = 240.0  # Serve's health check replaces the replica within this
 DP2_EP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
 
 
@@ -95,6 +100,14 @@ def stream_chat(url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
+def serves(url: str, expected: dict[str, str]) -> bool:
+    """Whether a request succeeds now, with the offline engine's text."""
+    try:
+        return stream_chat(url, PROMPTS["left"]) == expected["left"]
+    except openai.APIError:
+        return False
+
+
 def kv_digests(deployment: str) -> list[list[float]]:
     handle = serve.get_deployment_handle(deployment, app_name=APP)
     return handle.kv_digests.remote().result()
@@ -122,3 +135,63 @@ def test_tp_prefill_and_dp_decode_groups_stream_the_offline_engines_text(
     assert wait_until(nothing_held, 10), [worker_stats(APP, w) for w in ("prefill-0", "decode-0")]
     for worker in ("prefill-0", "decode-0"):
         assert worker_stats(APP, worker).group_size == 2
+
+
+def rank_actor(deployment: str, rank: int) -> Any:
+    """The live follower actor of rank ``rank`` of ``deployment``'s replica's group."""
+    prefix = rank_actor_name(f"{APP}/{deployment}/", rank)
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+    raise LookupError(f"no live actor named {prefix}*")
+
+
+def test_a_dead_decode_rank_fails_the_stream_and_the_replica_is_replaced(
+    app_url: str, expected: dict[str, str]
+) -> None:
+    started, result = threading.Event(), {}
+
+    def long_stream() -> None:
+        c = openai.OpenAI(base_url=f"{app_url}/v1", api_key="none", max_retries=0, timeout=300)
+        stream = c.chat.completions.create(
+            model="tiny",
+            messages=messages(PROMPTS["one"]),
+            max_tokens=4000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        try:
+            for _ in stream:
+                started.set()
+            result["finished"] = True
+        except openai.APIError as exc:
+            result["error"] = exc
+        result["at"] = time.monotonic()
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert started.wait(120), "the stream never started"
+    killed_at = time.monotonic()
+    ray.kill(rank_actor("decode-0", 1), no_restart=True)
+    thread.join(timeout=FAIL_WITHIN_S)
+    assert not thread.is_alive(), f"the stream hung for {FAIL_WITHIN_S} s after rank 1 died"
+    assert "error" in result, result
+    assert result["at"] - killed_at < FAIL_WITHIN_S
+
+    assert "engine step failed" in str(result["error"]), result  # the worker's 503, in-band
+    assert wait_until(lambda: serves(app_url, expected), RECOVER_WITHIN_S, 2), "no recovery"
+    assert wait_until(nothing_held, 10)
+
+
+def test_an_idle_prefill_rank_that_dies_is_replaced(app_url: str, expected: dict[str, str]) -> None:
+    ray.kill(rank_actor("prefill-0", 1), no_restart=True)
+    start = time.monotonic()
+    try:
+        text = stream_chat(app_url, PROMPTS["one"])
+        assert text == expected["one"]  # the replica was replaced before it arrived
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    assert wait_until(lambda: serves(app_url, expected), RECOVER_WITHIN_S, 2), "no recovery"
+    assert wait_until(nothing_held, 10)

@@ -209,6 +209,7 @@ class EngineHost:
     async def prefill(self, msg: PrefillRequest) -> PrefillResult:
         """Prefill to the first token and stage the prompt's KV pages under a lease."""
         self._require("prefill")
+        self.check_health()  # raises: the router retries another prefill replica
         self._start_reaper()
         req = msg.request
         if self.cfg.test_prefill_delay_s:
@@ -247,6 +248,7 @@ class EngineHost:
     def reserve(self, msg: ReserveRequest) -> ReserveResult:
         """Admission on the decode side: hold pages for the incoming KV under a lease."""
         self._require("decode")
+        self.check_health()  # a group with a dead rank takes no new work
         pages = self.aengine.call(lambda e: e.reserve_kv(msg.num_tokens))
         if pages is None:
             return ReserveResult(ok=False)
