@@ -44,7 +44,8 @@ from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
 # Starts ranks 1..N-1 and joins this process to their group (before the engine is built);
-# returns an object with ``.stop()`` and a ``.leader`` slot the host fills.
+# returns an object with ``.stop()``, ``.check()`` (raises once a rank has died) and a
+# ``.leader`` slot the host fills.
 GroupStarter = Callable[[WorkerConfig], Any]
 _REFUSED = (InvalidRequestError, ContextLengthError)
 
