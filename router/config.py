@@ -80,6 +80,9 @@ class ServingConfig(BaseModel):
     kv_connector_options: dict[str, Any] = {}
     kv_lease_s: float = Field(30.0, gt=0, description="staged KV is freed if not pulled")
     torch_threads: int | None = Field(None, ge=1)
+    group_timeout_s: float = Field(
+        60.0, gt=0, description="a group collective waiting longer fails the engine's step"
+    )
     router: RouterSettings = RouterSettings()
     test_prefill_delay_s: float = Field(0.0, ge=0, description="fault injection, tests only")
 
@@ -127,6 +130,7 @@ class ServingConfig(BaseModel):
             kv_connector_options=self.kv_connector_options,
             kv_lease_s=self.kv_lease_s,
             torch_threads=self.torch_threads,
+            group_timeout_s=self.group_timeout_s,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
         )
 

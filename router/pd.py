@@ -150,14 +150,20 @@ class PDBackend:
             self.metrics.waiting_for_kv.dec()
 
     async def _reserve_until(self, msg: bytes, deadline: float) -> int:
+        """Full replicas are retried until ``deadline`` (then 429); when every replica
+        failed (dead, or its engine died) it is a 503 at once, not a wait for room."""
         while True:
+            failures: list[str] = []
             for d in self.decode.by_load():
                 try:
                     raw = await self.decode.handles[d].reserve.remote(msg)
-                except Exception:
-                    continue  # a dead decode replica: try the next
+                except Exception as exc:  # a dead decode replica: try the next
+                    failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
+                    continue
                 if parse(ReserveResult, raw).ok:
                     return d
+            if len(failures) == len(self.decode.handles):
+                raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
             if time.monotonic() >= deadline:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
             await asyncio.sleep(RESERVE_RETRY_S)

@@ -22,6 +22,10 @@ class WorkerConfig(BaseModel):
     # prefill: staged KV not pulled within this many seconds is freed
     kv_lease_s: float = Field(30.0, gt=0)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    # rank 0 of a group: a collective that waits longer (a rank died or hung) raises, the
+    # engine fails its requests and the health check has the replica replaced; it also
+    # bounds how far apart the ranks may finish loading (they agree on the KV capacity)
+    group_timeout_s: float = Field(60.0, gt=0)
     # Fault injection for tests only: sleep this long before each prefill.
     test_prefill_delay_s: float = Field(0.0, ge=0)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from functools import partial
 
 from ray import serve
 
@@ -28,13 +29,21 @@ class EngineWorker:
 
         cfg = resolve_host(WorkerConfig.model_validate_json(config_json))
         context = serve.get_replica_context()
-        self.host = EngineHost(cfg, start_group, replica=context.deployment, model=model_name)
+        group_name = f"{context.app_name}/{context.deployment}/{context.replica_id.unique_id}"
+        starter = partial(start_group, name=group_name)
+        self.host = EngineHost(cfg, starter, replica=context.deployment, model=model_name)
 
     def __del__(self) -> None:
         """Serve's graceful shutdown: unlink staged KV, stop follower ranks."""
         host = getattr(self, "host", None)
         if host is not None:
             host.close()
+
+    async def check_health(self) -> None:
+        """Serve calls this every ``health_check_period_s``; raising marks the replica
+        unhealthy and Serve replaces it: the engine died (a failed step) or a follower rank
+        of the group ended (its actor died)."""
+        self.host.check_health()
 
     async def metrics(self) -> bytes:
         """This replica's Prometheus exposition (merged by the router's metrics endpoint)."""
@@ -52,6 +61,10 @@ class EngineWorker:
     async def group_in_sync(self) -> bool:
         """Whether every rank of this replica's group holds the same KV pool bytes."""
         return self.host.group_in_sync()
+
+    async def kv_digests(self) -> list[list[float]]:
+        """Every rank's KV pool fingerprint (per layer), in rank order."""
+        return self.host.kv_digests()
 
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
         """Colocated: stream TokenChunks of the whole request."""

@@ -6,26 +6,41 @@ group (gloo on CPU, NCCL on GPU). Each follower then builds its shard of the mod
 rank 0 builds its own: they agree on the KV capacity) and follows rank 0's steps. The
 placement group packs the bundles onto as few nodes as hold them, so a group of 16 ranks
 of one GPU each spans two 8-GPU nodes.
+
+The followers are actors the replica owns: they die with it. A follower that dies first
+ends its ``loop`` call; :meth:`Group.check` (the replica's health check) reports it, and
+rank 0's next collective raises (connection closed, or ``group_timeout_s``).
 """
 
 from __future__ import annotations
 
 import socket
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dsv3serve.engine.group import GroupSpec, init_group
+from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
 from dsv3serve.engine.rank import run_follower
 from workers.config import WorkerConfig
+
+
+class GroupRankDiedError(RuntimeError):
+    """A follower rank of this replica's group ended while rank 0 still drives it."""
 
 
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def rank_actor_name(group_name: str, rank: int) -> str:
+    """The Ray actor name of follower ``rank`` of the group named ``group_name``."""
+    return f"dsv3serve-rank{rank}:{group_name}"
 
 
 @ray.remote
@@ -55,39 +70,55 @@ class Group:
 
     def __init__(self, followers: list[Any], loops: list[Any]) -> None:
         self.followers, self.loops = followers, loops
+        self._ends: list[Future[Any]] = [ref.future() for ref in loops]
         self.leader: Any = None
+
+    def check(self) -> None:
+        """Raise :class:`GroupRankDiedError` if a follower's loop has ended (its actor died,
+        or its loop raised); never blocks."""
+        for rank, end in enumerate(self._ends, start=1):
+            if end.done():
+                error = end.exception()
+                why = f"{type(error).__name__}: {error}" if error else f"returned {end.result()}"
+                raise GroupRankDiedError(
+                    f"group rank {rank} ended while rank 0 still drives it ({why})"
+                )
 
     def stop(self) -> None:
         self.leader.stop()
         ray.get(self.loops, timeout=60)
 
 
-def start_group(cfg: WorkerConfig) -> Group:
+def _place(pg: Any, rank: int) -> Any:
+    if pg is None:
+        return "DEFAULT"
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+
+
+def _spawn(cfg: WorkerConfig, spec: GroupSpec, rank: int, name: str) -> Any:
+    """Follower ``rank``'s actor on bundle ``rank`` of this replica's placement group."""
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 1 if spec.backend == "nccl" else 0}
+    if name:
+        options["name"] = rank_actor_name(name, rank)
+    mine = replace(spec, rank=rank, timeout_s=rank_timeout_s(rank, spec.timeout_s))
+    place = _place(get_current_placement_group(), rank)
+    actor = RankWorker.options(scheduling_strategy=place, **options)
+    return actor.remote(cfg.model_dump_json(), mine.__dict__)
+
+
+def start_group(cfg: WorkerConfig, name: str = "") -> Group:
     """Place ranks 1..N-1, join all N ranks (this process is rank 0), start the followers.
 
     The followers build their shards as soon as they are started; rank 0 builds its own
     engine next (the caller), and the ranks agree on the KV capacity while building.
+    ``name`` (unique among live groups, e.g. the replica's id) names the follower actors
+    :func:`rank_actor_name` (``name`` empty: unnamed).
     """
-    size = cfg.group_size
-    gpu = cfg.engine.device.startswith("cuda")
     host = ray.util.get_node_ip_address()
-    spec = GroupSpec(0, size, host, _free_port(host), "nccl" if gpu else "gloo")
-    follower_cfg = cfg.model_dump_json()
-    pg = get_current_placement_group()
-    followers = [
-        RankWorker.options(
-            num_cpus=0,
-            num_gpus=1 if gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=rank
-            )
-            if pg is not None
-            else "DEFAULT",
-        ).remote(follower_cfg, {**spec.__dict__, "rank": rank})
-        for rank in range(1, size)
-    ]
+    backend = "nccl" if cfg.engine.device.startswith("cuda") else "gloo"
+    spec = GroupSpec(0, cfg.group_size, host, _free_port(host), backend, cfg.group_timeout_s)
+    followers = [_spawn(cfg, spec, rank, name) for rank in range(1, cfg.group_size)]
     joins = [f.join.remote() for f in followers]
     init_group(spec)
     ray.get(joins)
-    loops = [f.loop.remote() for f in followers]
-    return Group(followers, loops)
+    return Group(followers, [f.loop.remote() for f in followers])

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from dsv3serve.engine.async_engine import AsyncEngine
+from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError
 from dsv3serve.engine.engine import Engine, InvalidRequestError
+from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
@@ -43,7 +44,8 @@ from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
 # Starts ranks 1..N-1 and joins this process to their group (before the engine is built);
-# returns an object with ``.stop()`` and a ``.leader`` slot the host fills.
+# returns an object with ``.stop()``, ``.check()`` (raises once a rank has died) and a
+# ``.leader`` slot the host fills.
 GroupStarter = Callable[[WorkerConfig], Any]
 _REFUSED = (InvalidRequestError, ContextLengthError)
 
@@ -69,6 +71,19 @@ def _error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
 async def _chunks(outputs: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenChunk]:
     async for out in outputs:
         yield chunk_from_output(out)
+
+
+async def _unless_dead(
+    request_id: str, chunks: AsyncIterator[TokenChunk]
+) -> AsyncIterator[TokenChunk]:
+    """``chunks``, ended by a 503 error chunk if the engine dies (a rank of its group died or
+    a collective timed out): the router answers the client; the health check restarts us."""
+    try:
+        async with aclosing(chunks) as it:
+            async for chunk in it:
+                yield chunk
+    except EngineDeadError as exc:
+        yield _error_chunk(request_id, f"{exc}; this replica is restarting", 503)
 
 
 def _engine_request(req: GenerateRequest) -> Request:
@@ -176,9 +191,12 @@ class EngineHost:
         return self.aengine.call(read)
 
     # ---- colocated -------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Colocated serving: the whole request here; closing the stream aborts it."""
         self._require("colocated")
+        return _unless_dead(req.request_id, self._generate(req))
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         try:
             stream = self.aengine.generate(_engine_request(req))
             metered = self.metrics.stream(_chunks(stream), True)
@@ -192,6 +210,7 @@ class EngineHost:
     async def prefill(self, msg: PrefillRequest) -> PrefillResult:
         """Prefill to the first token and stage the prompt's KV pages under a lease."""
         self._require("prefill")
+        self.check_health()  # raises: the router retries another prefill replica
         self._start_reaper()
         req = msg.request
         if self.cfg.test_prefill_delay_s:
@@ -230,6 +249,7 @@ class EngineHost:
     def reserve(self, msg: ReserveRequest) -> ReserveResult:
         """Admission on the decode side: hold pages for the incoming KV under a lease."""
         self._require("decode")
+        self.check_health()  # a group with a dead rank takes no new work
         pages = self.aengine.call(lambda e: e.reserve_kv(msg.num_tokens))
         if pages is None:
             return ReserveResult(ok=False)
@@ -245,9 +265,12 @@ class EngineHost:
         if pages:
             self.aengine.call(lambda e: e.release_reservation(pages))
 
-    async def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
+    def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Pull the KV into the reservation, then stream every output token."""
         self._require("decode")
+        return _unless_dead(msg.request.request_id, self._decode(msg))
+
+    async def _decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         self._start_reaper()
         rid = msg.request.request_id
         try:
@@ -346,9 +369,23 @@ class EngineHost:
             return pages
         return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
 
+    # ---- health and the group ---------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if this replica cannot serve: its engine died (EngineDeadError) or a rank of
+        its group ended. Never blocks."""
+        self.aengine.check_alive()
+        if self.group is not None:
+            self.group.check()
+
+    def kv_digests(self) -> list[list[float]]:
+        """Every rank's KV pool fingerprint, one float per layer, in rank order (one entry
+        without a group). TP ranks hold the same pool; DP-attention ranks their own."""
+        if self.group is None:
+            return [self.aengine.call(lambda e: pool_digest(e.runner.pool)).tolist()]
+        digests = self.aengine.call(lambda _: self.group.leader.digests())
+        return [d.tolist() for d in digests]
+
     def group_in_sync(self) -> bool:
         """Whether every rank's KV pool holds the same bytes (True without a group)."""
-        if self.group is None:
-            return True
-        digests = self.aengine.call(lambda _: self.group.leader.digests())
-        return all(bool((d == digests[0]).all()) for d in digests)
+        digests = self.kv_digests()
+        return all(d == digests[0] for d in digests)

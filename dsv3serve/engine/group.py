@@ -5,14 +5,15 @@ Rank 0 (the leader) owns the scheduler. Each step it broadcasts the step's spans
 own device and KV pool. KV pages that arrive from outside (PD import) are broadcast from
 rank 0 to the other ranks' pools the same way, so every pool holds the same pages.
 
-Today the model is replicated on every rank: the group exercises placement, the process
-group and the lockstep protocol, which the DP-attention / expert-parallel layout will use
-to split the work. Only tensors and fixed-layout int64 headers cross the wire (no pickle).
+Each rank holds its shard of the model (:mod:`dsv3serve.engine.rank_parts`). Only tensors
+and fixed-layout int64 headers cross the wire (no pickle). A rank that dies makes rank 0's
+next collective raise (connection closed, or the group timeout): the engine's step fails.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,9 +30,23 @@ _HEADER_LEN = 2  # [op, payload length]
 _SPAN_HEADER_LEN = 5  # [n_tokens, start, sample, page_size (0: slot list), n_entries]
 
 
+# A follower waits this long for rank 0's next command: an idle group is normal, and a
+# follower shares its leader's fate (it dies with it), so only the leader's waits are short.
+FOLLOWER_WAIT_S = 7 * 24 * 3600.0
+# ProcessGroupNCCL: a collective past the group's timeout raises in the waiting thread
+# (blocking wait) and aborts only the communicator, so the engine can fail its requests
+# cleanly instead of the watchdog tearing the process down.
+NCCL_FAULT_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where rank ``rank`` of a ``world_size``-rank group meets the others."""
+    """Where rank ``rank`` of a ``world_size``-rank group meets the others.
+
+    ``timeout_s`` bounds every collective of this rank (the join included): rank 0's
+    (the leader's) is the group timeout, after which a step blocked on a dead or hung rank
+    raises; followers use :data:`FOLLOWER_WAIT_S` since they wait for rank 0 while idle.
+    """
 
     rank: int
     world_size: int
@@ -42,8 +57,17 @@ class GroupSpec:
     init_method: str | None = None  # default: tcp://master_addr:master_port
 
 
+def rank_timeout_s(rank: int, group_timeout_s: float) -> float:
+    """The collective timeout of ``rank``: the group's on rank 0, :data:`FOLLOWER_WAIT_S`
+    on the others."""
+    return group_timeout_s if rank == 0 else FOLLOWER_WAIT_S
+
+
 def init_group(spec: GroupSpec) -> None:
     """Join the group's default process group (blocks until every rank has joined)."""
+    if spec.backend == "nccl":
+        for name, value in NCCL_FAULT_ENV.items():
+            os.environ.setdefault(name, value)
     dist.init_process_group(
         spec.backend,
         init_method=spec.init_method or f"tcp://{spec.master_addr}:{spec.master_port}",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.group import GroupSpec, init_group
+from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
 
 FOLLOWER_JOIN_TIMEOUT_S = 600.0
 
@@ -32,9 +32,11 @@ def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
 
 
 def group_spec(cfg: EngineConfig, rank: int, rendezvous: Path, timeout_s: float) -> GroupSpec:
-    """Where rank ``rank`` meets the others (a file rendezvous on this host)."""
+    """Where rank ``rank`` meets the others (a file rendezvous on this host); ``timeout_s``
+    is the group timeout (rank 0's; followers wait for rank 0 as long as it idles)."""
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    return GroupSpec(rank, cfg.tp_size, "", 0, backend, timeout_s, f"file://{rendezvous}")
+    timeout = rank_timeout_s(rank, timeout_s)
+    return GroupSpec(rank, cfg.tp_size, "", 0, backend, timeout, f"file://{rendezvous}")
 
 
 def _follow(cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads: int) -> None:
