@@ -11,6 +11,9 @@ from dsv3serve.parallel.config import ParallelConfig
 
 DTypeName = Literal["auto", "bfloat16", "float32"]
 PARALLEL_FIELDS = tuple(ParallelConfig.model_fields)
+# What each attention backend needs of the device, declared where the config is validated
+# (the router validates configs without torch, so it cannot ask the backend classes).
+ATTENTION_NEEDS_CUDA_BF16: dict[str, bool] = {"torch": False, "flashinfer": True}
 DEFAULT_SPEC_STEPS = 3  # DeepSeek-V3 MTP: 3 chained steps, 4 draft tokens (as SGLang)
 
 
@@ -118,17 +121,16 @@ class EngineConfig(BaseModel):
         return self
 
     def _check_attention(self) -> None:
-        if self.attention_backend != "flashinfer":
+        name = self.attention_backend
+        if not ATTENTION_NEEDS_CUDA_BF16.get(name, False):
             return
         if not self.device.startswith("cuda"):
             raise ValueError(
-                f"attention_backend 'flashinfer': found device {self.device!r}, "
-                "expected a CUDA device"
+                f"attention_backend {name!r}: found device {self.device!r}, expected a CUDA device"
             )
         if self.dtype == "float32":
             raise ValueError(
-                "attention_backend 'flashinfer': found dtype 'float32', "
-                "expected 'auto' or 'bfloat16'"
+                f"attention_backend {name!r}: found dtype 'float32', expected 'auto' or 'bfloat16'"
             )
 
     def _check_speculative(self) -> None:

@@ -76,15 +76,3 @@ class Linear(nn.Module):
         if self.weight_scale_inv is None:
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.act_quant)
-
-
-def make_linear(
-    cfg: ModelConfig,
-    prefix: str,
-    in_features: int,
-    out_features: int,
-    dtype: torch.dtype,
-    act_quant: bool = True,
-) -> Linear:
-    """Build the linear named ``prefix`` with the checkpoint's precision for it."""
-    return Linear(in_features, out_features, is_fp8_layer(cfg, prefix), dtype, act_quant)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsv3serve.config import ModelConfig
-from dsv3serve.layers.linear import Linear, is_fp8_layer, make_linear
+from dsv3serve.layers.linear import Linear, is_fp8_layer
 from dsv3serve.parallel.shard import Placement, RankLayout, check_split, placement_of
 
 
@@ -33,9 +33,9 @@ def sharded_linear(
 ) -> Linear:
     """The linear named ``prefix`` (full shape ``[out_features, in_features]``) as this rank
     holds it: ``placement_of``'s local shape, FP8 splits refused off 128 boundaries
-    (:class:`~dsv3serve.parallel.config.LayoutError`). ``layout`` None: :func:`make_linear`."""
-    if layout is None:
-        return make_linear(cfg, prefix, in_features, out_features, dtype, act_quant)
+    (:class:`~dsv3serve.parallel.config.LayoutError`). ``layout`` None: the whole linear.
+
+    Its precision is the checkpoint's (:func:`~dsv3serve.layers.linear.is_fp8_layer`)."""
     placement = linear_placement(cfg, prefix, layout)
     fp8 = is_fp8_layer(cfg, prefix)
     check_split(f"{prefix}.weight", (out_features, in_features), placement, fp8)

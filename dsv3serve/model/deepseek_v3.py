@@ -19,7 +19,7 @@ from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.config import ModelConfig
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.layers.fused import can_pack, pack_rows
-from dsv3serve.layers.linear import Linear, make_linear
+from dsv3serve.layers.linear import Linear
 from dsv3serve.layers.load_target import LoadTarget
 from dsv3serve.layers.norm import RMSNorm
 from dsv3serve.layers.rotary import RotaryEmbedding
@@ -342,7 +342,8 @@ class NextNLayer(nn.Module):
         prefix = f"model.layers.{cfg.num_hidden_layers}"
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dt)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dt)
-        self.eh_proj = make_linear(cfg, f"{prefix}.eh_proj", 2 * h, h, dt, opts.fp8_act_quant)
+        shard = shard or Sharding(opts.layout)
+        self.eh_proj = shard.linear(cfg, f"{prefix}.eh_proj", 2 * h, h, dt, opts.fp8_act_quant)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, prefix, opts, shard)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dt)
 
