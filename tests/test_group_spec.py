@@ -6,7 +6,9 @@ is this test process, the other rank a spawned process holding only its shard an
 running the draft and verify forwards rank 0 broadcasts. References: the plain one-rank
 engine without speculation for the tokens (greedy MTP must give them exactly), and the
 one-rank speculative engine for the drafts (a follower that ran the draft steps wrong
-would change them, while the tokens, being lossless, would not).
+would change them, while the tokens, being lossless, would not). With a checkpoint whose
+NextN layer is an oracle, rounds accept their drafts, so the extend runs over several
+committed decode positions too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
 from pydantic import ValidationError
+from spec_util import make_oracle_draft_checkpoint
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
@@ -81,6 +84,26 @@ def test_tp_group_with_mtp_gives_the_single_rank_tokens_and_drafts(
         assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
     assert tokens == reference
     assert rounds == one_rank_drafts
+
+
+def test_tp_group_accepting_drafts_matches_the_one_rank_speculative_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    oracle = str(make_oracle_draft_checkpoint(tmp_path_factory.mktemp("oracle-draft")))
+    one = Engine(EngineConfig(model=oracle, **SCENARIO_ENGINE, **SPEC))
+    one_rounds = record_drafts(one)
+    one_tokens = run_scenario(one)
+    assert one.spec_stats.accepted_tokens > one.spec_stats.draft_tokens // 2 > 0
+    with LLM(oracle, **SCENARIO_ENGINE, **LAYOUTS["tp2"], **SPEC) as llm:
+        rounds = record_drafts(llm.engine)
+        tokens = run_scenario(llm.engine)
+        assert_no_leaks(llm.engine)
+        stats = llm.engine.spec_stats
+    assert (tokens, rounds) == (one_tokens, one_rounds)
+    assert (stats.draft_tokens, stats.accepted_at) == (
+        one.spec_stats.draft_tokens,
+        one.spec_stats.accepted_at,
+    )
 
 
 def test_mtp_with_dp_attention_is_refused_naming_both() -> None:

@@ -60,7 +60,9 @@ class SpecForwards:
         return self._draft(spans, target_hidden[index])
 
     @torch.inference_mode()
-    def _draft(self, spans: list[SeqSpan], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft(
+        self, spans: list[SeqSpan], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = ForwardBatch.build(spans, self.runner.device)
         out = self.draft.forward(batch, hidden, self.runner.attn)
         last = out[batch.logits_indices]

@@ -21,6 +21,10 @@ Per sequence, with committed tokens ``t[0..n]`` and target KV for ``0..n-1``, a 
 So a position's draft KV always comes from the target's hidden state once committed, as
 if the draft had run over the whole sequence, and pages reach the prefix cache (and PD
 export) with both the target's and the draft's rows.
+
+The eager forwards go through ``self.forwards`` (:mod:`~dsv3serve.engine.spec.forwards`);
+on rank 0 of a TP group they are broadcast so the other ranks run them too
+(:mod:`~dsv3serve.engine.spec.group`).
 """
 
 from __future__ import annotations
