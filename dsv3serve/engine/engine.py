@@ -32,6 +32,7 @@ from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
 from dsv3serve.engine.scheduler import Scheduler
 from dsv3serve.engine.sequence import SchedulerConfig
+from dsv3serve.engine.spec.forwards import SpecForwards
 from dsv3serve.engine.spec.loop import SpecDecoder
 from dsv3serve.engine.spec.stats import SpecStats
 from dsv3serve.metrics import EngineState, Metrics
@@ -119,17 +120,23 @@ class Engine:
         """Whether steps run with the overlap scheduler."""
         return self._overlap is not None
 
-    def use_runner(self, runner: Any, scheduler: Any = None) -> None:
+    def use_runner(
+        self, runner: Any, scheduler: Any = None, spec_forwards: SpecForwards | None = None
+    ) -> None:
         """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``).
 
         ``scheduler`` (DP attention: one scheduler per DP rank) replaces this engine's;
-        call it before any request.
+        call it before any request. A speculative engine needs ``spec_forwards``, the
+        group's broadcasting forwards (its steps never call ``runner.run``).
         """
         if self.spec is not None:
-            raise ValueError(
-                "speculative_algorithm: speculative decoding runs on one rank only; a "
-                "multi-rank group does not replicate the draft steps yet"
-            )
+            if spec_forwards is None or scheduler is not None:
+                raise ValueError(
+                    "speculative_algorithm in a group: expected a TP group with its spec "
+                    "forwards (DP attention does not replicate the draft steps yet), found "
+                    f"spec_forwards={spec_forwards!r}, scheduler={scheduler!r}"
+                )
+            self.spec.use_forwards(spec_forwards)
         if self._overlap is not None:
             self._overlap.detach()
             logger.info("overlap schedule off: multi-rank groups run without it")

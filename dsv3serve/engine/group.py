@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,9 +214,16 @@ def gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
     return [t.cpu() for t in out]
 
 
-def follower_loop(runner: ModelRunner) -> int:
-    """Ranks 1..N-1: execute rank 0's commands until STOP; returns the steps run."""
+def follower_loop(
+    runner: ModelRunner, extra: Mapping[int, Callable[[Wire, int], None]] | None = None
+) -> int:
+    """Ranks 1..N-1: execute rank 0's commands until STOP; returns the plain steps run.
+
+    ``extra`` maps more ops to handlers called with the wire and the payload length
+    (speculative decoding's forwards: :mod:`dsv3serve.engine.spec.group`).
+    """
     wire = Wire(comm_device(runner))
+    handlers = extra or {}
     steps = 0
     while True:
         op, n = wire.recv_header()
@@ -229,5 +236,7 @@ def follower_loop(runner: ModelRunner) -> int:
             gather_digest(runner, dist.get_world_size())
         elif op == OP_STOP:
             return steps
+        elif op in handlers:
+            handlers[op](wire, n)
         else:
             raise RuntimeError(f"unknown group op {op}")

@@ -16,12 +16,14 @@ from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.engine import resolve_model_dir
 from dsv3serve.engine.group import GroupLeader, follower_loop
 from dsv3serve.engine.model_runner import ModelRunner
+from dsv3serve.engine.spec.group import GroupSpecForwards, SpecFollower
 
 
 def attach_leader(engine: Any) -> Any:
     """Make ``engine`` (rank 0, group joined) drive its group; returns the leader runner.
 
-    DP attention also gives the engine one scheduler per DP rank.
+    DP attention also gives the engine one scheduler per DP rank; speculative decoding
+    broadcasts its forwards (TP only: the config refuses it with DP attention).
     """
     parallel = engine.cfg.parallel
     if parallel.enable_dp_attention:
@@ -30,7 +32,9 @@ def attach_leader(engine: Any) -> Any:
         engine.use_runner(leader, scheduler)
     else:
         leader = GroupLeader(engine.runner, parallel.world_size)
-        engine.use_runner(leader)
+        spec = engine.spec
+        forwards = None if spec is None else GroupSpecForwards(spec.runner, spec.draft)
+        engine.use_runner(leader, spec_forwards=forwards)
     return leader
 
 
@@ -44,6 +48,9 @@ def follow(runner: ModelRunner, cfg: EngineConfig) -> int:
     """Run rank 0's steps on ``runner`` until it stops the group; returns the steps run."""
     if cfg.parallel.enable_dp_attention:
         return dp_follower_loop(runner)
+    if cfg.spec_num_steps:
+        spec = SpecFollower(runner, cfg.speculative_draft_model_quantization)
+        return follower_loop(runner, spec.handlers())
     return follower_loop(runner)
 
 

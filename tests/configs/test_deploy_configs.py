@@ -145,12 +145,11 @@ SPEC = {"model": "tiny", "speculative_algorithm": "NEXTN"}
     ("change", "message"),
     [
         (
-            {"engine": SPEC, "decode": {"engine": {"tp_size": 2}}},
-            r"decode\.engine: speculative_algorithm NEXTN with tp_size 2: MTP runs on one rank",
-        ),
-        (
-            {"prefill": {"engine": {"tp_size": 4, "speculative_algorithm": "EAGLE"}}},
-            r"prefill\.engine: speculative_algorithm EAGLE with tp_size 4",
+            {
+                "engine": SPEC,
+                "decode": {"engine": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}},
+            },
+            r"decode\.engine: speculative_algorithm NEXTN with enable_dp_attention: .*not built",
         ),
         (
             {"decode": {"group_size": 2}},

@@ -317,7 +317,8 @@ def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message
         (
             "engine.speculative_algorithm",
             "NEXTN",
-            r"prefill\.tpSize: found 8 with engine\.speculative_algorithm NEXTN, expected 1",
+            r"decode\.layout\.enable_dp_attention: found true with engine\.speculative_algorithm "
+            r"NEXTN: speculative_algorithm with enable_dp_attention is not built yet",
         ),
     ],
 )

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from dsv3serve.engine.config import EngineConfig
 from workers.config import WorkerConfig
 
-SPEC_ENGINE = EngineConfig(model="tiny", speculative_algorithm="NEXTN", speculative_num_steps=2)
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+SPEC_ENGINE = EngineConfig(model="tiny", **SPEC)
 DP_ATTENTION = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
 
 
@@ -29,16 +30,17 @@ def test_group_size_cannot_be_set_and_is_not_serialised() -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
-def test_speculation_with_several_ranks_is_refused_naming_both(role: str) -> None:
+def test_tp_group_with_speculation_is_accepted(role: str) -> None:
+    engine = EngineConfig(model="tiny", tp_size=2, ep_size=2, **SPEC)
+    assert WorkerConfig(role=role, engine=engine).group_size == 2
+
+
+@pytest.mark.parametrize("role", ["decode", "colocated"])
+def test_dp_attention_group_with_speculation_is_rejected_naming_both(role: str) -> None:
+    data = {"model": "tiny", **DP_ATTENTION, **SPEC}
     with pytest.raises(ValidationError) as err:
-        WorkerConfig(role=role, engine={**SPEC_ENGINE.model_dump(), "tp_size": 2})
-    assert "speculative_algorithm NEXTN with tp_size 2: MTP runs on one rank only" in str(err.value)
-
-
-def test_one_rank_with_speculation_and_groups_without_it_are_accepted() -> None:
-    assert WorkerConfig(role="decode", engine=SPEC_ENGINE).group_size == 1
-    plain = EngineConfig(model="tiny", tp_size=8, ep_size=8)
-    assert WorkerConfig(role="prefill", engine=plain).group_size == 8
+        WorkerConfig.model_validate({"role": role, "engine": data})
+    assert "speculative_algorithm with enable_dp_attention is not built yet" in str(err.value)
 
 
 def test_prefill_with_dp_attention_is_refused_and_other_roles_accept_it() -> None:
@@ -51,11 +53,12 @@ def test_prefill_with_dp_attention_is_refused_and_other_roles_accept_it() -> Non
 
 def test_the_rules_hold_for_the_json_a_replica_is_started_with() -> None:
     data = WorkerConfig(role="decode", engine=SPEC_ENGINE).model_dump(mode="json")
-    with pytest.raises(ValidationError, match="tp_size 4"):
-        WorkerConfig.model_validate_json(
-            json.dumps({**data, "engine": {**data["engine"], "tp_size": 4}})
-        )
+    data["engine"].update(DP_ATTENTION)
+    with pytest.raises(ValidationError, match="enable_dp_attention"):
+        WorkerConfig.model_validate_json(json.dumps(data))
+    data["engine"]["enable_dp_attention"], data["engine"]["dp_size"] = False, 1
+    assert WorkerConfig.model_validate_json(json.dumps(data)).group_size == 2
     dp = WorkerConfig(role="decode", engine=EngineConfig(model="tiny", **DP_ATTENTION))
     as_prefill = {**dp.model_dump(mode="json"), "role": "prefill"}
-    with pytest.raises(ValidationError, match="enable_dp_attention"):
+    with pytest.raises(ValidationError, match="a prefill group"):
         WorkerConfig.model_validate_json(json.dumps(as_prefill))

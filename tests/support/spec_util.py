@@ -104,8 +104,9 @@ def scratch_drafts(model: DeepseekV3ForCausalLM, context: list[int], steps: int)
     return drafts
 
 
-def make_oracle_draft_checkpoint(out_dir: Path) -> Path:
-    """TEST CHECKPOINT, not a model: a tiny FP8 checkpoint whose NextN draft is always right.
+def make_oracle_draft_checkpoint(out_dir: Path, fp8: bool = True) -> Path:
+    """TEST CHECKPOINT, not a model: a tiny checkpoint (FP8, or bf16 where ``fp8`` is
+    False) whose NextN draft is always right.
 
     Every ``o_proj`` and ``down_proj`` is zero, so each block adds nothing to the residual:
     the target's next token is a fixed function ``f`` of the current one,
@@ -114,7 +115,7 @@ def make_oracle_draft_checkpoint(out_dir: Path) -> Path:
     ``f(t[p+1])``: the target's own next token. Speculation then accepts every draft
     (up to float ties), and each step commits ``num_steps + 1`` tokens.
     """
-    path = make_tiny_checkpoint(out_dir, fp8=True, num_shards=1)
+    path = make_tiny_checkpoint(out_dir, fp8=fp8, num_shards=1)
     tensors = load_file(str(path / "model.safetensors"))
     for name, t in tensors.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):

@@ -21,6 +21,10 @@ Per sequence, with committed tokens ``t[0..n]`` and target KV for ``0..n-1``, a 
 So a position's draft KV always comes from the target's hidden state once committed, as
 if the draft had run over the whole sequence, and pages reach the prefix cache (and PD
 export) with both the target's and the draft's rows.
+
+The eager forwards go through ``self.forwards`` (:mod:`~dsv3serve.engine.spec.forwards`);
+on rank 0 of a TP group they are broadcast so the other ranks run them too
+(:mod:`~dsv3serve.engine.spec.group`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,11 @@ import torch
 
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.sequence import ScheduledItem
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
+from dsv3serve.engine.spec.draft_quant import DraftQuant
 from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
+from dsv3serve.engine.spec.forwards import SpecForwards, make_draft
 from dsv3serve.engine.spec.graphs import SpecGraphs
-from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.forward_batch import SeqSpan
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,8 @@ class SpecDecoder:
     ) -> None:
         self.runner = runner
         self.num_steps = num_steps
-        self.draft = NextNDraft(runner.model)
-        if draft_quant is not None:
-            requantize_draft(self.draft.layer, draft_quant, runner.dtype)
+        self.draft = make_draft(runner, draft_quant)
+        self.forwards = SpecForwards(runner, self.draft)
         self._states: dict[str, DraftState] = {}
         self.graphs: SpecGraphs | None = None
         if runner.graphs is not None:  # CUDA graphs where the decode steps have them
@@ -86,6 +89,18 @@ class SpecDecoder:
                 runner.scratch_slots(num_steps + 1),
                 mempool=runner.graph_pool,
             )
+
+    def use_forwards(self, forwards: SpecForwards) -> None:
+        """Run the eager forwards through ``forwards`` (a group leader's broadcasting ones).
+
+        The CUDA-graphed forwards run on this rank alone, so a decoder with graphs refuses.
+        """
+        if self.graphs is not None:
+            raise ValueError(
+                "speculative decoding in a group: expected no CUDA graphs (groups run "
+                "eagerly), found spec graphs captured on this rank"
+            )
+        self.forwards = forwards
 
     # ---- per-sequence draft state ------------------------------------------------------
     def state(self, seq_id: str) -> DraftState | None:
@@ -118,11 +133,10 @@ class SpecDecoder:
             spans = [
                 self._chain_span(rows[i][0], drafts[rows[i][0].seq_id][-1], step) for i in active
             ]
-            batch = ForwardBatch.build(spans, self.runner.device)
             index = torch.tensor(active, dtype=torch.long, device=hidden.device)
-            out = self.draft.forward(batch, hidden[index], self.runner.attn)
+            out, next_tokens = self.forwards.draft_step(spans, hidden[index])
             hidden[index] = out.to(hidden.dtype)
-            tokens = self.draft.compute_logits(out).argmax(-1).tolist()
+            tokens = next_tokens.tolist()
             for i, token in zip(active, tokens, strict=True):
                 drafts[rows[i][0].seq_id].append(token)
         return drafts
@@ -167,15 +181,12 @@ class SpecDecoder:
                 rows.extend(range(offset + len(tokens) - verified, offset + len(tokens)))
             starts.append(offset)
             offset += len(tokens)
-        model, device = self.runner.model, self.runner.device
         verify_only = all(item.is_decode for item in items)  # the decode (absorbed) MLA form
         graphs = None if self.graphs is None else self.graphs.verify
         if verify_only and graphs is not None and graphs.can_run(spans):
             hidden, logits = graphs.run(spans)  # every row is verified: rows == all of them
             return TargetPass(hidden, starts, logits)
-        batch = ForwardBatch.build(spans, device, decode=verify_only)
-        hidden = model(batch, self.runner.attn)
-        logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
+        hidden, logits = self.forwards.target(spans, verify_only, rows)
         return TargetPass(hidden, starts, logits)
 
     @torch.inference_mode()
@@ -206,11 +217,8 @@ class SpecDecoder:
                 ready.append(seq)
         if not spans:
             return
-        batch = ForwardBatch.build(spans, self.runner.device)
-        index = torch.tensor(rows, dtype=torch.long, device=target.hidden.device)
-        out = self.draft.forward(batch, target.hidden[index], self.runner.attn)
-        last = out[batch.logits_indices]
-        tokens = self.draft.compute_logits(last).argmax(-1).tolist()
+        last, next_tokens = self.forwards.draft_from_target(spans, target.hidden, rows)
+        tokens = next_tokens.tolist()
         for seq, token, hidden in zip(ready, tokens, last, strict=True):
             self._states[seq.seq_id] = DraftState(seq.num_tokens, token, hidden.clone())
 

@@ -97,8 +97,8 @@ next), so only the role's GPUs in total bound them. Args: (list ctx role).
 {{- $g := index $ctx.Values $role -}}
 {{- $w := $g.workers -}}
 {{- $spec := include "dsv3serve.specAlgorithm" (list $ctx $role) -}}
-{{- if and $spec (gt (int $g.tpSize) 1) -}}
-{{- fail (printf "%s.tpSize: found %d with engine.speculative_algorithm %s, expected 1: MTP runs on one rank only for now" $role (int $g.tpSize) $spec) -}}
+{{- if and $spec ($g.layout | default dict).enable_dp_attention -}}
+{{- fail (printf "%s.layout.enable_dp_attention: found true with engine.speculative_algorithm %s: speculative_algorithm with enable_dp_attention is not built yet (MTP runs on one rank or a TP group)" $role $spec) -}}
 {{- end -}}
 {{- if and (eq $role "prefill") ($g.layout | default dict).enable_dp_attention -}}
 {{- fail "prefill.layout.enable_dp_attention: found true, expected false: a prefill group publishes KV from rank 0's pool, so it runs TP; DP attention is for decode and colocated groups" -}}

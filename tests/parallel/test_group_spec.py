@@ -1,0 +1,115 @@
+"""MTP speculative decoding in TP groups over real processes (gloo) is lossless.
+
+The group scenario (chunked prefill, prefix hits, preemption, an abort) on the tiny bf16
+checkpoint in float32, with the checkpoint's NextN layer drafting 2 tokens a round: rank 0
+is this test process, the other rank a spawned process holding only its shard and
+running the draft and verify forwards rank 0 broadcasts. References: the plain one-rank
+engine without speculation for the tokens (greedy MTP must give them exactly), and the
+one-rank speculative engine for the drafts (a follower that ran the draft steps wrong
+would change them, while the tokens, being lossless, would not). With a checkpoint whose
+NextN layer is an oracle, rounds accept their drafts, so the extend runs over several
+committed decode positions too; that draft ignores its hidden input and attention, so
+that test checks the accepting rounds' sequence of forwards, not the draft's numbers
+(the random NextN draft's drafts do: a follower extending from the wrong rows fails it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
+from pydantic import ValidationError
+from spec_util import make_oracle_draft_checkpoint
+
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.llm import LLM
+from dsv3serve.engine.sequence import ScheduledItem
+
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tp_size": 2},
+    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
+}
+Drafts = list[dict[str, list[int]]]
+
+
+def record_drafts(engine: Engine) -> Drafts:
+    """Every step's proposed drafts (by sequence), appended as the engine runs."""
+    rounds: Drafts = []
+    propose = engine.spec.propose
+
+    def recording(items: list[ScheduledItem]) -> dict[str, list[int]]:
+        drafts = propose(items)
+        rounds.append(drafts)
+        return drafts
+
+    engine.spec.propose = recording  # type: ignore[method-assign]
+    return rounds
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
+    """The one-rank engine's greedy tokens, without speculation."""
+    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE))
+    tokens = run_scenario(engine)
+    assert_no_leaks(engine)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def one_rank_drafts(tiny_bf16_dir: Path, reference: dict[str, list[int]]) -> Drafts:
+    """The one-rank speculative engine's drafts on the scenario (its tokens: lossless)."""
+    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE, **SPEC))
+    rounds = record_drafts(engine)
+    assert run_scenario(engine) == reference
+    assert_no_leaks(engine)
+    assert sum(len(d) for r in rounds for d in r.values()) > 0, "the rounds must draft"
+    return rounds
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tp_group_with_mtp_gives_the_single_rank_tokens_and_drafts(
+    layout: str,
+    tiny_bf16_dir: Path,
+    reference: dict[str, list[int]],
+    one_rank_drafts: Drafts,
+) -> None:
+    with LLM(str(tiny_bf16_dir), **SCENARIO_ENGINE, **LAYOUTS[layout], **SPEC) as llm:
+        engine = llm.engine
+        rounds = record_drafts(engine)
+        tokens = run_scenario(engine)
+        assert_no_leaks(engine)
+        scheduler = engine.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
+    assert tokens == reference
+    assert rounds == one_rank_drafts
+
+
+def test_tp_group_accepting_drafts_matches_the_one_rank_speculative_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    oracle_dir = tmp_path_factory.mktemp("oracle-draft")
+    oracle = str(make_oracle_draft_checkpoint(oracle_dir, fp8=False))  # TP splits bf16
+    one = Engine(EngineConfig(model=oracle, **SCENARIO_ENGINE, **SPEC))
+    one_rounds = record_drafts(one)
+    one_tokens = run_scenario(one)
+    assert one.spec_stats.accepted_tokens > one.spec_stats.draft_tokens // 2 > 0
+    with LLM(oracle, **SCENARIO_ENGINE, **LAYOUTS["tp2"], **SPEC) as llm:
+        rounds = record_drafts(llm.engine)
+        tokens = run_scenario(llm.engine)
+        assert_no_leaks(llm.engine)
+        stats = llm.engine.spec_stats
+    assert (tokens, rounds) == (one_tokens, one_rounds)
+    assert (stats.draft_tokens, stats.accepted_at) == (
+        one.spec_stats.draft_tokens,
+        one.spec_stats.accepted_at,
+    )
+
+
+def test_mtp_with_dp_attention_is_refused_naming_both() -> None:
+    dp = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
+    with pytest.raises(ValidationError, match="speculative_algorithm with enable_dp_attention"):
+        EngineConfig(model="tiny", **dp, **SPEC)
