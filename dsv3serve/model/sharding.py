@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from functools import partial
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.layers.linear import Linear
@@ -34,17 +34,12 @@ class Sharding:
         p = None if self.layout is None else self.layout.parallel
         return p is not None and p.enable_dp_attention and p.ep_size > 1
 
-    def linear(
-        self,
-        cfg: ModelConfig,
-        prefix: str,
-        in_features: int,
-        out_features: int,
-        dtype: torch.dtype,
-        act_quant: bool = True,
-    ) -> Linear:
-        """The linear ``prefix`` of full shape ``[out, in]`` with this rank's local shape."""
-        return sharded_linear(cfg, prefix, in_features, out_features, dtype, act_quant, self.layout)
+    @property
+    def linear(self) -> Callable[..., Linear]:
+        """:func:`sharded_linear` for this rank's layout: ``linear(cfg, prefix, in_features,
+        out_features, dtype, act_quant=True)`` builds the linear ``prefix`` of full shape
+        ``[out, in]`` with this rank's local shape."""
+        return partial(sharded_linear, layout=self.layout)
 
     def row_parallel(self, cfg: ModelConfig, prefix: str) -> bool:
         """Whether linear ``prefix`` yields a partial sum (split along its input)."""
