@@ -4,7 +4,7 @@ Rank 0 (the leader) holds the :class:`DPScheduler` (one scheduler per DP rank) a
 sampler. Each step it broadcasts every rank's spans; each rank forwards its own spans over
 its own KV pool (a rank with none runs the model's idle step, so the MoE dispatch / combine
 and the ``lm_head`` collectives stay in step), computes the logits of its sampled rows, and
-the rows of all ranks are gathered to the leader in rank order, which samples them all.
+the rows of all ranks are gathered to the leader alone, in rank order, which samples them all.
 
 PD imports land on rank 0's pool (the KV connector's) in staging pages when the owning
 rank is another one, and :meth:`DPGroupLeader.replicate_pages` moves them to the owner
@@ -58,17 +58,20 @@ def forward_local(runner: ModelRunner, spans: list[SeqSpan]) -> torch.Tensor:
     return model.compute_logits(empty)
 
 
-def gather_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Every rank's ``rows`` [n_r, V] concatenated in rank order (on every rank)."""
-    world = dist.get_world_size()
+def gather_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """Every rank's ``rows`` [n_r, V] concatenated in rank order, on rank 0 only (None on
+    the others: they never need the other ranks' logits). One host sync for the counts."""
+    world, leader = dist.get_world_size(), dist.get_rank() == 0
     count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count)
     sizes = [int(c) for c in counts]
     padded = rows.new_zeros((max(sizes), *rows.shape[1:])).to(device)
     padded[: rows.shape[0]] = rows.to(device)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    parts = [torch.empty_like(padded) for _ in range(world)] if leader else None
+    dist.gather(padded, parts, dst=0)
+    if parts is None:
+        return None
     return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
 
@@ -117,6 +120,7 @@ class DPGroupLeader:
         spans = [self.runner.spans(part) for part in parts]
         self._wire.send(OP_DP_STEP, encode_parts(spans))
         logits = gather_rows(forward_local(self.runner, spans[0]), self._wire.device)
+        assert logits is not None  # rank 0 receives every rank's rows
         sampled = [item for part in parts for item in part if item.sample]
         return StepResult(logits.to(self.runner.device), sampled)
 
