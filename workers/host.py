@@ -43,9 +43,8 @@ from workers.protocol import (
 from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
-# Starts ranks 1..N-1 and joins this process to their group (before the engine is built);
-# returns an object with ``.stop()``, ``.check()`` (raises once a rank has died) and a
-# ``.leader`` slot the host fills.
+# Starts ranks 1..N-1, joins them (before the engine is built): ``.stop()``, ``.check()``
+# (raises once a rank died), a ``.leader`` slot the host fills.
 GroupStarter = Callable[[WorkerConfig], Any]
 _REFUSED = (InvalidRequestError, ContextLengthError)
 
@@ -182,7 +181,7 @@ class EngineHost:
                 free_pages=kv.free_pages,
                 num_pages=kv.num_pages,
                 evictable_pages=kv.evictable_pages,
-                live_requests=len(e._states),
+                live_requests=e.num_live_sequences,
                 staged_kv=0 if self.connector is None else self.connector.staged(),
                 reservations=len(self._reserved),
                 group_size=self.cfg.group_size,
@@ -342,7 +341,11 @@ class EngineHost:
         A cancelled caller does not interrupt the copy: the pages are freed only after
         the transfer thread has stopped writing into them.
         """
-        landing = self._landing_pages(pages)
+        try:
+            landing = self._landing_pages(pages)
+        except Exception as exc:  # a dead engine: give the reservation back, say why
+            self._unreserve(handle.request_id, pages)
+            return f"KV transfer failed: {exc}"
         task = asyncio.ensure_future(
             asyncio.to_thread(self.connector.receive, handle, landing[: handle.num_pages])
         )
@@ -359,8 +362,13 @@ class EngineHost:
             return f"KV transfer failed: {exc}"
         finally:
             m.in_transfer.dec()
-        if self.group is not None:  # TP: every rank's pool; DP: the owning rank's only
+        if self.group is None:
+            return None
+        try:  # TP: every rank's pool; DP: the owning rank's only
             self.aengine.call(lambda _: self.group.leader.replicate_pages(pages))
+        except Exception as exc:
+            self._unreserve(handle.request_id, pages)
+            return f"KV placement on the group failed: {exc}"
         return None
 
     def _landing_pages(self, pages: list[int]) -> list[int]:
@@ -386,6 +394,8 @@ class EngineHost:
         return [d.tolist() for d in digests]
 
     def group_in_sync(self) -> bool:
-        """Whether every rank's KV pool holds the same bytes (True without a group)."""
+        """Whether every TP rank's KV pool holds the same bytes (True without a group)."""
+        if self.cfg.engine.enable_dp_attention:
+            raise ValueError("group_in_sync: DP-attention ranks hold different pools")
         digests = self.kv_digests()
         return all(d == digests[0] for d in digests)

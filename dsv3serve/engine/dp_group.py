@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.group import (
@@ -33,19 +34,27 @@ from dsv3serve.forward_batch import SeqSpan
 OP_DP_STEP, OP_DP_MOVE_PAGES = 17, 18
 
 
+def sampled_rows(parts: list[list[SeqSpan]]) -> list[int]:
+    """How many logits rows each rank's spans yield (its spans with ``sample``)."""
+    return [sum(span.sample for span in spans) for spans in parts]
+
+
 def encode_parts(parts: list[list[SeqSpan]]) -> torch.Tensor:
-    """Every rank's spans as one int64 tensor: ``[ranks, len_0 .. len_{n-1}]`` + blobs."""
+    """Every rank's spans as one int64 tensor: ``[ranks, len_0 .. len_{n-1}, rows_0 ..
+    rows_{n-1}]`` + blobs (``rows_r``: rank r's sampled rows, so no rank asks for them)."""
     blobs = [encode_spans(spans) for spans in parts]
-    head = torch.tensor([len(parts), *(b.numel() for b in blobs)], dtype=torch.int64)
+    sizes = [b.numel() for b in blobs]
+    head = torch.tensor([len(parts), *sizes, *sampled_rows(parts)], dtype=torch.int64)
     return torch.cat([head, *blobs])
 
 
-def decode_part(data: torch.Tensor, rank: int) -> list[SeqSpan]:
-    """Rank ``rank``'s spans out of :func:`encode_parts`'s tensor."""
+def decode_part(data: torch.Tensor, rank: int) -> tuple[list[SeqSpan], list[int]]:
+    """Rank ``rank``'s spans out of :func:`encode_parts`'s tensor, and every rank's rows."""
     ranks = int(data[0])
-    sizes = data[1 : 1 + ranks].tolist()
-    start = 1 + ranks + sum(sizes[:rank])
-    return decode_one(data[start : start + sizes[rank]])
+    head = data[1 : 1 + 2 * ranks].tolist()
+    sizes, rows = head[:ranks], head[ranks:]
+    start = 1 + 2 * ranks + sum(sizes[:rank])
+    return decode_one(data[start : start + sizes[rank]]), rows
 
 
 def forward_local(runner: ModelRunner, spans: list[SeqSpan]) -> torch.Tensor:
@@ -58,17 +67,14 @@ def forward_local(runner: ModelRunner, spans: list[SeqSpan]) -> torch.Tensor:
     return model.compute_logits(empty)
 
 
-def gather_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """Every rank's ``rows`` [n_r, V] concatenated in rank order, on rank 0 only (None on
-    the others: they never need the other ranks' logits). One host sync for the counts."""
-    world, leader = dist.get_world_size(), dist.get_rank() == 0
-    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    sizes = [int(c) for c in counts]
-    padded = rows.new_zeros((max(sizes), *rows.shape[1:])).to(device)
-    padded[: rows.shape[0]] = rows.to(device)
-    parts = [torch.empty_like(padded) for _ in range(world)] if leader else None
+def gather_rows(rows: torch.Tensor, sizes: list[int], device: torch.device) -> Tensor | None:
+    """Every rank's ``rows`` [sizes[r], V] concatenated in rank order, on rank 0 only (None on
+    the others: they never need the other ranks' logits). The sizes travel with the step, so
+    no rank waits on the host for them."""
+    leader = dist.get_rank() == 0
+    padded = rows.new_empty((max(sizes), *rows.shape[1:]), device=device)
+    padded[: rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in sizes] if leader else None
     dist.gather(padded, parts, dst=0)
     if parts is None:
         return None
@@ -119,7 +125,8 @@ class DPGroupLeader:
             parts[item.seq.dp_rank].append(item)
         spans = [self.runner.spans(part) for part in parts]
         self._wire.send(OP_DP_STEP, encode_parts(spans))
-        logits = gather_rows(forward_local(self.runner, spans[0]), self._wire.device)
+        rows = forward_local(self.runner, spans[0])
+        logits = gather_rows(rows, sampled_rows(spans), self._wire.device)
         assert logits is not None  # rank 0 receives every rank's rows
         sampled = [item for part in parts for item in part if item.sample]
         return StepResult(logits.to(self.runner.device), sampled)
@@ -134,9 +141,11 @@ class DPGroupLeader:
         if rank == 0:
             return
         staging = self.scheduler.take_staging(pages)
-        self._wire.send(OP_DP_MOVE_PAGES, torch.tensor([rank, *local], dtype=torch.int64))
-        send_pages(self.runner, staging, rank)
-        self.scheduler.ranks[0].release_reservation(staging)
+        try:
+            self._wire.send(OP_DP_MOVE_PAGES, torch.tensor([rank, *local], dtype=torch.int64))
+            send_pages(self.runner, staging, rank)
+        finally:  # moved or not, the staging pages go back
+            self.scheduler.ranks[0].release_reservation(staging)
 
     def digests(self) -> list[torch.Tensor]:
         """Every rank's pool fingerprint (the pools differ under DP attention)."""
@@ -155,8 +164,8 @@ def dp_follower_loop(runner: ModelRunner) -> int:
     while True:
         op, n = wire.recv_header()
         if op == OP_DP_STEP:
-            spans = decode_part(wire.recv(n).cpu(), rank)
-            gather_rows(forward_local(runner, spans), wire.device)
+            spans, sizes = decode_part(wire.recv(n).cpu(), rank)
+            gather_rows(forward_local(runner, spans), sizes, wire.device)
             steps += 1
         elif op == OP_DP_MOVE_PAGES:
             owner, *pages = wire.recv(n).tolist()

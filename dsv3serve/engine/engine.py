@@ -129,6 +129,8 @@ class Engine:
         call it before any request. A speculative engine needs ``spec_forwards``, the
         group's broadcasting forwards (its steps never call ``runner.run``).
         """
+        if scheduler is not None and self.scheduler.has_unfinished:
+            raise RuntimeError("use_runner: requests are queued; call it before any")
         if self.spec is not None:
             if spec_forwards is None or scheduler is not None:
                 raise ValueError(
@@ -144,8 +146,6 @@ class Engine:
             self._loop = PlainLoop(self._core)
         self._core.runner = runner
         if scheduler is not None:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("use_runner: requests are queued; call it before any")
             self.scheduler = self._core.scheduler = scheduler
 
     # ---- requests -------------------------------------------------------------------
@@ -164,6 +164,11 @@ class Engine:
         """Abort every sequence of ``request_id`` in any state; frees all its pages."""
         self._pd.forget(request_id)
         return self._core.abort(request_id)
+
+    @property
+    def num_live_sequences(self) -> int:
+        """Sequences this engine tracks (running, waiting, or prefilled awaiting a pull)."""
+        return len(self._core.states)
 
     def has_unfinished(self) -> bool:
         """Whether any sequence still needs steps (exported prefills do not)."""

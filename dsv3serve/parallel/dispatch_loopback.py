@@ -58,7 +58,9 @@ class LoopbackTimingOnlyDispatcher(Dispatcher):
 
     CUDA-graph safe (no host sync, static shapes): EVERY token arrives as one row, those with
     no expert here with all ids ``-1`` and weights 0 (the all-to-all would not send them;
-    their rows cost the local experts nothing but the weight-0 slots the caller clamps).
+    the caller clamps their ``-1`` slots to local expert 0 with weight 0, so the fused MoE
+    still runs those rows through expert 0: extra work the all-to-all path has too, reported
+    as ``kernel_extra_bytes`` by the EP-rank benchmark).
     """
 
     graph_safe: ClassVar[bool] = True
