@@ -89,12 +89,10 @@ class EngineCore:
         sampler: Sampler,
         tokenizer: Tokenizer,
         vocab_size: int,
-        max_draft_tokens: int = 0,
     ) -> None:
-        """``max_draft_tokens``: speculative decoding's draft length (grammar rollback)."""
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, max_draft_tokens)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.metrics: Metrics | None = None
         self.states: dict[str, SeqState] = {}
         self.on_prefilled: Callable[[Sequence], None] = _ignore
@@ -125,7 +123,7 @@ class EngineCore:
         detok = IncrementalDetokenizer(self.tokenizer, context, params.skip_special_tokens)
         state = SeqState(seq, index, params, gen, detok, StopStringMatcher(params.stop))
         if params.constraint is not None:
-            state.grammar = self.grammars.new_state(self.grammars.compile(params.constraint))
+            state.grammar = self.grammars.new_state(params.constraint)
         self.states[seq.seq_id] = state
         return state
 

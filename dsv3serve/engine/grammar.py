@@ -42,20 +42,14 @@ def full_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 class GrammarCompiler:
     """Compiles constraints for one model's vocabulary; see the module docstring."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        vocab_size: int,
-        max_rollback_tokens: int = 0,
-        cache_size: int = 256,
-    ) -> None:
-        """``max_rollback_tokens``: how far matchers can step back (the draft length)."""
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.max_rollback_tokens = max_rollback_tokens
         self.cache_size = cache_size
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._xgr: Any = None
         self._compiler: Any = None
+        self._info: Any = None
+        self._no_control: torch.Tensor | None = None  # see ``new_state``
 
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar of ``constraint`` (cached); raises InvalidRequestError."""
@@ -74,14 +68,31 @@ class GrammarCompiler:
         """Compiled grammars held in the cache."""
         return len(self._cache)
 
-    def new_state(self, compiled: Any) -> GrammarState:
-        """A fresh matcher over ``compiled`` for one sequence."""
+    def new_state(self, constraint: Constraint) -> GrammarState:
+        """A fresh matcher over ``constraint``'s compiled grammar, for one sequence.
+
+        A ``json_schema`` state also bans every token holding a raw control character
+        (U+0000..U+001F): JSON strings may not contain them, and xgrammar's rule for
+        length-bounded strings lets them through; compact JSON needs none elsewhere.
+        """
+        compiled = self.compile(constraint)
         matcher = self._xgr.GrammarMatcher(
-            compiled,
-            override_stop_tokens=[self.tokenizer.eos_token_id],
-            max_rollback_tokens=self.max_rollback_tokens,
+            compiled, override_stop_tokens=[self.tokenizer.eos_token_id]
         )
-        return GrammarState(matcher, self.vocab_size)
+        ban = self._control_ban() if constraint.kind == "json_schema" else None
+        return GrammarState(matcher, self.vocab_size, ban)
+
+    def _control_ban(self) -> torch.Tensor:
+        """Bitmask row [W] int32 clearing the tokens whose bytes hold a control character."""
+        if self._no_control is None:
+            row = full_bitmask(1, self.vocab_size)[0]
+            self._ensure_compiler()
+            info = self._info
+            for token, raw in enumerate(info.decoded_vocab[: self.vocab_size]):
+                if any(byte < 0x20 for byte in raw):
+                    row[token // 32] &= ~(1 << (token % 32))
+            self._no_control = row
+        return self._no_control
 
     def _compile(self, c: Constraint) -> Any:
         compiler = self._ensure_compiler()
@@ -109,7 +120,7 @@ class GrammarCompiler:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 wrapped, vocab_size=self.vocab_size, stop_token_ids=[self.tokenizer.eos_token_id]
             )
-            self._xgr = xgrammar
+            self._xgr, self._info = xgrammar, info
             self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 
@@ -128,8 +139,9 @@ def _clean(exc: BaseException) -> str:
 class GrammarState:
     """One sequence's grammar matcher and how many of its output tokens it has accepted."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: Any, vocab_size: int, ban: torch.Tensor | None = None) -> None:
+        """``ban``: a bitmask row [W] ANDed into every row this state fills."""
+        self.matcher, self.vocab_size, self.ban = matcher, vocab_size, ban
         self.num_accepted = 0
 
     @property
@@ -153,6 +165,8 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the next token's allowed set into ``bitmask[row]`` (host int32 [R, W])."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.ban is not None:
+            bitmask[row] &= self.ban
 
     def draft_masks(self, drafts: list[int]) -> tuple[list[int], torch.Tensor]:
         """The longest prefix of ``drafts`` the grammar allows (stopping before one that
