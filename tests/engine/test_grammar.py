@@ -43,16 +43,24 @@ def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, VOCAB)
 
 
-def generate(engine: Engine, params: SamplingParams) -> list[tuple[str, str | None]]:
-    """(text, finish reason) of each of the ``n`` sequences of one request."""
-    engine.add_request(Request("r", params, prompt_ids=PROMPT))
-    texts: dict[int, list] = {}
+def generate_all(
+    engine: Engine, requests: list[SamplingParams]
+) -> list[list[tuple[str, str | None]]]:
+    """Run ``requests`` together; per request, (text, finish reason) of each sequence."""
+    for i, params in enumerate(requests):
+        engine.add_request(Request(str(i), params, prompt_ids=PROMPT))
+    texts: dict[tuple[int, int], list] = {}
     while engine.has_unfinished():
         for out in engine.step():
-            entry = texts.setdefault(out.index, ["", None])
+            entry = texts.setdefault((int(out.request_id), out.index), ["", None])
             entry[0] += out.text
             entry[1] = out.finish_reason if out.finished else entry[1]
-    return [tuple(texts[i]) for i in sorted(texts)]
+    return [[tuple(texts[i, j]) for j in range(p.n)] for i, p in enumerate(requests)]
+
+
+def generate(engine: Engine, params: SamplingParams) -> list[tuple[str, str | None]]:
+    """(text, finish reason) of each of the ``n`` sequences of one request."""
+    return generate_all(engine, [params])[0]
 
 
 # ---- compiler and matcher ------------------------------------------------------------
@@ -144,12 +152,17 @@ def test_logit_bias_is_range_checked() -> None:
 def test_constrained_outputs_validate_on_every_loop(loop: str) -> None:
     engine = make_engine(**LOOPS[loop])
     assert engine.overlap == (loop == "overlap") and (engine.spec is not None) == (loop == "spec")
-    for schema in (SCHEMAS[9], SCHEMAS[12], SCHEMAS[19]):
-        c = Constraint.json_schema(schema, strict=True)
-        params = SamplingParams(n=3, temperature=1.0, seed=3, max_new_tokens=120, constraint=c)
-        outs = generate(engine, params)
+    schemas = (SCHEMAS[9], SCHEMAS[12], SCHEMAS[19])
+    requests = [
+        SamplingParams(
+            n=3, temperature=1.0, seed=3, max_new_tokens=120, constraint=Constraint.json_schema(s)
+        )
+        for s in schemas
+    ]
+    free = SamplingParams(n=3, temperature=1.0, max_new_tokens=30)
+    *constrained, unconstrained = generate_all(engine, [*requests, free])
+    for schema, outs in zip(schemas, constrained, strict=True):
         assert all(reason == "stop" and valid(text, schema) for text, reason in outs), outs
-    unconstrained = generate(engine, SamplingParams(n=3, temperature=1.0, max_new_tokens=40))
     assert not any(valid(text, SCHEMAS[9]) for text, _ in unconstrained)
     kv = engine.scheduler.kv
     kv.evict_all()
