@@ -7,10 +7,12 @@ unbounded one would only show ``max_tokens``, not the constraint.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import jsonschema
+import openai
 
 _NAME = {"type": "string", "maxLength": 6}
 _AGE = {"type": "integer", "minimum": 0, "maximum": 130}
@@ -82,3 +84,35 @@ def response_format(schema: dict[str, Any], index: int) -> dict[str, Any]:
         "type": "json_schema",
         "json_schema": {"name": f"case_{index}", "schema": schema, "strict": True},
     }
+
+
+async def _constrained_replies(base_url: str, model: str, n: int) -> list[Any]:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=600)
+    async with client:
+        calls = [
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Describe it as JSON."}],
+                n=n,
+                temperature=1.0,
+                max_tokens=200,
+                response_format=response_format(schema, i),
+            )
+            for i, schema in enumerate(SCHEMAS)
+        ]
+        return await asyncio.gather(*calls)
+
+
+def invalid_outputs(base_url: str, model: str, n: int) -> list[tuple[int, str, str | None]]:
+    """Sends every schema of SCHEMAS at once (``n`` samples each, temperature 1) to the
+    OpenAI server at ``base_url``; returns (schema index, text, finish reason) of each
+    output that is not valid JSON of its schema, ended by the schema's end."""
+    replies = asyncio.run(_constrained_replies(base_url, model, n))
+    bad = []
+    for i, (schema, reply) in enumerate(zip(SCHEMAS, replies, strict=True)):
+        assert len(reply.choices) == n
+        for choice in reply.choices:
+            text, reason = choice.message.content, choice.finish_reason
+            if reason != "stop" or not valid(text, schema):
+                bad.append((i, text, reason))
+    return bad
