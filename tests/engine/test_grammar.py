@@ -185,3 +185,22 @@ def test_invalid_constraint_is_refused_before_any_work() -> None:
     with pytest.raises(InvalidRequestError, match="invalid json_schema"):
         engine.add_request(Request("r", SamplingParams(constraint=bad), prompt_ids=PROMPT))
     assert engine.num_live_sequences == 0 and not engine.has_unfinished()
+
+
+def test_structural_tag_wraps_a_schema_in_tags() -> None:
+    """The constraint kind tool calling targets: JSON arguments between begin/end tags."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    tag = {"type": "tag", "begin": "<tool>", "content": content, "end": "</tool>"}
+    text = json.dumps({"type": "structural_tag", "format": tag})
+    params = SamplingParams(
+        n=3, temperature=1.0, constraint=Constraint(kind="structural_tag", text=text)
+    )
+    for out, reason in generate(make_engine(), params):
+        inner = re.fullmatch(r"<tool>(.*)</tool>", out, re.DOTALL)
+        assert reason == "stop" and inner and valid(inner.group(1), schema), out
