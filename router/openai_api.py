@@ -35,6 +35,7 @@ from router.errors import (
     from_validation_error,
     internal_error,
 )
+from router.openai_fields import refused_field
 from router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -281,7 +282,7 @@ class OpenAIServer:
             req = model.model_validate(body)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
-        problem = req.unsupported()
+        problem = refused_field(body, kind) or req.unsupported()
         if problem is not None:
             raise bad_request(problem[1], problem[0])
         self._check_model(req.model)
@@ -289,9 +290,17 @@ class OpenAIServer:
         params = build_sampling_params(req, len(ids), self.config, prompt_param)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         gen = GenerateRequest(request_id=request_id, prompt_ids=ids, params=params)
-        return Prepared(gen, self._meta(kind, gen), req.stream, req.include_usage)
+        echo = self._echo_text(req, ids)
+        return Prepared(gen, self._meta(kind, gen, echo), req.stream, req.include_usage)
 
-    def _meta(self, kind: Kind, gen: GenerateRequest) -> ResponseMeta:
+    def _echo_text(self, req: SamplingFields, ids: list[int]) -> str:
+        """Completions ``echo``: the prompt as given, or its token ids decoded."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return ""
+        prompt = req.single_prompt()
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, False)
+
+    def _meta(self, kind: Kind, gen: GenerateRequest, echo: str = "") -> ResponseMeta:
         return ResponseMeta(
             kind=kind,
             request_id=gen.request_id,
@@ -301,6 +310,7 @@ class OpenAIServer:
             prompt_tokens=len(gen.prompt_ids),
             want_logprobs=gen.params.logprobs is not None,
             token_text=self._token_text,
+            echo=echo,
         )
 
     def _prompt_ids(self, req: SamplingFields) -> tuple[list[int], str]:

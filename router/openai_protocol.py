@@ -2,9 +2,11 @@
 
 Field names and extensions follow vLLM / SGLang (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``chat_template_kwargs``). Unknown fields are ignored and explicit ``null`` means "not
-given", as with vLLM. Ranges are checked by SamplingParams, not here, so the limits live
-in one place; ``PARAM_NAMES`` maps its field names back to the request's.
+``chat_template_kwargs``, and SGLang's ``regex`` / ``ebnf`` structured-output fields).
+OpenAI fields this server cannot honour are refused with 400 (``router/openai_fields.py``);
+other unknown fields are ignored and explicit ``null`` means "not given", as with vLLM.
+Ranges are checked by SamplingParams, not here, so the limits live in one place;
+``PARAM_NAMES`` maps its field names back to the request's.
 ``ResponseBuilder`` turns backend TokenChunks into streamed chunks or a whole response.
 """
 
@@ -16,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.sampling_params import SamplingParams
 from workers.protocol import TokenChunk
 
@@ -59,6 +62,36 @@ class ChatMessage(_Body):
         return {"role": role, "content": "".join(part.text for part in self.content)}
 
 
+class JSONSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema and whether it is strict."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool = False
+
+
+class ResponseFormat(_Body):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema must be given exactly when type is 'json_schema'")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        """The engine constraint of this format (None for ``text``)."""
+        if self.type == "json_object":
+            return Constraint(kind="json_object")
+        if self.json_schema is None:
+            return None
+        return Constraint.json_schema(self.json_schema.schema_, self.json_schema.strict)
+
+
 class SamplingFields(_Body):
     """Fields shared by chat and completions requests."""
 
@@ -85,6 +118,10 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         """The completion budget the client asked for, if any."""
@@ -99,7 +136,23 @@ class SamplingFields(_Body):
         same_name = SamplingParams.model_fields.keys() & type(self).model_fields.keys()
         given = {name: getattr(self, name) for name in same_name}
         given |= {"min_new_tokens": self.min_tokens, "logprobs": self.top_logprobs_k()}
+        given |= {"constraint": self.constraint()}
         return {k: v for k, v in given.items() if v is not None}
+
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields the request sets (at most one is allowed)."""
+        fields = [name for name in ("regex", "ebnf") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.insert(0, "response_format")
+        return fields
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint: ``response_format``, ``regex`` or ``ebnf``."""
+        if self.regex is not None:
+            return Constraint(kind="regex", text=self.regex)
+        if self.ebnf is not None:
+            return Constraint(kind="ebnf", text=self.ebnf)
+        return None if self.response_format is None else self.response_format.constraint()
 
     @property
     def include_usage(self) -> bool:
@@ -108,12 +161,17 @@ class SamplingFields(_Body):
 
     def param_name(self, sampling_field: str) -> str:
         """The request field behind a SamplingParams field (for error ``param``)."""
+        if sampling_field.split(".")[0] == "constraint":
+            return (self.constraint_fields() or ["response_format"])[0]
         return self.PARAM_NAMES.get(sampling_field, sampling_field)
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for a request this server cannot honour, else None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        constraints = self.constraint_fields()
+        if len(constraints) > 1:
+            return constraints[1], f"give at most one of {', '.join(constraints)}"
         return None
 
 
@@ -176,8 +234,11 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported by this server"
+        if self.echo and self.logprobs is not None:
+            return "echo", (
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute; drop logprobs or echo"
+            )
         if self.suffix:
             return "suffix", "suffix is not supported by this server"
         return super().unsupported()
@@ -212,6 +273,7 @@ class ResponseMeta:
     prompt_tokens: int
     want_logprobs: bool
     token_text: Callable[[int], str]
+    echo: str = ""  # completions ``echo``: the prompt text each choice starts with
 
 
 @dataclass
@@ -353,9 +415,16 @@ class ResponseBuilder:
         return body | {"logprobs": logprobs, "finish_reason": reason}
 
     def opening_events(self) -> list[dict[str, Any]]:
-        """Chat streams open with one ``{"role": "assistant"}`` delta per choice."""
+        """Chat streams open with one ``{"role": "assistant"}`` delta per choice; echoing
+        completion streams with one event per choice carrying the prompt."""
         if self.meta.kind != "chat":
-            return []
+            return [
+                self._envelope(
+                    self._chunk_object(), [self._choice(i, self.meta.echo, None, None, stream=True)]
+                )
+                for i in range(self.meta.n)
+                if self.meta.echo
+            ]
         return [
             self._envelope(
                 self._chunk_object(), [self._choice(i, "", None, None, stream=True, opening=True)]
@@ -380,7 +449,7 @@ class ResponseBuilder:
     # ---- whole response -------------------------------------------------------------
     def _final_choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
         logprobs = self._logprobs(state.token_ids, state.logprobs, state.top_logprobs, state)
-        text = "".join(state.text)
+        text = self.meta.echo + "".join(state.text)
         return self._choice(index, text, logprobs, state.finish_reason, stream=False)
 
     def response(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from schema_cases import invalid_outputs
 from serving_util import (
     TINY_ENGINE,
     holds_nothing,
@@ -180,3 +181,24 @@ def test_200_concurrent_streams_complete_without_leaks(apps: dict[str, str]) -> 
     reasons = asyncio.run(run_all())
     assert len(reasons) == 200 and set(reasons) <= {"stop", "length"}, reasons
     assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 10) for w in PD_WORKERS)
+
+
+def test_json_schema_outputs_validate_through_pd(apps: dict[str, str]) -> None:
+    """The prefill side samples the first token under the schema; decode continues the
+    grammar from it (5 samples of each of the 20 schemas, temperature 1)."""
+    assert invalid_outputs(f"{apps[PD]}/v1", "tiny", 5) == []
+    assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS)
+
+
+@pytest.mark.parametrize("app", [PD, COLOCATED])
+def test_logit_bias_bans_and_forces_tokens(apps: dict[str, str], offline: Engine, app: str) -> None:
+    tok = offline.tokenizer
+    kw = {"model": "tiny", "prompt": "The sea", "max_tokens": 4, "temperature": 0}
+    http = client(apps[app])
+    greedy = http.completions.create(**kw).choices[0].text
+    first = tok.encode(greedy, add_bos=False)[0]
+    banned = http.completions.create(**kw, logit_bias={str(first): -100}).choices[0].text
+    assert banned != greedy and tok.encode(banned, add_bos=False)[0] != first
+    whale = tok.encode(" whale", add_bos=False)[0]
+    forced = http.completions.create(**kw, logit_bias={str(whale): 100}).choices[0].text
+    assert forced == tok.decode([whale] * 4)
