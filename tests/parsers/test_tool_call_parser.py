@@ -19,7 +19,8 @@ NAMES = ("get_weather", "add")
 
 
 def call_text(name: str, arguments: str) -> str:
-    return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```<｜tool▁call▁end｜>"
+    header = f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}"
+    return f"{header}\n```json\n{arguments}\n```<｜tool▁call▁end｜>"
 
 
 def section(*calls: tuple[str, str]) -> str:
