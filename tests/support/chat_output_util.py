@@ -73,12 +73,10 @@ class StreamedChoice:
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
-    saw_content_field: bool = False
 
     def add(self, delta: Any, finish_reason: str | None) -> None:
         extra = delta.model_extra or {}
         self.reasoning += extra.get("reasoning_content") or ""
-        self.saw_content_field |= delta.content is not None
         self.content += delta.content or ""
         for call in delta.tool_calls or []:
             if call.id is not None:
