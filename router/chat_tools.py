@@ -30,7 +30,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function nam
 class _ToolBody(BaseModel):
     """Request-body parts: unknown fields ignored, explicit null means "not given"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod

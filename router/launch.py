@@ -215,7 +215,8 @@ def run(
     import ray
     from ray import serve
 
-    data = with_reasoning_parser(load_deploy_file(path), reasoning_parser)
+    data = load_deploy_file(path)
+    data = with_reasoning_parser(data, reasoning_parser)
     first = data["applications"][0]
     model = ServingConfig.parse(first["args"]).router.served_model_name
     grpc = grpc_options(data, grpc_port)

@@ -2,10 +2,9 @@
 
 Field names and extensions follow vLLM / SGLang (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``chat_template_kwargs``, ``separate_reasoning``, ``include_reasoning``). Unknown fields
-are ignored and explicit ``null`` means "not given", as with vLLM. Ranges are checked by
-SamplingParams, not here, so the limits live in one place; ``PARAM_NAMES`` maps its field
-names back to the request's.
+``chat_template_kwargs``). Unknown fields are ignored and explicit ``null`` means "not
+given", as with vLLM. Ranges are checked by SamplingParams, not here, so the limits live
+in one place; ``PARAM_NAMES`` maps its field names back to the request's.
 ``ResponseBuilder`` turns backend TokenChunks into streamed chunks or a whole response.
 """
 
