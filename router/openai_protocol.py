@@ -73,7 +73,7 @@ class ChatMessage(_Body):
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls: only assistant messages have them, not {self.role}")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"content: a {self.role} message needs content")
+            raise ValueError(f"content: expected content in a {self.role} message, got none")
         return self
 
     def text(self) -> str | None:

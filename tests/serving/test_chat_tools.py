@@ -169,6 +169,18 @@ def test_tool_results_render_back_through_the_template(scripted: ScriptedServer)
     assert "<｜tool▁sep｜>get_weather\n```json\n" + PARIS + "\n```" in prompt
 
 
+@pytest.mark.parametrize("ending", ["<｜tool▁calls▁begin｜>", "<｜tool"])
+def test_output_that_ends_inside_the_format_is_content(
+    scripted: ScriptedServer, ending: str
+) -> None:
+    """What the parser held back (a marker that might begin a call) comes out at the end."""
+    scripted.say("Let me see " + ending)
+    choice = create(scripted).choices[0]
+    assert choice.message.content == "Let me see " + ending and not choice.message.tool_calls
+    (streamed,), _ = read_stream(create(scripted, stream=True))
+    assert streamed.content == choice.message.content and streamed.calls == []
+
+
 def test_truncated_call_keeps_partial_arguments(scripted: ScriptedServer) -> None:
     scripted.say(calls_section(("get_weather", PARIS)))
     choice = create(scripted, max_tokens=14).choices[0]
