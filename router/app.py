@@ -95,6 +95,7 @@ class Router:
             max_model_len=info.max_model_len,
             max_in_flight=settings.max_in_flight,
             max_body_bytes=settings.max_body_bytes,
+            reasoning_parser=settings.reasoning_parser,
         )
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)

@@ -25,6 +25,8 @@ from starlette.responses import JSONResponse, Response
 from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.admission import Admission, Slot
+from router.chat_output import OutputParsing
+from router.chat_request import ReasoningParserName, plan_chat
 from router.errors import (
     INTERNAL_ERROR,
     APIError,
@@ -64,6 +66,9 @@ class APIConfig(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1)
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
     max_n: int = Field(16, ge=1)
+    reasoning_parser: ReasoningParserName | None = Field(
+        None, description="split <think> reasoning into reasoning_content (SGLang's names)"
+    )
 
 
 # ---- reading the body ----------------------------------------------------------------
@@ -95,14 +100,6 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 # ---- prompt and sampling parameters ----------------------------------------------------
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The conversation through the DeepSeek chat template, ending in the assistant tag."""
-    try:
-        return tokenizer.encode_chat(body.template_messages(), True, thinking=body.thinking)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
-
-
 def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list[int]:
     """Token ids of a text prompt (with BOS) or the given ids as they are."""
     try:
@@ -145,9 +142,14 @@ def check_context_length(
 
 
 def build_sampling_params(
-    body: SamplingFields, prompt_len: int, config: APIConfig, prompt_param: str
+    body: SamplingFields,
+    prompt_len: int,
+    config: APIConfig,
+    prompt_param: str,
+    extra: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams of ``body``; ``max_tokens`` defaults to what the context leaves."""
+    """SamplingParams of ``body`` (and ``extra`` fields, e.g. a tool constraint);
+    ``max_tokens`` defaults to what the context leaves."""
     if body.n > config.max_n:
         raise bad_request(f"n must be <= {config.max_n}, got {body.n}", "n")
     max_tokens = body.requested_max_tokens()
@@ -155,8 +157,15 @@ def build_sampling_params(
     check_context_length(prompt_len, max_tokens, config.max_model_len, prompt_param, tokens_param)
     if max_tokens is None:
         max_tokens = config.max_model_len - prompt_len
+    kwargs = body.sampling_kwargs()
+    if extra and kwargs.get("constraint") is not None and extra.get("constraint") is not None:
+        raise bad_request(
+            "tool_choice forces a tool call, which constrains the output: it cannot be "
+            "combined with response_format, regex or ebnf",
+            "tool_choice",
+        )
     try:
-        return SamplingParams(**body.sampling_kwargs(), max_new_tokens=max_tokens)
+        return SamplingParams(**(kwargs | (extra or {})), max_new_tokens=max_tokens)
     except SamplingParamsError as exc:
         raise bad_request(str(exc), body.param_name(exc.field)) from None
 
@@ -286,12 +295,18 @@ class OpenAIServer:
         if problem is not None:
             raise bad_request(problem[1], problem[0])
         self._check_model(req.model)
-        ids, prompt_param = self._prompt_ids(req)
-        params = build_sampling_params(req, len(ids), self.config, prompt_param)
+        plan = None
+        if isinstance(req, ChatCompletionRequest):
+            plan = plan_chat(self.tokenizer, req, self.config.reasoning_parser)
+            ids, prompt_param, extra = plan.prompt_ids, "messages", plan.sampling_extra
+        else:
+            ids, prompt_param, extra = completion_prompt_ids(self.tokenizer, req), "prompt", {}
+        params = build_sampling_params(req, len(ids), self.config, prompt_param, extra)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         gen = GenerateRequest(request_id=request_id, prompt_ids=ids, params=params)
         echo = self._echo_text(req, ids)
-        return Prepared(gen, self._meta(kind, gen, echo), req.stream, req.include_usage)
+        parsing = None if plan is None else plan.parsing(self.tokenizer, params)
+        return Prepared(gen, self._meta(kind, gen, parsing, echo), req.stream, req.include_usage)
 
     def _echo_text(self, req: SamplingFields, ids: list[int]) -> str:
         """Completions ``echo``: the prompt as given, or its token ids decoded."""
@@ -300,7 +315,9 @@ class OpenAIServer:
         prompt = req.single_prompt()
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, False)
 
-    def _meta(self, kind: Kind, gen: GenerateRequest, echo: str = "") -> ResponseMeta:
+    def _meta(
+        self, kind: Kind, gen: GenerateRequest, parsing: OutputParsing | None, echo: str = ""
+    ) -> ResponseMeta:
         return ResponseMeta(
             kind=kind,
             request_id=gen.request_id,
@@ -311,14 +328,8 @@ class OpenAIServer:
             want_logprobs=gen.params.logprobs is not None,
             token_text=self._token_text,
             echo=echo,
+            parsing=parsing,
         )
-
-    def _prompt_ids(self, req: SamplingFields) -> tuple[list[int], str]:
-        """The prompt's token ids, and the request field that holds the prompt."""
-        if isinstance(req, ChatCompletionRequest):
-            return chat_prompt_ids(self.tokenizer, req), "messages"
-        assert isinstance(req, CompletionRequest)
-        return completion_prompt_ids(self.tokenizer, req), "prompt"
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

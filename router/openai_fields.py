@@ -36,8 +36,6 @@ _CHAT: dict[str, Refusal] = {
     "modalities": Refusal("only text output is supported", lambda v: v == ["text"]),
     "functions": _never("the deprecated function-calling fields are not supported"),
     "function_call": _never("the deprecated function-calling fields are not supported"),
-    "tool_choice": Refusal("tool calling is not supported yet", lambda v: v == "none"),
-    "parallel_tool_calls": _never("tool calling is not supported yet"),
     "metadata": _never("completions are not stored, so metadata has nowhere to go"),
     "store": Refusal("completions are not stored", lambda v: v is False),
     "moderation": _never("moderation is not run by this server"),

@@ -38,6 +38,7 @@ ERRORS = "test_openai_api_errors::test_bad_input_gets_openai_error"
 CONTROLS = "test_openai_sampling_controls"
 SAMPLER = "test_sampler"
 GREEDY = f"{API}::test_greedy_chat_stream_equals_whole_and_offline"
+TOOLS = "test_chat_tools"
 MAPPED = "test_openai_fields::test_sampling_fields_reach_the_engine"
 
 _COMMON: dict[str, list[str]] = {
@@ -61,6 +62,15 @@ HONOURED: dict[str, dict[str, list[str]]] = {
         "max_completion_tokens": [MAPPED, ERRORS],
         "logprobs": [f"{API}::test_chat_logprobs_shapes"],
         "top_logprobs": [f"{API}::test_chat_logprobs_shapes"],
+        "tools": [
+            f"{TOOLS}::test_auto_call_whole_and_streamed",
+            f"{TOOLS}::test_tools_reach_the_prompt_through_the_template",
+        ],
+        "tool_choice": [
+            f"{TOOLS}::test_forced_tool_choice_yields_a_call_that_validates",
+            f"{TOOLS}::test_tool_choice_none_leaves_tools_out",
+        ],
+        "parallel_tool_calls": [f"{TOOLS}::test_parallel_calls_and_parallel_tool_calls_false"],
         "response_format": [
             f"{CONTROLS}::test_json_schema_outputs_always_validate",
             f"{CONTROLS}::test_json_object_regex_and_ebnf",
@@ -75,10 +85,7 @@ HONOURED: dict[str, dict[str, list[str]]] = {
         "echo": [f"{CONTROLS}::test_completions_echo"],  # refused with logprobs (no prompt ones)
     },
 }
-# Tool calling is another branch's (apiparse) work: refused with 400 until it lands, then
-# these move to HONOURED with their tests.
-PENDING: dict[str, set[str]] = {"chat": {"tools", "tool_choice", "parallel_tool_calls"}}
-REFUSED_BY_REQUEST: dict[str, set[str]] = {"chat": {"tools"}, "completion": {"suffix"}}
+REFUSED_BY_REQUEST: dict[str, set[str]] = {"completion": {"suffix"}}
 
 # A value of each refused field that asks for something the server does not do.
 REFUSED_VALUES: dict[str, Any] = {
@@ -88,9 +95,6 @@ REFUSED_VALUES: dict[str, Any] = {
     "modalities": ["text", "audio"],
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
-    "tool_choice": "auto",
-    "parallel_tool_calls": True,
-    "tools": [{"type": "function", "function": {"name": "f"}}],
     "metadata": {"k": "v"},
     "store": True,
     "moderation": {"model": "omni-moderation-latest"},
@@ -111,7 +115,6 @@ NO_OP_VALUES: list[tuple[str, str, Any]] = [
     ("chat", "store", False),
     ("chat", "service_tier", "auto"),
     ("chat", "modalities", ["text"]),
-    ("chat", "tool_choice", "none"),
     ("completion", "best_of", 1),
 ]
 
@@ -145,7 +148,6 @@ def test_every_openai_field_is_classified(kind: str) -> None:
     assert "messages" in fields if kind == "chat" else "prompt" in fields  # read the schema
     honoured, refused_ = set(HONOURED[kind]), refused(kind)
     assert not honoured & refused_, "a field is both honoured and refused"
-    assert PENDING.get(kind, set()) <= refused_, "pending fields are refused until they land"
     missing = fields - honoured - refused_
     assert not missing, f"OpenAI {kind} fields neither honoured nor refused: {sorted(missing)}"
 

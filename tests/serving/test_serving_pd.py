@@ -32,13 +32,15 @@ from dsv3serve.engine.sampling_params import SamplingParams
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"
 PD_WORKERS = ("prefill-0", "decode-0")
+# The PD app splits reasoning in thinking mode (deepseek-v3: nothing changes without it).
+PD_ROUTER = {"served_model_name": "tiny", "metrics_port": None, "reasoning_parser": "deepseek-v3"}
 
 
 @pytest.fixture(scope="module")
 def apps() -> Iterator[dict[str, str]]:
     with (
         local_serve() as base,
-        running_app(base, PD, serving_config(mode="pd")) as pd_url,
+        running_app(base, PD, serving_config(mode="pd", router=PD_ROUTER)) as pd_url,
         running_app(base, COLOCATED, serving_config(mode="colocated")) as colo_url,
         running_app(
             base, PD_TORCH_DIST, serving_config(mode="pd", kv_connector="torch_dist")
@@ -52,8 +54,8 @@ def offline() -> Engine:
     return Engine(EngineConfig(**TINY_ENGINE))
 
 
-def offline_greedy_text(engine: Engine, max_tokens: int) -> str:
-    ids = engine.tokenizer.encode_chat(MESSAGES, True)
+def offline_greedy_text(engine: Engine, max_tokens: int, thinking: bool | None = None) -> str:
+    ids = engine.tokenizer.encode_chat(MESSAGES, True, thinking=thinking)
     params = SamplingParams(temperature=0, max_new_tokens=max_tokens)
     engine.add_request(Request("offline", params, prompt_ids=ids))
     text = ""
@@ -75,6 +77,29 @@ def test_streamed_greedy_chat_equals_offline_engine(
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == offline_greedy_text(offline, 24)
+
+
+def test_pd_reasoning_content_and_tokens_in_thinking_mode(
+    apps: dict[str, str], offline: Engine
+) -> None:
+    """Through PD (the first token from prefill, the rest from decode), a thinking prompt's
+    output is reasoning: the random tiny model never closes </think>."""
+    kw = {"model": "tiny", "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    kw |= {"extra_body": {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}}
+    expected = offline_greedy_text(offline, 16, thinking=True)
+    whole = client(apps[PD]).chat.completions.create(**kw)
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == expected and message.content is None
+    details = whole.usage.completion_tokens_details
+    assert details.reasoning_tokens == whole.usage.completion_tokens == 16
+    stream = client(apps[PD]).chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw
+    )
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == expected
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 16
 
 
 def test_pd_non_streaming_usage_n_and_logprobs(apps: dict[str, str], offline: Engine) -> None:
