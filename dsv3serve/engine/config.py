@@ -145,12 +145,6 @@ class EngineConfig(BaseModel):
             if given:
                 raise ValueError(f"{given[0]}: set speculative_algorithm (NEXTN) to use it")
             return
-        if self.enable_dp_attention:
-            raise ValueError(
-                f"speculative_algorithm {self.speculative_algorithm} with enable_dp_attention: "
-                "speculative_algorithm with enable_dp_attention is not built yet (MTP runs "
-                "on one rank or a TP group); unset one of them"
-            )
         topk = self.speculative_eagle_topk
         if topk is not None and topk != 1:
             raise ValueError(

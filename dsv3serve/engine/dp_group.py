@@ -13,6 +13,8 @@ point to point; no other rank receives them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -57,14 +59,19 @@ def decode_part(data: torch.Tensor, rank: int) -> tuple[list[SeqSpan], list[int]
     return decode_one(data[start : start + sizes[rank]]), rows
 
 
+def idle_logits(runner: ModelRunner) -> torch.Tensor:
+    """Logits [0, V] of no rows: joins a vocab-parallel head's collective with nothing."""
+    model = runner.model
+    empty = torch.empty(0, model.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+    return model.compute_logits(empty)
+
+
 def forward_local(runner: ModelRunner, spans: list[SeqSpan]) -> torch.Tensor:
     """This rank's step: logits [rows, V] of its sampled rows (an idle step when empty)."""
     if spans:
         return runner.run_spans(spans, None).logits
-    model = runner.model
-    model.forward_idle()
-    empty = torch.empty(0, model.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
-    return model.compute_logits(empty)
+    runner.model.forward_idle()
+    return idle_logits(runner)
 
 
 def gather_rows(rows: torch.Tensor, sizes: list[int], device: torch.device) -> Tensor | None:
@@ -157,9 +164,16 @@ class DPGroupLeader:
         self._wire.send(OP_STOP)
 
 
-def dp_follower_loop(runner: ModelRunner) -> int:
-    """Ranks 1..N-1 under DP attention: run their part of each step until STOP."""
+def dp_follower_loop(
+    runner: ModelRunner, extra: Mapping[int, Callable[[Wire, int], None]] | None = None
+) -> int:
+    """Ranks 1..N-1 under DP attention: run their part of each step until STOP.
+
+    ``extra`` maps more ops to handlers called with the wire and the payload length
+    (speculative decoding's forwards: :mod:`dsv3serve.engine.spec.dp_group`).
+    """
     wire, rank = Wire(comm_device(runner)), dist.get_rank()
+    handlers = extra or {}
     steps = 0
     while True:
         op, n = wire.recv_header()
@@ -175,5 +189,7 @@ def dp_follower_loop(runner: ModelRunner) -> int:
             gather_digest(runner, dist.get_world_size())
         elif op == OP_STOP:
             return steps
+        elif op in handlers:
+            handlers[op](wire, n)
         else:
             raise RuntimeError(f"unknown DP group op {op}")

@@ -127,16 +127,15 @@ class Engine:
 
         ``scheduler`` (DP attention: one scheduler per DP rank) replaces this engine's;
         call it before any request. A speculative engine needs ``spec_forwards``, the
-        group's broadcasting forwards (its steps never call ``runner.run``).
+        group's forwards that every rank runs (its steps never call ``runner.run``).
         """
         if scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("use_runner: requests are queued; call it before any")
         if self.spec is not None:
-            if spec_forwards is None or scheduler is not None:
+            if spec_forwards is None:
                 raise ValueError(
-                    "speculative_algorithm in a group: expected a TP group with its spec "
-                    "forwards (DP attention does not replicate the draft steps yet), found "
-                    f"spec_forwards={spec_forwards!r}, scheduler={scheduler!r}"
+                    "speculative_algorithm in a group: expected the group's spec forwards "
+                    "(GroupSpecForwards or DPSpecForwards), found none"
                 )
             self.spec.use_forwards(spec_forwards)
         if self._overlap is not None:

@@ -16,23 +16,26 @@ from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.engine import resolve_model_dir
 from dsv3serve.engine.group import GroupLeader, follower_loop
 from dsv3serve.engine.model_runner import ModelRunner
+from dsv3serve.engine.spec.dp_group import DPSpecFollower, DPSpecForwards
 from dsv3serve.engine.spec.group import GroupSpecForwards, SpecFollower
 
 
 def attach_leader(engine: Any) -> Any:
     """Make ``engine`` (rank 0, group joined) drive its group; returns the leader runner.
 
-    DP attention also gives the engine one scheduler per DP rank; speculative decoding
-    broadcasts its forwards (TP only: the config refuses it with DP attention).
+    DP attention also gives the engine one scheduler per DP rank. Speculative decoding runs
+    its forwards on every rank: broadcast under TP, split by DP rank under DP attention.
     """
-    parallel = engine.cfg.parallel
+    parallel, spec = engine.cfg.parallel, engine.spec
     if parallel.enable_dp_attention:
         scheduler = DPScheduler(engine.scheduler.config, parallel.dp_size)
         leader: Any = DPGroupLeader(engine.runner, scheduler)
-        engine.use_runner(leader, scheduler)
+        dp_forwards = (
+            None if spec is None else DPSpecForwards(spec.runner, spec.draft, parallel.dp_size)
+        )
+        engine.use_runner(leader, scheduler, spec_forwards=dp_forwards)
     else:
         leader = GroupLeader(engine.runner, parallel.world_size)
-        spec = engine.spec
         forwards = None if spec is None else GroupSpecForwards(spec.runner, spec.draft)
         engine.use_runner(leader, spec_forwards=forwards)
     return leader
@@ -46,10 +49,12 @@ def build_runner(cfg: EngineConfig) -> ModelRunner:
 
 def follow(runner: ModelRunner, cfg: EngineConfig) -> int:
     """Run rank 0's steps on ``runner`` until it stops the group; returns the steps run."""
+    quant = cfg.speculative_draft_model_quantization
     if cfg.parallel.enable_dp_attention:
-        return dp_follower_loop(runner)
+        dp_spec = DPSpecFollower(runner, quant) if cfg.spec_num_steps else None
+        return dp_follower_loop(runner, None if dp_spec is None else dp_spec.handlers())
     if cfg.spec_num_steps:
-        spec = SpecFollower(runner, cfg.speculative_draft_model_quantization)
+        spec = SpecFollower(runner, quant)
         return follower_loop(runner, spec.handlers())
     return follower_loop(runner)
 

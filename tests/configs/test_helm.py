@@ -314,12 +314,6 @@ def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message
         ),
         ("rayVersion", "2.50.0", r"rayVersion: found 2\.50\.0, expected >= 2\.52\.0"),
         ("metrics.rayPort", 8001, r"metrics\.routerPort: found 8001, the same as metrics\.rayPort"),
-        (
-            "engine.speculative_algorithm",
-            "NEXTN",
-            r"decode\.layout\.enable_dp_attention: found true with engine\.speculative_algorithm "
-            r"NEXTN: speculative_algorithm with enable_dp_attention is not built yet",
-        ),
     ],
 )
 def test_layouts_ray_cannot_place_fail_naming_the_field(

@@ -1,4 +1,5 @@
-"""MTP speculative decoding in TP groups over real processes (gloo) is lossless.
+"""MTP speculative decoding in TP and DP-attention groups over real processes (gloo) is
+lossless.
 
 The group scenario (chunked prefill, prefix hits, preemption, an abort) on the tiny bf16
 checkpoint in float32, with the checkpoint's NextN layer drafting 2 tokens a round: rank 0
@@ -11,6 +12,10 @@ NextN layer is an oracle, rounds accept their drafts, so the extend runs over se
 committed decode positions too; that draft ignores its hidden input and attention, so
 that test checks the accepting rounds' sequence of forwards, not the draft's numbers
 (the random NextN draft's drafts do: a follower extending from the wrong rows fails it).
+
+Under DP attention each rank batches its own sequences, so the rounds differ from the one
+rank's; the drafts are compared per (sequence, length at proposal) where both ran one, up
+to the shorter chain (the lookahead a rank grants depends on its own pool).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from typing import Any
 
 import pytest
 from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
-from pydantic import ValidationError
 from spec_util import make_oracle_draft_checkpoint
 
 from dsv3serve.engine.config import EngineConfig
@@ -33,7 +37,19 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tp_size": 2},
     "tp2-ep2": {"tp_size": 2, "ep_size": 2},
 }
+DP_LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
+    "dp2-ep2-dp-lm-head": {
+        "tp_size": 2,
+        "dp_size": 2,
+        "enable_dp_attention": True,
+        "ep_size": 2,
+        "enable_dp_lm_head": True,
+    },
+}
+DP_KV_TOKENS = 40  # per rank: still preempts on a rank holding two sequences
 Drafts = list[dict[str, list[int]]]
+ByPosition = dict[tuple[str, int], list[int]]
 
 
 def record_drafts(engine: Engine) -> Drafts:
@@ -48,6 +64,25 @@ def record_drafts(engine: Engine) -> Drafts:
 
     engine.spec.propose = recording  # type: ignore[method-assign]
     return rounds
+
+
+def drafts_by_position(engine: Engine, ranks: set[int] | None = None) -> ByPosition:
+    """Every proposal, keyed by (sequence, its length when proposed), filled as it runs;
+    ``ranks`` collects the DP ranks of the proposing sequences."""
+    seen: ByPosition = {}
+    propose = engine.spec.propose
+
+    def recording(items: list[ScheduledItem]) -> dict[str, list[int]]:
+        drafts = propose(items)
+        for item in items:
+            if item.seq_id in drafts:
+                seen[(item.seq_id, item.seq.num_tokens)] = drafts[item.seq_id]
+                if ranks is not None:
+                    ranks.add(item.seq.dp_rank)
+        return drafts
+
+    engine.spec.propose = recording  # type: ignore[method-assign]
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +144,53 @@ def test_tp_group_accepting_drafts_matches_the_one_rank_speculative_engine(
     )
 
 
-def test_mtp_with_dp_attention_is_refused_naming_both() -> None:
-    dp = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
-    with pytest.raises(ValidationError, match="speculative_algorithm with enable_dp_attention"):
-        EngineConfig(model="tiny", **dp, **SPEC)
+@pytest.fixture(scope="module")
+def one_rank_by_position(tiny_bf16_dir: Path, reference: dict[str, list[int]]) -> ByPosition:
+    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE, **SPEC))
+    seen = drafts_by_position(engine)
+    assert run_scenario(engine) == reference
+    return seen
+
+
+@pytest.mark.parametrize("layout", DP_LAYOUTS)
+def test_dp_attention_group_with_mtp_gives_the_single_rank_tokens_and_drafts(
+    layout: str,
+    tiny_bf16_dir: Path,
+    reference: dict[str, list[int]],
+    one_rank_by_position: ByPosition,
+) -> None:
+    args = {**SCENARIO_ENGINE, **DP_LAYOUTS[layout], "num_kv_tokens": DP_KV_TOKENS, **SPEC}
+    ranks: set[int] = set()
+    with LLM(str(tiny_bf16_dir), **args) as llm:
+        engine = llm.engine
+        seen = drafts_by_position(engine, ranks)
+        tokens = run_scenario(engine)
+        assert_no_leaks(engine)
+        scheduler = engine.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
+    assert tokens == reference
+    assert ranks == {0, 1}, "both DP ranks must draft for their sequences"
+    both = seen.keys() & one_rank_by_position.keys()
+    assert len(both) >= 10, f"too few proposals to compare: {len(both)}"
+    # lookahead can differ (each DP rank's pool and batch budget differ): compare the chains
+    # up to the shorter one
+    short = {k: min(len(seen[k]), len(one_rank_by_position[k])) for k in both}
+    assert {k: seen[k][: short[k]] for k in both} == {
+        k: one_rank_by_position[k][: short[k]] for k in both
+    }
+
+
+def test_dp_attention_group_accepting_drafts_matches_the_one_rank_tokens(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    oracle_dir = tmp_path_factory.mktemp("oracle-draft-dp")
+    oracle = str(make_oracle_draft_checkpoint(oracle_dir, fp8=False))
+    one = Engine(EngineConfig(model=oracle, **SCENARIO_ENGINE, **SPEC))
+    one_tokens = run_scenario(one)
+    args = {**SCENARIO_ENGINE, **DP_LAYOUTS["dp2-ep2"], "num_kv_tokens": DP_KV_TOKENS, **SPEC}
+    with LLM(oracle, **args) as llm:
+        tokens = run_scenario(llm.engine)
+        assert_no_leaks(llm.engine)
+        stats = llm.engine.spec_stats
+    assert tokens == one_tokens
+    assert stats.accepted_tokens > stats.draft_tokens // 2 > 0

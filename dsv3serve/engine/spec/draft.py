@@ -20,7 +20,7 @@ import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.forward_batch import ForwardBatch
-from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, NextNLayer
+from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, MoE, NextNLayer
 
 
 class NextNDraft:
@@ -58,6 +58,14 @@ class NextNDraft:
         embeds = self.target.embed_tokens(batch.input_ids)
         out = self.layer(embeds, hidden.to(embeds.dtype), ctx)
         return self.layer.shared_head_norm(out)
+
+    @torch.inference_mode()
+    def forward_idle(self) -> None:
+        """A draft step with no tokens on this rank (DP attention): joins its MoE layer's
+        dispatch / combine, the only collective of the draft's decoder block there."""
+        mlp = self.layer.block.mlp
+        if isinstance(mlp, MoE):
+            mlp(self.target.embed_tokens.weight.new_empty((0, self.target.cfg.hidden_size)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] float32 of draft hidden states [N, H], through the shared head."""

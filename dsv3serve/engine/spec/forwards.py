@@ -26,14 +26,22 @@ def make_draft(runner: ModelRunner, quant: DraftQuant | None) -> NextNDraft:
 
 
 class SpecForwards:
-    """Target and draft forwards of one rank (eager: the CUDA-graphed ones are apart)."""
+    """Target and draft forwards of one rank (eager: the CUDA-graphed ones are apart).
+
+    ``owners`` (one per span) names the DP rank whose KV pool holds each span; only the DP
+    attention forwards (:mod:`~dsv3serve.engine.spec.dp_group`) read it.
+    """
 
     def __init__(self, runner: ModelRunner, draft: NextNDraft) -> None:
         self.runner, self.draft = runner, draft
 
     @torch.inference_mode()
     def target(
-        self, spans: list[SeqSpan], decode: bool, rows: list[int]
+        self,
+        spans: list[SeqSpan],
+        decode: bool,
+        rows: list[int],
+        owners: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over ``spans``: hidden states [T, H] of every token and float32
         logits [len(rows), V] of rows ``rows``. ``decode``: the absorbed (verify) form."""
@@ -44,7 +52,7 @@ class SpecForwards:
         return hidden, self.runner.model.compute_logits(hidden[index])
 
     def draft_step(
-        self, spans: list[SeqSpan], hidden: torch.Tensor
+        self, spans: list[SeqSpan], hidden: torch.Tensor, owners: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over ``spans`` with input hidden states ``hidden`` [T, H] (one per
         token); writes its KV. Returns the draft hidden states [S, H] at the sampled
@@ -52,7 +60,11 @@ class SpecForwards:
         return self._draft(spans, hidden)
 
     def draft_from_target(
-        self, spans: list[SeqSpan], target_hidden: torch.Tensor, rows: list[int]
+        self,
+        spans: list[SeqSpan],
+        target_hidden: torch.Tensor,
+        rows: list[int],
+        owners: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`draft_step` fed by rows ``rows`` of the last :meth:`target`'s hidden
         states ``target_hidden`` [T, H] (a group's followers keep their own copy)."""

@@ -55,20 +55,28 @@ class GroupSpecForwards(SpecForwards):
         self.wire = Wire(comm_device(runner))
 
     def target(
-        self, spans: list[SeqSpan], decode: bool, rows: list[int]
+        self,
+        spans: list[SeqSpan],
+        decode: bool,
+        rows: list[int],
+        owners: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.wire.send(OP_SPEC_TARGET, pack(int(decode), rows, spans))
         return super().target(spans, decode, rows)
 
     def draft_step(
-        self, spans: list[SeqSpan], hidden: torch.Tensor
+        self, spans: list[SeqSpan], hidden: torch.Tensor, owners: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.wire.send(OP_SPEC_DRAFT, pack(SRC_WIRE, [], spans))
         dist.broadcast(hidden.to(self.wire.device, self.runner.dtype).contiguous(), src=0)
         return super().draft_step(spans, hidden)
 
     def draft_from_target(
-        self, spans: list[SeqSpan], target_hidden: torch.Tensor, rows: list[int]
+        self,
+        spans: list[SeqSpan],
+        target_hidden: torch.Tensor,
+        rows: list[int],
+        owners: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.wire.send(OP_SPEC_DRAFT, pack(SRC_TARGET, rows, spans))
         return super().draft_from_target(spans, target_hidden, rows)

@@ -134,7 +134,8 @@ class SpecDecoder:
                 self._chain_span(rows[i][0], drafts[rows[i][0].seq_id][-1], step) for i in active
             ]
             index = torch.tensor(active, dtype=torch.long, device=hidden.device)
-            out, next_tokens = self.forwards.draft_step(spans, hidden[index])
+            owners = [rows[i][0].seq.dp_rank for i in active]
+            out, next_tokens = self.forwards.draft_step(spans, hidden[index], owners)
             hidden[index] = out.to(hidden.dtype)
             tokens = next_tokens.tolist()
             for i, token in zip(active, tokens, strict=True):
@@ -186,7 +187,8 @@ class SpecDecoder:
         if verify_only and graphs is not None and graphs.can_run(spans):
             hidden, logits = graphs.run(spans)  # every row is verified: rows == all of them
             return TargetPass(hidden, starts, logits)
-        hidden, logits = self.forwards.target(spans, verify_only, rows)
+        owners = [item.seq.dp_rank for item in items]
+        hidden, logits = self.forwards.target(spans, verify_only, rows, owners)
         return TargetPass(hidden, starts, logits)
 
     @torch.inference_mode()
@@ -202,7 +204,7 @@ class SpecDecoder:
         if graphs is not None and self._extend_graphable(items, target, graphs):
             self._extend_graphed(items, target, graphs)
             return
-        spans, rows, ready = [], [], []
+        spans, rows, ready, owners = [], [], [], []
         for item, first_row in zip(items, target.row_starts, strict=True):
             seq = item.seq
             new = seq.num_computed_tokens - item.start
@@ -212,12 +214,13 @@ class SpecDecoder:
             decode_ready = end == seq.num_tokens - 1
             next_tokens = seq.token_ids(item.start + 1, end + 1)
             spans.append(self._span(item, next_tokens, item.start, decode_ready))
+            owners.append(seq.dp_rank)
             rows.extend(range(first_row, first_row + new))
             if decode_ready:
                 ready.append(seq)
         if not spans:
             return
-        last, next_tokens = self.forwards.draft_from_target(spans, target.hidden, rows)
+        last, next_tokens = self.forwards.draft_from_target(spans, target.hidden, rows, owners)
         tokens = next_tokens.tolist()
         for seq, token, hidden in zip(ready, tokens, last, strict=True):
             self._states[seq.seq_id] = DraftState(seq.num_tokens, token, hidden.clone())

@@ -96,10 +96,6 @@ next), so only the role's GPUs in total bound them. Args: (list ctx role).
 {{- $role := index . 1 -}}
 {{- $g := index $ctx.Values $role -}}
 {{- $w := $g.workers -}}
-{{- $spec := include "dsv3serve.specAlgorithm" (list $ctx $role) -}}
-{{- if and $spec ($g.layout | default dict).enable_dp_attention -}}
-{{- fail (printf "%s.layout.enable_dp_attention: found true with engine.speculative_algorithm %s: speculative_algorithm with enable_dp_attention is not built yet (MTP runs on one rank or a TP group)" $role $spec) -}}
-{{- end -}}
 {{- if and (eq $role "prefill") ($g.layout | default dict).enable_dp_attention -}}
 {{- fail "prefill.layout.enable_dp_attention: found true, expected false: a prefill group publishes KV from rank 0's pool, so it runs TP; DP attention is for decode and colocated groups" -}}
 {{- end -}}
