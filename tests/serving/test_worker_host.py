@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 from serving_util import TINY_ENGINE, holds_nothing
@@ -55,6 +56,13 @@ def request(rid: str, params: SamplingParams = GREEDY) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_ids=PROMPT, params=params)
 
 
+def attempt(req: GenerateRequest, n: int = 0, tag: str | None = None) -> PrefillRequest:
+    """Prefill attempt ``n`` of ``req``, named as the router names them (``tag``: the
+    unique suffix; a fresh one by default, as every try of the router gets)."""
+    tag = uuid.uuid4().hex[:8] if tag is None else tag
+    return PrefillRequest(request=req, attempt_id=f"{req.request_id}.p{n}.{tag}")
+
+
 async def handoff(
     prefill: EngineHost, decode: EngineHost, req: GenerateRequest, draft: object = "sent"
 ) -> list[TokenChunk]:
@@ -63,7 +71,7 @@ async def handoff(
     num_tokens = len(req.prompt_ids)
     rid = req.request_id
     assert decode.reserve(ReserveRequest(request_id=rid, num_tokens=num_tokens, lease_s=5)).ok
-    result = await prefill.prefill(PrefillRequest(request=req))
+    result = await prefill.prefill(attempt(req))
     assert result.kv is not None and result.kv.num_tokens == num_tokens
     first = result.first
     msg = DecodeRequest(
@@ -75,7 +83,7 @@ async def handoff(
         draft=result.draft if draft == "sent" else draft,
     )
     chunks = await collect(decode.decode(msg))
-    prefill.release_kv(rid)
+    await prefill.release_kv(result.kv.request_id)  # the attempt id
     return chunks
 
 
@@ -106,7 +114,7 @@ def test_unpulled_kv_is_freed_when_its_lease_expires(hosts: dict[str, EngineHost
     prefill = hosts["prefill"]
 
     async def run() -> None:
-        result = await prefill.prefill(PrefillRequest(request=request("never-pulled")))
+        result = await prefill.prefill(attempt(request("never-pulled")))
         assert result.kv is not None
         staged = prefill.stats()
         assert staged.staged_kv == 1 and staged.live_requests == 1
@@ -136,8 +144,8 @@ def test_decode_after_released_kv_fails_cleanly_and_frees_the_reservation(
 
     async def run() -> list[TokenChunk]:
         assert decode.reserve(ReserveRequest(request_id="x", num_tokens=40, lease_s=5)).ok
-        result = await prefill.prefill(PrefillRequest(request=request("x")))
-        prefill.release_kv("x")  # as if the lease ran out before decode pulled
+        result = await prefill.prefill(attempt(request("x")))
+        await prefill.release_kv(result.kv.request_id)  # as if the lease ran out before decode pulled
         msg = DecodeRequest(
             request=request("x"), first_token=result.first.token_ids[0], kv=result.kv
         )
@@ -153,11 +161,12 @@ def test_cancelled_prefill_frees_its_pages(hosts: dict[str, EngineHost]) -> None
 
     async def run() -> None:
         long = GenerateRequest(request_id="c", prompt_ids=list(range(2000, 2600)), params=GREEDY)
-        task = asyncio.create_task(prefill.prefill(PrefillRequest(request=long)))
+        task = asyncio.create_task(prefill.prefill(attempt(long)))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await prefill.aengine.settle()  # the abort is queued into the step loop
 
     asyncio.run(run())
     assert holds_nothing(prefill.stats())
