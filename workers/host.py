@@ -7,7 +7,6 @@ reservations for incoming KV (decode role), and frees both when their lease runs
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -22,7 +21,6 @@ from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
 from dsv3serve.engine.spec.loop import DraftState
-from dsv3serve.kvcache.allocator import pages_for_tokens
 from dsv3serve.metrics import Identity
 from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
@@ -41,9 +39,9 @@ from workers.protocol import (
     WorkerLoad,
     WorkerStats,
 )
+from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
 
-logger = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.2
 # Starts ranks 1..N-1, joins them (before the engine is built): ``.stop()``, ``.check()``
 # (raises once a rank died), a ``.leader`` slot the host fills.
@@ -87,19 +85,14 @@ async def _unless_dead(
         yield _error_chunk(request_id, f"{exc}; this replica is restarting", 503)
 
 
+def _released_result(req: GenerateRequest, attempt: str) -> PrefillResult:
+    message = f"prefill attempt {attempt!r} was released by its router; nothing staged"
+    return PrefillResult(first=_error_chunk(req.request_id, message, 503), kv=None)
+
+
 def _engine_request(req: GenerateRequest, engine_id: str | None = None) -> Request:
     rid = req.request_id if engine_id is None else engine_id
     return Request(rid, req.params, prompt_ids=list(req.prompt_ids))
-
-
-def _release_attempt(engine: Engine, attempt_id: str) -> None:
-    """Free what prefill attempt ``attempt_id`` holds in ``engine`` (step thread): its
-    exported KV, or the attempt itself while it still prefills; else nothing."""
-    if engine.release_export(attempt_id) or engine.abort(attempt_id):
-        return
-    logger.debug(
-        "release_kv(%r): no such attempt here (already freed, or another replica)", attempt_id
-    )
 
 
 class EngineHost:
@@ -128,8 +121,7 @@ class EngineHost:
         self.engine.metrics = self.metrics.m
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
-        self._staged: LeaseTable[None] = LeaseTable(lambda rid, _: self._unstage(rid))
-        self._released: LeaseTable[None] = LeaseTable(lambda rid, _: None)  # fenced attempts
+        self.staging = AttemptStaging(self.aengine, self.connector, cfg.kv_lease_s)
         self._reserved: LeaseTable[list[int]] = LeaseTable(self._unreserve)
         self._reaper: asyncio.Task[None] | None = None
 
@@ -160,9 +152,8 @@ class EngineHost:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            self._staged.expire()
+            self.staging.expire()
             self._reserved.expire()
-            self._released.expire()
 
     # ---- introspection -------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -234,41 +225,34 @@ class EngineHost:
         req, attempt = msg.request, msg.attempt_id
         if self.cfg.test_prefill_delay_s:
             await asyncio.sleep(self.cfg.test_prefill_delay_s)
-        if attempt in self._released:
-            return self._released_result(req, attempt)
+        if self.staging.is_released(attempt):
+            return _released_result(req, attempt)
         start = time.monotonic()
         try:
             first, export = await self.aengine.prefill(_engine_request(req, attempt))
         except _REFUSED as exc:
             return PrefillResult(first=_error_chunk(req.request_id, str(exc), 400), kv=None)
         except PrefillReleasedError:
-            return self._released_result(req, attempt)
-        if attempt in self._released:  # its release is queued or done: publish nothing
-            return self._released_result(req, attempt)
+            return _released_result(req, attempt)
+        if self.staging.is_released(attempt):  # its release is queued or done: stage nothing
+            return _released_result(req, attempt)
         self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
+        return self._stage(req, attempt, first, export)
+
+    def _stage(
+        self, req: GenerateRequest, attempt: str, first: TokenOutput, export: KVExport | None
+    ) -> PrefillResult:
+        """The first token, and ``export``'s pages staged for a pull (with the draft state)."""
         first_chunk = chunk_from_output(first).model_copy(update={"request_id": req.request_id})
         if export is None:
             return PrefillResult(first=first_chunk, kv=None)
-        return self._stage(req, attempt, export, first_chunk)
-
-    def _stage(
-        self, req: GenerateRequest, attempt: str, export: KVExport, first: TokenChunk
-    ) -> PrefillResult:
-        """Publish ``export``'s prompt pages for a pull under a lease; on failure the
-        export is freed."""
-        num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
         try:
             draft = None if export.draft is None else draft_to_wire(export.draft)
-            handle = self.connector.publish(attempt, export.pages[:num_pages], len(req.prompt_ids))
         except BaseException:
-            self._unstage(attempt)
+            self.staging.unstage(attempt)
             raise
-        self._staged.add(attempt, None, self.cfg.kv_lease_s)
-        return PrefillResult(first=first, kv=handle, draft=draft)
-
-    def _released_result(self, req: GenerateRequest, attempt: str) -> PrefillResult:
-        message = f"prefill attempt {attempt!r} was released by its router; not staged"
-        return PrefillResult(first=_error_chunk(req.request_id, message, 503), kv=None)
+        handle = self.staging.stage(attempt, export, len(req.prompt_ids))
+        return PrefillResult(first=first_chunk, kv=handle, draft=draft)
 
     async def release_kv(self, attempt_id: str) -> None:
         """Free everything prefill attempt ``attempt_id`` holds here: its staged KV, or the
@@ -276,19 +260,7 @@ class EngineHost:
         it. Idempotent, and fenced: a later ``prefill`` of the same attempt stages nothing.
         An unknown attempt (another replica's, or one freed already) is a no-op."""
         self._start_reaper()
-        self._released.add(attempt_id, None, self.cfg.kv_lease_s)
-        self._staged.take(attempt_id)
-        if self.connector is not None:
-            self.connector.release(attempt_id)
-        if self.aengine.dead is None:  # a dead engine frees nothing: the replica restarts
-            await self.aengine.mutate(lambda e: _release_attempt(e, attempt_id))
-
-    def _unstage(self, attempt_id: str) -> None:
-        """Free ``attempt_id``'s staging and queue the release of its export (lease
-        expiry, or a publish that failed)."""
-        if self.connector is not None:
-            self.connector.release(attempt_id)
-        self.aengine.post(lambda e: _release_attempt(e, attempt_id))
+        await self.staging.release(attempt_id)
 
     # ---- decode ----------------------------------------------------------------------------
     def reserve(self, msg: ReserveRequest) -> ReserveResult:

@@ -343,7 +343,7 @@ def test_release_of_an_earlier_try_never_touches_the_retry_mid_prefill(
         await release
         return result, None if earlier is None else await earlier
 
-    with caplog.at_level(logging.DEBUG, logger="workers.host"):
+    with caplog.at_level(logging.DEBUG, logger="workers.staging"):
         result, earlier = asyncio.run(asyncio.wait_for(run(), 120))
     prefill.check_health()  # the engine loop is alive
     assert result.kv is not None and result.kv.request_id == try1.attempt_id
