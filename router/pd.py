@@ -210,23 +210,20 @@ class PDBackend:
     async def _try_prefill(
         self, p: int, req: GenerateRequest, attempt_id: str
     ) -> PrefillResult | str:
-        """One attempt on replica ``p``: the result, or why it failed. A failed attempt
-        marks the replica down and is released there (by its id: a no-op if unknown)."""
+        """One attempt on replica ``p``: the result, or why it failed (the replica is then
+        marked down). An attempt abandoned for any reason (failure, timeout, client gone)
+        is released there by its id: a no-op if the replica never had it."""
         msg = encode(PrefillRequest(request=req, attempt_id=attempt_id))
         try:
             result = await self._prefill_on(p, msg, len(req.prompt_ids))
-        except BackendError:
-            raise
-        except TimeoutError as exc:
-            failure = f"timed out ({exc})"
-        except Exception as exc:  # the replica died or its call failed
-            failure = type(exc).__name__
-        else:
-            self.prefill_health.mark_up(p)
-            return result
-        self.prefill_health.mark_down(p)
-        self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
-        return failure
+        except BaseException as exc:
+            self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+            if isinstance(exc, BackendError) or not isinstance(exc, Exception):
+                raise
+            self.prefill_health.mark_down(p)
+            return _failure(exc)
+        self.prefill_health.mark_up(p)
+        return result
 
     async def _prefill_on(self, p: int, msg: bytes, tokens: int) -> PrefillResult:
         self.prefill.acquire(p, tokens)
@@ -271,6 +268,13 @@ class PDBackend:
         finally:
             if not released:
                 self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+
+
+def _failure(exc: Exception) -> str:
+    """Why a prefill attempt failed, for the 503's message."""
+    if isinstance(exc, TimeoutError):
+        return f"timed out ({exc})"
+    return type(exc).__name__  # the replica died or its call failed
 
 
 async def _await(response: Any) -> Any:
