@@ -170,7 +170,12 @@ def test_killed_only_prefill_replica_under_load_fails_nothing_and_recovers(
     """One prefill replica (the local config), 20 requests inside its prefill, then it is
     killed: Serve restarts it under the same deployment. Each request's retry gets a new
     attempt id, waits for the restarted replica (within ``prefill_retry_wait_s``) and
-    succeeds there; the failed tries' releases land on the new replica as no-ops."""
+    succeeds there; the failed tries' releases land on the new replica as no-ops.
+
+    This run does not open the release-vs-retry window by itself (the releases reach the
+    restarted replica while the retries still sit in the injected delay; it passes on the
+    code before the fence too): ``test_worker_host.py`` reproduces the race step by step.
+    """
     base = app_url.removesuffix(f"/{APP}")
     cfg = serving_config(
         mode="pd",
