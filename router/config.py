@@ -55,6 +55,12 @@ class RouterSettings(BaseModel):
     affinity_imbalance_tokens: int = Field(32768, ge=0)
     prefill_timeout_s: float = Field(30.0, gt=0)
     max_prefill_attempts: int = Field(2, ge=1)
+    prefill_retry_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="with every prefill replica down (failed, not answering since), wait "
+        "this long for one to come back (e.g. restarted by Serve), then 503",
+    )
     reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
     metrics_host: str = Field("127.0.0.1", description="internal metrics endpoint address")
     metrics_port: int | None = Field(8001, ge=0, le=65535, description="None: no endpoint")

@@ -5,7 +5,10 @@ Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 1. reserve pages on a decode replica (least outstanding first); no room anywhere within
    ``reserve_wait_s`` is a 429;
 2. prefill on a prefill replica chosen by policy; a replica that dies or times out is
-   retried on the next, up to ``max_prefill_attempts``, else 503;
+   marked down (tried last until it answers again) and the request is retried, on another
+   replica when one is up, up to ``max_prefill_attempts``, else 503; with no replica up
+   it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has its own
+   attempt id: the release of a failed try names it, and never touches a later try;
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import contextvars
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -29,6 +33,7 @@ from dsv3serve.metrics import Identity, Metrics
 from router.config import RouterSettings
 from router.policy import ReplicaSet, prefill_order
 from router.relay import relay
+from router.replica_health import ReplicaHealth
 from workers.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
 from workers.protocol import (
     DecodeRequest,
@@ -45,6 +50,7 @@ from workers.protocol import decode as parse
 
 RESERVE_RETRY_S = 0.05
 HEALTH_TIMEOUT_S = 2.0
+PROBE_INTERVAL_S = 0.25
 
 
 def _work_tokens(req: GenerateRequest) -> int:
@@ -91,6 +97,7 @@ class PDBackend:
         self.page_size = page_size
         self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
         self._bg = Background()
+        self.prefill_health = ReplicaHealth(prefill, answers, PROBE_INTERVAL_S)
 
     # ---- GenerationBackend -------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -116,7 +123,7 @@ class PDBackend:
         self.decode.acquire(d, tokens)
         try:
             try:
-                result, p = await self._prefill(req)
+                result, p, attempt = await self._prefill(req)
             except BaseException:
                 self._cancel_reservation(d, req.request_id)
                 raise
@@ -126,7 +133,7 @@ class PDBackend:
                     raise error_from_chunk(result.first)
                 yield result.first
                 return
-            async with aclosing(self._decode(d, p, req, result)) as chunks:
+            async with aclosing(self._decode(d, p, attempt, req, result)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
@@ -168,8 +175,27 @@ class PDBackend:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _prefill(self, req: GenerateRequest) -> tuple[PrefillResult, int]:
-        """Prefill on the policy's replica, retrying others when one fails or times out."""
+    async def _prefill(self, req: GenerateRequest) -> tuple[PrefillResult, int, str]:
+        """Prefill on the policy's replica, retrying when one fails or times out; returns
+        the result, the replica and the attempt id its KV is staged under."""
+        deadline = time.monotonic() + self.settings.prefill_retry_wait_s
+        failures: list[str] = []
+        tried: list[int] = []
+        for attempt in range(self.settings.max_prefill_attempts):
+            p = self._next_prefill(req, tried)
+            if not await self.prefill_health.wait_up(p, deadline - time.monotonic()):
+                failures.append(f"{self.prefill.names[p]}: not back within prefill_retry_wait_s")
+                break
+            attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
+            outcome = await self._try_prefill(p, req, attempt_id)
+            if isinstance(outcome, PrefillResult):
+                return outcome, p, attempt_id
+            failures.append(f"{self.prefill.names[p]}: {outcome}")
+            tried.append(p)
+        raise BackendUnavailable("prefill failed: " + "; ".join(failures))
+
+    def _next_prefill(self, req: GenerateRequest, tried: list[int]) -> int:
+        """The best replica not tried yet for ``req``; when all were, the best one."""
         s = self.settings
         order = prefill_order(
             self.prefill,
@@ -178,20 +204,26 @@ class PDBackend:
             s.prefix_affinity_pages * self.page_size,
             s.affinity_imbalance_tokens,
         )
-        msg = encode(PrefillRequest(request=req))
-        failures: list[str] = []
-        for attempt in range(s.max_prefill_attempts):
-            p = order[attempt % len(order)]
-            try:
-                return await self._prefill_on(p, msg, len(req.prompt_ids)), p
-            except TimeoutError as exc:
-                failures.append(f"{self.prefill.names[p]}: timed out ({exc})")
-            except BackendError:
+        fresh = [p for p in order if p not in tried]
+        return fresh[0] if fresh else order[0]
+
+    async def _try_prefill(
+        self, p: int, req: GenerateRequest, attempt_id: str
+    ) -> PrefillResult | str:
+        """One attempt on replica ``p``: the result, or why it failed (the replica is then
+        marked down). An attempt abandoned for any reason (failure, timeout, client gone)
+        is released there by its id: a no-op if the replica never had it."""
+        msg = encode(PrefillRequest(request=req, attempt_id=attempt_id))
+        try:
+            result = await self._prefill_on(p, msg, len(req.prompt_ids))
+        except BaseException as exc:
+            self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+            if isinstance(exc, BackendError) or not isinstance(exc, Exception):
                 raise
-            except Exception as exc:  # the replica died or its call failed
-                failures.append(f"{self.prefill.names[p]}: {type(exc).__name__}")
-            self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
-        raise BackendUnavailable("prefill failed: " + "; ".join(failures))
+            self.prefill_health.mark_down(p)
+            return _failure(exc)
+        self.prefill_health.mark_up(p)
+        return result
 
     async def _prefill_on(self, p: int, msg: bytes, tokens: int) -> PrefillResult:
         self.prefill.acquire(p, tokens)
@@ -206,8 +238,10 @@ class PDBackend:
         return parse(PrefillResult, raw)
 
     async def _decode(
-        self, d: int, p: int, req: GenerateRequest, result: PrefillResult
+        self, d: int, p: int, attempt_id: str, req: GenerateRequest, result: PrefillResult
     ) -> AsyncIterator[TokenChunk]:
+        """Stream from decode replica ``d``; prefill attempt ``attempt_id`` on ``p`` is
+        released as soon as ``d`` answers (it has pulled the KV or given up)."""
         first = result.first
         msg = DecodeRequest(
             request=req,
@@ -225,7 +259,7 @@ class PDBackend:
             nonlocal released
             released = True
             self.metrics.handoff_time.observe(time.monotonic() - handoff_start)
-            self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
+            self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
 
         try:
             async with aclosing(relay(stream, req.request_id, "decode replica", release)) as chunks:
@@ -233,25 +267,33 @@ class PDBackend:
                     yield chunk
         finally:
             if not released:
-                self._bg.submit(self.prefill.handles[p].release_kv.remote, req.request_id)
+                self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+
+
+def _failure(exc: Exception) -> str:
+    """Why a prefill attempt failed, for the 503's message."""
+    if isinstance(exc, TimeoutError):
+        return f"timed out ({exc})"
+    return type(exc).__name__  # the replica died or its call failed
 
 
 async def _await(response: Any) -> Any:
     return await response
 
 
+async def answers(handle: Any) -> bool:
+    """Whether the replica behind ``handle`` answers ``load`` within HEALTH_TIMEOUT_S."""
+    try:
+        raw = await asyncio.wait_for(_await(handle.load.remote()), HEALTH_TIMEOUT_S)
+        parse(WorkerLoad, raw)
+        return True
+    except Exception:
+        return False
+
+
 async def any_alive(replicas: ReplicaSet) -> bool:
     """Whether any replica of the set answers ``load`` in time."""
-
-    async def ping(handle: Any) -> bool:
-        try:
-            raw = await asyncio.wait_for(_await(handle.load.remote()), HEALTH_TIMEOUT_S)
-            parse(WorkerLoad, raw)
-            return True
-        except Exception:
-            return False
-
-    return any(await asyncio.gather(*(ping(h) for h in replicas.handles)))
+    return any(await asyncio.gather(*(answers(h) for h in replicas.handles)))
 
 
 def sub_request(req: GenerateRequest, index: int) -> GenerateRequest:

@@ -13,7 +13,8 @@ class ReplicaSet:
     """The replicas of one role, with the tokens this router has outstanding on each.
 
     The count is this router's own view (requests it sent and has not seen finish); with
-    several router replicas each balances its own share.
+    several router replicas each balances its own share. ``down`` holds the replicas whose
+    last call failed and that have not answered since (``router.replica_health``).
     """
 
     def __init__(self, names: Sequence[str], handles: Sequence[Any]) -> None:
@@ -22,13 +23,15 @@ class ReplicaSet:
         self.names = list(names)
         self.handles = list(handles)
         self.outstanding = [0] * len(handles)
+        self.down: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.handles)
 
     def by_load(self) -> list[int]:
-        """Replica indices, least outstanding tokens first (ties: lowest index)."""
-        return sorted(range(len(self)), key=lambda i: (self.outstanding[i], i))
+        """Replica indices: up before down, then least outstanding tokens (ties: lowest
+        index)."""
+        return sorted(range(len(self)), key=lambda i: (i in self.down, self.outstanding[i], i))
 
     def acquire(self, index: int, tokens: int) -> None:
         self.outstanding[index] += tokens
@@ -59,13 +62,16 @@ def prefill_order(
     """Prefill replicas to try, best first: the affine one (if any), then by load.
 
     Affinity yields to load when the affine replica has more than ``imbalance_tokens``
-    outstanding beyond the least loaded one (a hot prefix must not pin one replica).
+    outstanding beyond the least loaded one (a hot prefix must not pin one replica), and
+    when it is down.
     """
     order = replicas.by_load()
-    if policy == "prefix_affinity":
-        home = affinity_index(prompt_ids, block_tokens, len(replicas))
-        lightest = replicas.outstanding[order[0]]
-        if home is not None and replicas.outstanding[home] - lightest <= imbalance_tokens:
-            order.remove(home)
-            order.insert(0, home)
+    if policy != "prefix_affinity":
+        return order
+    home = affinity_index(prompt_ids, block_tokens, len(replicas))
+    if home is None or home in replicas.down:
+        return order
+    if replicas.outstanding[home] - replicas.outstanding[order[0]] <= imbalance_tokens:
+        order.remove(home)
+        order.insert(0, home)
     return order

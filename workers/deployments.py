@@ -76,8 +76,9 @@ class EngineWorker:
         """Prefill role: PrefillRequest in, PrefillResult out."""
         return encode(await self.host.prefill(parse(PrefillRequest, data)))
 
-    async def release_kv(self, request_id: str) -> None:
-        self.host.release_kv(request_id)
+    async def release_kv(self, attempt_id: str) -> None:
+        """Free what prefill attempt ``attempt_id`` holds here (no-op if unknown)."""
+        await self.host.release_kv(attempt_id)
 
     async def reserve(self, data: bytes) -> bytes:
         """Decode role: ReserveRequest in, ReserveResult out."""

@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 
-from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError
-from dsv3serve.engine.engine import Engine, InvalidRequestError
+from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError, PrefillReleasedError
+from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport
 from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
 from dsv3serve.engine.spec.loop import DraftState
-from dsv3serve.kvcache.allocator import pages_for_tokens
 from dsv3serve.metrics import Identity
 from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
@@ -40,6 +39,7 @@ from workers.protocol import (
     WorkerLoad,
     WorkerStats,
 )
+from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
@@ -85,8 +85,14 @@ async def _unless_dead(
         yield _error_chunk(request_id, f"{exc}; this replica is restarting", 503)
 
 
-def _engine_request(req: GenerateRequest) -> Request:
-    return Request(req.request_id, req.params, prompt_ids=list(req.prompt_ids))
+def _released_result(req: GenerateRequest, attempt: str) -> PrefillResult:
+    message = f"prefill attempt {attempt!r} was released by its router; nothing staged"
+    return PrefillResult(first=_error_chunk(req.request_id, message, 503), kv=None)
+
+
+def _engine_request(req: GenerateRequest, engine_id: str | None = None) -> Request:
+    rid = req.request_id if engine_id is None else engine_id
+    return Request(rid, req.params, prompt_ids=list(req.prompt_ids))
 
 
 class EngineHost:
@@ -115,7 +121,7 @@ class EngineHost:
         self.engine.metrics = self.metrics.m
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
-        self._staged: LeaseTable[None] = LeaseTable(lambda rid, _: self._unstage(rid))
+        self.staging = AttemptStaging(self.aengine, self.connector, cfg.kv_lease_s)
         self._reserved: LeaseTable[list[int]] = LeaseTable(self._unreserve)
         self._reaper: asyncio.Task[None] | None = None
 
@@ -146,7 +152,7 @@ class EngineHost:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            self._staged.expire()
+            self.staging.expire()
             self._reserved.expire()
 
     # ---- introspection -------------------------------------------------------------------
@@ -207,42 +213,54 @@ class EngineHost:
 
     # ---- prefill ---------------------------------------------------------------------------
     async def prefill(self, msg: PrefillRequest) -> PrefillResult:
-        """Prefill to the first token and stage the prompt's KV pages under a lease."""
+        """Prefill to the first token and stage the prompt's KV pages under a lease.
+
+        The engine runs the request, and the KV is staged, under ``msg.attempt_id``. An
+        attempt released before or while it runs stages nothing and answers a 503 chunk
+        (its router has given up on it).
+        """
         self._require("prefill")
         self.check_health()  # raises: the router retries another prefill replica
         self._start_reaper()
-        req = msg.request
+        req, attempt = msg.request, msg.attempt_id
         if self.cfg.test_prefill_delay_s:
             await asyncio.sleep(self.cfg.test_prefill_delay_s)
+        if self.staging.is_released(attempt):
+            return _released_result(req, attempt)
         start = time.monotonic()
         try:
-            first, export = await self.aengine.prefill(_engine_request(req))
+            first, export = await self.aengine.prefill(_engine_request(req, attempt))
         except _REFUSED as exc:
             return PrefillResult(first=_error_chunk(req.request_id, str(exc), 400), kv=None)
+        except PrefillReleasedError:
+            return _released_result(req, attempt)
+        if self.staging.is_released(attempt):  # its release is queued or done: stage nothing
+            return _released_result(req, attempt)
         self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
+        return self._stage(req, attempt, first, export)
+
+    def _stage(
+        self, req: GenerateRequest, attempt: str, first: TokenOutput, export: KVExport | None
+    ) -> PrefillResult:
+        """The first token, and ``export``'s pages staged for a pull (with the draft state)."""
+        first_chunk = chunk_from_output(first).model_copy(update={"request_id": req.request_id})
         if export is None:
-            return PrefillResult(first=chunk_from_output(first), kv=None)
-        num_pages = pages_for_tokens(len(req.prompt_ids), export.page_size)
+            return PrefillResult(first=first_chunk, kv=None)
         try:
             draft = None if export.draft is None else draft_to_wire(export.draft)
-            handle = self.connector.publish(
-                req.request_id, export.pages[:num_pages], len(req.prompt_ids)
-            )
         except BaseException:
-            self._unstage(req.request_id)
+            self.staging.unstage(attempt)
             raise
-        self._staged.add(req.request_id, None, self.cfg.kv_lease_s)
-        return PrefillResult(first=chunk_from_output(first), kv=handle, draft=draft)
+        handle = self.staging.stage(attempt, export, len(req.prompt_ids))
+        return PrefillResult(first=first_chunk, kv=handle, draft=draft)
 
-    def release_kv(self, request_id: str) -> None:
-        """The decode side has the KV (or gave up): free the staged pages. Idempotent."""
-        self._staged.take(request_id)
-        self._unstage(request_id)
-
-    def _unstage(self, request_id: str) -> None:
-        if self.connector is not None:
-            self.connector.release(request_id)
-        self.aengine.call(lambda e: e.release_export(request_id))
+    async def release_kv(self, attempt_id: str) -> None:
+        """Free everything prefill attempt ``attempt_id`` holds here: its staged KV, or the
+        attempt itself if it still runs; returns once the engine's step thread has freed
+        it. Idempotent, and fenced: a later ``prefill`` of the same attempt stages nothing.
+        An unknown attempt (another replica's, or one freed already) is a no-op."""
+        self._start_reaper()
+        await self.staging.release(attempt_id)
 
     # ---- decode ----------------------------------------------------------------------------
     def reserve(self, msg: ReserveRequest) -> ReserveResult:

@@ -47,4 +47,5 @@ class LocalEngineBackend:
             await stream.aclose()
 
     async def is_healthy(self) -> bool:
-        return True
+        """False once the engine's step loop died (``EngineDeadError``)."""
+        return self.engine.dead is None

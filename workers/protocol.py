@@ -68,9 +68,15 @@ class TokenChunk(_Msg):
 
 
 class PrefillRequest(_Msg):
-    """Prefill ``prompt_ids`` (n=1), sample the first token, stage the KV for a pull."""
+    """Prefill ``prompt_ids`` (n=1), sample the first token, stage the KV for a pull.
+
+    ``attempt_id`` names this try of the request, unique per try (a retry gets a new one):
+    the engine runs it, and the KV is staged and released (``release_kv``), under that id,
+    so cleanup meant for one try never touches another. The KV handle carries it.
+    """
 
     request: GenerateRequest
+    attempt_id: str = Field(min_length=1, max_length=256)
 
 
 class DraftHandoff(_Msg):

@@ -202,9 +202,13 @@ class Engine:
         """Whether ``request_id`` is a prefilled request whose pages wait for a pull."""
         return self._pd.has_export(request_id)
 
-    def release_export(self, request_id: str) -> None:
-        """Prefill side: free the exported pages once the decode side has them."""
-        self._pd.release_export(request_id)
+    def release_export(self, request_id: str) -> bool:
+        """Prefill side: free the exported pages once the decode side has them.
+
+        Returns False, touching nothing, unless ``request_id`` is exported here (a request
+        still prefilling is aborted with :meth:`abort`, never released).
+        """
+        return self._pd.release_export(request_id)
 
     def reserve_kv(self, num_tokens: int) -> list[int] | None:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""

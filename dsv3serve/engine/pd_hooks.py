@@ -77,12 +77,19 @@ class PDHooks:
         """Whether ``request_id`` is a prefilled request whose pages wait for a pull."""
         return request_id in self._exports
 
-    def release_export(self, request_id: str) -> None:
-        """Prefill side: free the exported pages once the decode side has them."""
-        self._exports.pop(request_id, None)
+    def release_export(self, request_id: str) -> bool:
+        """Prefill side: free the exported pages once the decode side has them.
+
+        Only an exported request is touched: a release for an id that is still
+        prefilling (or unknown, or already released) is a no-op and returns False, so a
+        late release can never pull a live sequence out from under ``step()``.
+        """
+        if self._exports.pop(request_id, None) is None:
+            return False
         state = self.core.drop_state(f"{request_id}#0")
         if state is not None:
             self.core.scheduler.release_exported(state.seq)
+        return True
 
     def reserve_kv(self, num_tokens: int) -> list[int] | None:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""

@@ -85,3 +85,104 @@ def test_a_failed_step_fails_every_stream_and_later_calls() -> None:
     assert "rank 1" in str(results[0])
     with pytest.raises(EngineDeadError):
         aeng.call(lambda e: e.has_unfinished())
+
+
+def test_commands_run_on_the_step_thread_between_steps_in_order() -> None:
+    """Aborts, admissions and releases are queued into the step loop: each runs off the
+    event loop thread, never inside a step, in the order they were queued."""
+    import threading
+
+    engine = make_engine(chunked_prefill_size=8)
+    events: list[str] = []
+    real_step = engine.step
+
+    def traced_step():  # noqa: ANN202 - the wrapped method's own signature
+        events.append("step-begin")
+        try:
+            return real_step()
+        finally:
+            events.append("step-end")
+
+    engine.step = traced_step
+    aeng = AsyncEngine(engine)
+    ids = prompts(1, seed=9, lo=30, hi=30)[0]
+
+    async def main() -> tuple[list[int], set[int], int]:
+        threads: set[int] = set()
+
+        def mark(tag: str):  # noqa: ANN202
+            def command(e: object) -> str:
+                threads.add(threading.get_ident())
+                events.append(tag)
+                return tag
+
+            return command
+
+        stream = aeng.generate(Request("a", GREEDY, prompt_ids=ids))
+        first = await anext(stream)  # admitted; the prompt took several steps
+        aeng.post(mark("posted"))
+        got = await aeng.mutate(mark("awaited"))
+        assert got == "awaited"
+        await stream.aclose()  # queues the abort of "a"
+        await aeng.settle()
+        return first.token_ids, threads, threading.get_ident()
+
+    first, threads, loop_thread = asyncio.run(main())
+    assert first and loop_thread not in threads
+    commands = [e for e in events if not e.startswith("step")]
+    assert commands == ["posted", "awaited"]
+    depth = 0
+    for e in events:  # never a command between a step's begin and end
+        depth += {"step-begin": 1, "step-end": -1}.get(e, 0)
+        assert depth in (0, 1) and (depth == 0 or e.startswith("step"))
+    assert not engine.has_unfinished() and engine.num_live_sequences == 0
+
+
+class GatedFailingRunnerFake:
+    """A group leader whose first collective fails (a dead rank), but only once the test
+    has queued its commands behind the step: ``entered`` is set inside ``run``, which then
+    waits for ``fail``."""
+
+    def __init__(self, runner: object) -> None:
+        import threading
+
+        self.runner = runner
+        self.entered, self.fail = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.runner, name)
+
+    def run(self, items: list) -> object:
+        self.entered.set()
+        assert self.fail.wait(60), "the test never released the step"
+        raise RuntimeError("Connection closed by peer (rank 1)")
+
+
+def test_a_dead_engine_fails_queued_commands_instead_of_hanging() -> None:
+    import pytest
+
+    from dsv3serve.engine.async_engine import EngineDeadError
+
+    engine = make_engine()
+    runner = GatedFailingRunnerFake(engine.runner)
+    engine.use_runner(runner)
+    aeng = AsyncEngine(engine)
+    ids = prompts(1, seed=4)[0]
+
+    async def main() -> list[object]:
+        stream = aeng.generate(Request("d", GREEDY, prompt_ids=ids))
+        first = asyncio.ensure_future(anext(stream))
+        assert await asyncio.to_thread(runner.entered.wait, 60)  # the step is running
+        queued = asyncio.ensure_future(aeng.mutate(lambda e: e.num_live_sequences))
+        await asyncio.sleep(0)  # one event-loop turn: the command is queued
+        runner.fail.set()
+        results = await asyncio.gather(first, queued, return_exceptions=True)
+        aeng.post(lambda e: e.abort("d"))  # dropped: a dead engine frees nothing
+        await aeng.settle()  # returns at once
+        with pytest.raises(EngineDeadError):
+            await aeng.mutate(lambda e: None)
+        return results
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert "rank 1" in str(results[0])

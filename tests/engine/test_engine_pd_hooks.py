@@ -42,3 +42,23 @@ def test_unused_reservation_and_abort_of_exported_request_free_pages() -> None:
     for engine in (prefill, decode):
         engine.scheduler.kv.evict_all()
         assert engine.scheduler.kv.free_pages == engine.scheduler.kv.num_pages
+
+
+def test_release_of_a_request_still_prefilling_touches_nothing() -> None:
+    """The release-vs-retry race, on the engine: a release that names a request still
+    prefilling (the router's late release of an earlier try, landing on a retry of the same
+    id) must not pull its state out from under the next step (a KeyError in sampling
+    killed the engine loop). It is a no-op; the request prefills and exports as usual."""
+    engine = make_engine(chunked_prefill_size=8)
+    ids = prompts(1, seed=3, lo=30, hi=30)[0]
+    engine.add_request(Request("r", GREEDY, prompt_ids=ids), prefill_only=True)
+    assert engine.step() == []  # the first of four prompt chunks
+    assert engine.release_export("r") is False
+    assert engine.release_export("never-seen") is False
+    first = drain(engine)["r"]
+    assert first == run_alone(make_engine(), ids)[:1]
+    assert engine.has_export("r") and engine.release_export("r") is True
+    assert engine.release_export("r") is False  # idempotent
+    engine.scheduler.kv.evict_all()
+    assert engine.scheduler.kv.free_pages == engine.scheduler.kv.num_pages
+    assert engine.num_live_sequences == 0

@@ -13,6 +13,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -138,3 +139,74 @@ def test_disconnect_during_prefill_aborts_it_on_the_prefill_worker(app_url: str)
     stats = [worker_stats(APP, w) for w in workers]
     assert all(holds_nothing(s) for s in stats), stats  # nothing was staged
     assert time.monotonic() - hung_up < LEASE_S  # so no lease can have cleaned up for us
+
+
+# ---- the only prefill replica killed under load ------------------------------------------
+
+LOAD_APP = "one-prefill"
+LOAD_STREAMS = 20
+RECOVERY_S = 10.0
+
+
+def session_logs() -> list[Path]:
+    """Every log file of this test's Ray session (replicas, controller, proxies)."""
+    session = Path(ray._private.worker._global_node.get_session_dir_path())  # noqa: SLF001
+    return [p for p in (session / "logs").rglob("*") if p.is_file()]
+
+
+def timed_chat(url: str) -> tuple[float, float, str | Exception]:
+    """(start, end, text or the error) of one greedy chat."""
+    start = time.monotonic()
+    try:
+        outcome: str | Exception = chat(url)
+    except openai.APIError as exc:
+        outcome = exc
+    return start, time.monotonic(), outcome
+
+
+def test_killed_only_prefill_replica_under_load_fails_nothing_and_recovers(
+    app_url: str,
+) -> None:
+    """One prefill replica (the local config), 20 requests inside its prefill, then it is
+    killed: Serve restarts it under the same deployment. Each request's retry gets a new
+    attempt id, waits for the restarted replica (within ``prefill_retry_wait_s``) and
+    succeeds there; the failed tries' releases land on the new replica as no-ops.
+
+    This run does not open the release-vs-retry window by itself (the releases reach the
+    restarted replica while the retries still sit in the injected delay; it passes on the
+    code before the fence too): ``test_worker_host.py`` reproduces the race step by step.
+    """
+    base = app_url.removesuffix(f"/{APP}")
+    cfg = serving_config(
+        mode="pd",
+        test_prefill_delay_s=DELAY_S,
+        kv_lease_s=LEASE_S,
+        router={
+            "served_model_name": "tiny",
+            "max_in_flight": 64,
+            "prefill_timeout_s": 60,
+            "max_prefill_attempts": 2,
+            "prefill_retry_wait_s": 60,
+        },
+    )
+    with running_app(base, LOAD_APP, cfg) as url, ThreadPoolExecutor(LOAD_STREAMS + 8) as pool:
+        expected = chat(url)
+        in_flight = [pool.submit(timed_chat, url) for _ in range(LOAD_STREAMS)]
+        time.sleep(DELAY_S / 2)  # every request now waits inside the replica's prefill
+        ray.kill(replica_actor(LOAD_APP, "prefill-0"), no_restart=True)
+        killed_at = time.monotonic()
+        after = []
+        for _ in range(8):  # new requests while Serve brings the replica back
+            after.append(pool.submit(timed_chat, url))
+            time.sleep(0.5)
+        results = [f.result(timeout=180) for f in in_flight + after]
+        errors = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
+        assert errors == [], errors
+        assert all(outcome == expected for _, _, outcome in results)
+        # the replica's injected prefill delay is not recovery time
+        first_new = min(end for _, end, _ in results[LOAD_STREAMS:]) - killed_at - DELAY_S
+        assert first_new < RECOVERY_S, f"first new request done {first_new:.1f} s after the kill"
+        for worker in ("prefill-0", "decode-0"):
+            assert wait_until(lambda w=worker: holds_nothing(worker_stats(LOAD_APP, w)), LEASE_S)
+    key_errors = [str(p) for p in session_logs() if "KeyError" in p.read_text(errors="replace")]
+    assert key_errors == []

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import uuid
 
 import pytest
 from serving_util import TINY_ENGINE, holds_nothing
@@ -55,6 +58,13 @@ def request(rid: str, params: SamplingParams = GREEDY) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_ids=PROMPT, params=params)
 
 
+def attempt(req: GenerateRequest, n: int = 0, tag: str | None = None) -> PrefillRequest:
+    """Prefill attempt ``n`` of ``req``, named as the router names them (``tag``: the
+    unique suffix; a fresh one by default, as every try of the router gets)."""
+    tag = uuid.uuid4().hex[:8] if tag is None else tag
+    return PrefillRequest(request=req, attempt_id=f"{req.request_id}.p{n}.{tag}")
+
+
 async def handoff(
     prefill: EngineHost, decode: EngineHost, req: GenerateRequest, draft: object = "sent"
 ) -> list[TokenChunk]:
@@ -63,7 +73,7 @@ async def handoff(
     num_tokens = len(req.prompt_ids)
     rid = req.request_id
     assert decode.reserve(ReserveRequest(request_id=rid, num_tokens=num_tokens, lease_s=5)).ok
-    result = await prefill.prefill(PrefillRequest(request=req))
+    result = await prefill.prefill(attempt(req))
     assert result.kv is not None and result.kv.num_tokens == num_tokens
     first = result.first
     msg = DecodeRequest(
@@ -75,7 +85,7 @@ async def handoff(
         draft=result.draft if draft == "sent" else draft,
     )
     chunks = await collect(decode.decode(msg))
-    prefill.release_kv(rid)
+    await prefill.release_kv(result.kv.request_id)  # the attempt id
     return chunks
 
 
@@ -106,7 +116,7 @@ def test_unpulled_kv_is_freed_when_its_lease_expires(hosts: dict[str, EngineHost
     prefill = hosts["prefill"]
 
     async def run() -> None:
-        result = await prefill.prefill(PrefillRequest(request=request("never-pulled")))
+        result = await prefill.prefill(attempt(request("never-pulled")))
         assert result.kv is not None
         staged = prefill.stats()
         assert staged.staged_kv == 1 and staged.live_requests == 1
@@ -136,8 +146,10 @@ def test_decode_after_released_kv_fails_cleanly_and_frees_the_reservation(
 
     async def run() -> list[TokenChunk]:
         assert decode.reserve(ReserveRequest(request_id="x", num_tokens=40, lease_s=5)).ok
-        result = await prefill.prefill(PrefillRequest(request=request("x")))
-        prefill.release_kv("x")  # as if the lease ran out before decode pulled
+        result = await prefill.prefill(attempt(request("x")))
+        await prefill.release_kv(
+            result.kv.request_id
+        )  # as if the lease ran out before decode pulled
         msg = DecodeRequest(
             request=request("x"), first_token=result.first.token_ids[0], kv=result.kv
         )
@@ -153,11 +165,12 @@ def test_cancelled_prefill_frees_its_pages(hosts: dict[str, EngineHost]) -> None
 
     async def run() -> None:
         long = GenerateRequest(request_id="c", prompt_ids=list(range(2000, 2600)), params=GREEDY)
-        task = asyncio.create_task(prefill.prefill(PrefillRequest(request=long)))
+        task = asyncio.create_task(prefill.prefill(attempt(long)))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await prefill.aengine.settle()  # the abort is queued into the step loop
 
     asyncio.run(run())
     assert holds_nothing(prefill.stats())
@@ -260,3 +273,103 @@ def test_speculative_decode_refuses_a_missing_or_foreign_draft_state(
     assert len(chunks) == 1 and chunks[0].finished and chunks[0].error_status == 503
     assert message in (chunks[0].error or "")
     assert holds_nothing(prefill.stats()) and holds_nothing(spec_hosts["decode"].stats())
+
+
+# ---- fenced cleanup: the release-vs-retry race -----------------------------------------
+
+
+class StepGate:
+    """Holds the engine's step thread right after the first step taken once ``arm`` was
+    called (a prompt chunk of the retry), until ``resume`` is set: what the test queues
+    meanwhile lands between two steps of a prefill in progress, as the router's late
+    release did."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.paused, self.resume = threading.Event(), threading.Event()
+        self._armed = False
+        real = engine.step
+
+        def gated():  # noqa: ANN202 - Engine.step's own signature
+            outputs = real()
+            if self._armed:
+                self._armed = False
+                self.paused.set()
+                assert self.resume.wait(60), "the test never resumed the step thread"
+            return outputs
+
+        engine.step = gated
+
+    def arm(self) -> None:
+        """Hold the step thread after the next step."""
+        self.paused, self.resume = threading.Event(), threading.Event()
+        self._armed = True
+
+
+@pytest.fixture(scope="module")
+def chunked_prefill() -> tuple[EngineHost, StepGate]:
+    """A prefill host whose 37-token prompts take three steps (16-token chunks)."""
+    h = host("prefill", {"chunked_prefill_size": 16})
+    return h, StepGate(h.engine)
+
+
+@pytest.mark.parametrize("earlier_try", ["on another replica", "staged here", "prefilling here"])
+def test_release_of_an_earlier_try_never_touches_the_retry_mid_prefill(
+    hosts: dict[str, EngineHost],
+    chunked_prefill: tuple[EngineHost, StepGate],
+    earlier_try: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The router gave up on try 0 of a request and retried it (try 1) on this replica;
+    try 0's release arrives while try 1 is between two prompt chunks. The release names
+    try 0 only: try 1 prefills and stages as if nothing happened, try 0's pages (if here)
+    are freed, the engine stays alive, and nothing is left once try 1 is released."""
+    prefill, gate = chunked_prefill
+    req = request(f"race-{earlier_try.split()[0]}")
+    try0, try1 = attempt(req, 0), attempt(req, 1)
+
+    async def run() -> tuple[object, object]:
+        earlier = None
+        if earlier_try == "staged here":
+            assert (await prefill.prefill(try0)).kv is not None
+        gate.arm()
+        if earlier_try == "prefilling here":
+            earlier = asyncio.create_task(prefill.prefill(try0))
+        retry = asyncio.create_task(prefill.prefill(try1))
+        assert await asyncio.to_thread(gate.paused.wait, 60)  # try 1 is mid-prefill
+        release = asyncio.create_task(prefill.release_kv(try0.attempt_id))
+        await asyncio.sleep(0)  # one event-loop turn: the release is queued
+        gate.resume.set()
+        result = await retry
+        await release
+        return result, None if earlier is None else await earlier
+
+    with caplog.at_level(logging.DEBUG, logger="workers.staging"):
+        result, earlier = asyncio.run(asyncio.wait_for(run(), 120))
+    prefill.check_health()  # the engine loop is alive
+    assert result.kv is not None and result.kv.request_id == try1.attempt_id
+    assert result.first.request_id == req.request_id and not result.first.error
+    colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
+    assert result.first.token_ids == colocated[0].token_ids[:1]
+    if earlier is not None:  # try 0 was aborted by its release: nothing staged
+        assert earlier.kv is None and earlier.first.error_status == 503
+    unknown = [r for r in caplog.records if "no such attempt" in r.getMessage()]
+    assert bool(unknown) == (earlier_try == "on another replica")
+    assert prefill.stats().staged_kv == 1 and prefill.stats().live_requests == 1
+    asyncio.run(prefill.release_kv(try1.attempt_id))
+    assert holds_nothing(prefill.stats())
+
+
+def test_a_released_attempt_that_arrives_late_stages_nothing(
+    hosts: dict[str, EngineHost],
+) -> None:
+    prefill, req = hosts["prefill"], request("late")
+    late = attempt(req)
+
+    async def run() -> object:
+        await prefill.release_kv(late.attempt_id)  # the router gave up before it arrived
+        return await prefill.prefill(late)
+
+    result = asyncio.run(run())
+    assert result.kv is None and result.first.error_status == 503
+    assert "released" in (result.first.error or "")
+    assert holds_nothing(prefill.stats())

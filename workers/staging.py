@@ -1,0 +1,80 @@
+"""The prefill side's staged KV, keyed by prefill attempt, and its fenced release.
+
+Every prefill try of a request has its own attempt id (``PrefillRequest.attempt_id``): the
+engine runs the try and the connector stages its pages under that id, and ``release``
+names it, so the cleanup of one try never reaches another try of the same request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dsv3serve.engine.async_engine import AsyncEngine
+from dsv3serve.engine.engine import Engine, KVExport
+from dsv3serve.kvcache.allocator import pages_for_tokens
+from kv_transfer.handle import KVHandle
+from workers.leases import LeaseTable
+
+logger = logging.getLogger(__name__)
+
+
+def release_attempt(engine: Engine, attempt_id: str) -> None:
+    """Free what prefill attempt ``attempt_id`` holds in ``engine`` (on the step thread): its
+    exported KV, or the attempt itself while it still prefills; else nothing."""
+    if engine.release_export(attempt_id) or engine.abort(attempt_id):
+        return
+    logger.debug(
+        "release_kv(%r): no such attempt here (already freed, or another replica's)", attempt_id
+    )
+
+
+class AttemptStaging:
+    """Staged KV of prefill attempts under a lease, and the attempts released here.
+
+    A released attempt stays fenced for ``lease_s``: a prefill of it that arrives or ends
+    later stages nothing (:meth:`is_released`).
+    """
+
+    def __init__(self, aengine: AsyncEngine, connector: Any, lease_s: float) -> None:
+        self.aengine, self.connector, self.lease_s = aengine, connector, lease_s
+        self._staged: LeaseTable[None] = LeaseTable(lambda attempt, _: self.unstage(attempt))
+        self._released: LeaseTable[None] = LeaseTable(lambda attempt, _: None)
+
+    def expire(self) -> None:
+        """Free staged KV whose lease ran out; forget old fences."""
+        self._staged.expire()
+        self._released.expire()
+
+    def is_released(self, attempt_id: str) -> bool:
+        """Whether ``release`` named ``attempt_id`` (within the last ``lease_s``)."""
+        return attempt_id in self._released
+
+    def stage(self, attempt_id: str, export: KVExport, num_tokens: int) -> KVHandle:
+        """Publish the prompt pages of ``export`` for a pull, under a lease; on failure the
+        export is freed and the error raised."""
+        num_pages = pages_for_tokens(num_tokens, export.page_size)
+        try:
+            handle = self.connector.publish(attempt_id, export.pages[:num_pages], num_tokens)
+        except BaseException:
+            self.unstage(attempt_id)
+            raise
+        self._staged.add(attempt_id, None, self.lease_s)
+        return handle
+
+    async def release(self, attempt_id: str) -> None:
+        """Fence ``attempt_id`` and free what it holds; returns once the engine's step
+        thread has freed it. Idempotent; an unknown attempt is a no-op."""
+        self._released.add(attempt_id, None, self.lease_s)  # before any await: see prefill
+        self._staged.take(attempt_id)
+        if self.connector is not None:
+            self.connector.release(attempt_id)
+        if self.aengine.dead is None:  # a dead engine frees nothing: the replica restarts
+            await self.aengine.mutate(lambda e: release_attempt(e, attempt_id))
+
+    def unstage(self, attempt_id: str) -> None:
+        """Free ``attempt_id``'s staging and queue the release of its export (a lease that
+        ran out, a publish that failed)."""
+        if self.connector is not None:
+            self.connector.release(attempt_id)
+        self.aengine.post(lambda e: release_attempt(e, attempt_id))
