@@ -145,13 +145,6 @@ SPEC = {"model": "tiny", "speculative_algorithm": "NEXTN"}
     ("change", "message"),
     [
         (
-            {
-                "engine": SPEC,
-                "decode": {"engine": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}},
-            },
-            r"decode\.engine: speculative_algorithm NEXTN with enable_dp_attention: .*not built",
-        ),
-        (
             {"decode": {"group_size": 2}},
             r"decode: .*group_size was replaced by engine\.tp_size",
         ),
