@@ -3,7 +3,8 @@
 Field names and extensions follow vLLM / SGLang (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
 ``chat_template_kwargs``). Unknown fields are ignored and explicit ``null`` means "not
-given", as with vLLM. Ranges are checked by SamplingParams, not here, so the limits live
+given", as with vLLM. Types are strict: ``"2"`` is not an int, ``"yes"`` not a bool, and
+``1.0`` not an int. Ranges are checked by SamplingParams, not here, so the limits live
 in one place; ``PARAM_NAMES`` maps its field names back to the request's.
 ``ResponseBuilder`` turns backend TokenChunks into streamed chunks or a whole response.
 """
@@ -24,7 +25,7 @@ TopLogprobs = list[list[tuple[int, float]]]  # per token: (token id, logprob) al
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
