@@ -235,10 +235,10 @@ def check_line(url: str, data: dict[str, Any], grpc_port: int | None) -> str:
 
 def run(path: Path | None, port: int | None, check_only: bool, grpc_port: int | None = None) -> int:
     """Serve until interrupted (or, with ``check_only``, answer one request and stop)."""
+    use_loopback_ray()  # before anything imports ray
     import ray
     from ray import serve
 
-    use_loopback_ray()  # before load_deploy_file imports ray
     data = load_deploy_file(path)
     first = data["applications"][0]
     model = ServingConfig.parse(first["args"]).router.served_model_name
