@@ -139,7 +139,13 @@ def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from router.launch import run
 
-    return run(args.config, args.port, args.check, grpc_port=args.grpc_port)
+    return run(
+        args.config,
+        args.port,
+        args.check,
+        grpc_port=args.grpc_port,
+        reasoning_parser=args.reasoning_parser,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="HTTP port (overrides the file)")
     serve.add_argument("--grpc-port", type=int, default=None, help="gRPC port (overrides the file)")
     serve.add_argument("--check", action="store_true", help="answer one chat completion, then stop")
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek-r1", "deepseek-v3"],
+        default=None,
+        help="split <think> reasoning into reasoning_content (sets router.reasoning_parser "
+        "of every app in the file)",
+    )
     serve.set_defaults(func=_cmd_serve)
     gen = sub.add_parser("generate", help="offline generation")
     _engine_args(gen)

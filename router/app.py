@@ -98,6 +98,7 @@ class Router:
             body_read_timeout_s=settings.body_read_timeout_s,
             max_json_depth=settings.max_json_depth,
             vocab_size=info.vocab_size,
+            reasoning_parser=settings.reasoning_parser,
         )
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)

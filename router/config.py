@@ -62,6 +62,11 @@ class RouterSettings(BaseModel):
     reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
     metrics_host: str = Field("127.0.0.1", description="internal metrics endpoint address")
     metrics_port: int | None = Field(8001, ge=0, le=65535, description="None: no endpoint")
+    reasoning_parser: Literal["deepseek-r1", "deepseek-v3"] | None = Field(
+        None,
+        description="split <think> reasoning into reasoning_content (SGLang's "
+        "--reasoning-parser names); None: never split",
+    )
     api_key_env: str | None = Field(
         None,
         min_length=1,

@@ -178,8 +178,8 @@ class GenerationService:
             while chunk is not None:
                 if chunk.error is not None:
                     raise from_backend_error(error_from_chunk(chunk))
-                builder.add(chunk)
-                message = stream_message(chunk, prepared.meta)
+                state = builder.add(chunk)
+                message = stream_message(chunk, prepared.meta, state.parser)
                 if message is not None:
                     yield message
                 chunk = await anext(guard.chunks, None)

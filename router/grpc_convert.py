@@ -7,8 +7,11 @@ HTTP layer's ``ResponseBuilder`` state and backend ``TokenChunk``s.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+from router.chat_output import ChatDelta, ChoiceParser
+from router.errors import bad_request
 from router.openai_protocol import ChoiceState, ResponseBuilder, ResponseMeta, TopLogprobs
 from router.proto import generate_pb2 as pb
 from workers.protocol import TokenChunk
@@ -42,15 +45,58 @@ def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
     return body
 
 
+def _message(message: pb.ChatMessage) -> dict[str, Any]:
+    body: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        body["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+        body["content"] = message.content or None
+    if message.tool_call_id:
+        body["tool_call_id"] = message.tool_call_id
+    return body
+
+
+def _tool(index: int, tool: pb.FunctionTool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "strict": tool.strict}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters_json:
+        try:
+            function["parameters"] = json.loads(tool.parameters_json)
+        except json.JSONDecodeError as exc:
+            param = f"tools[{index}].parameters_json"
+            raise bad_request(f"{param} is not valid JSON: {exc}", param) from None
+    return {"type": "function", "function": function}
+
+
+def _tool_fields(request: pb.ChatRequest) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and the reasoning switches the client set."""
+    body: dict[str, Any] = {}
+    if request.tools:
+        body["tools"] = [_tool(i, t) for i, t in enumerate(request.tools)]
+    choice = request.tool_choice.WhichOneof("choice")
+    if choice == "mode":
+        body["tool_choice"] = request.tool_choice.mode
+    elif choice == "function":
+        name = request.tool_choice.function
+        body["tool_choice"] = {"type": "function", "function": {"name": name}}
+    for name in ("parallel_tool_calls", "separate_reasoning", "include_reasoning"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    return body
+
+
 def chat_body(request: pb.ChatRequest) -> dict[str, Any]:
-    """A ``/v1/chat/completions`` body."""
+    """A ``/v1/chat/completions`` body; raises APIError (400) for unreadable tool JSON."""
     body = sampling_body(request.sampling, "chat")
-    body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    body["messages"] = [_message(m) for m in request.messages]
     if request.HasField("thinking"):
         body["chat_template_kwargs"] = {"thinking": request.thinking}
     if request.model:
         body["model"] = request.model
-    return body
+    return body | _tool_fields(request)
 
 
 # ---- chunks and builder state -> responses ---------------------------------------------
@@ -73,21 +119,51 @@ def token_logprobs(
 
 def usage_message(usage: dict[str, Any]) -> pb.Usage:
     """``ResponseBuilder.usage()`` as a message."""
-    return pb.Usage(
+    message = pb.Usage(
         prompt_tokens=usage["prompt_tokens"],
         completion_tokens=usage["completion_tokens"],
         total_tokens=usage["total_tokens"],
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
     )
+    details = usage.get("completion_tokens_details")
+    if details is not None:
+        message.reasoning_tokens = details["reasoning_tokens"]
+    return message
+
+
+def _calls(entries: list[dict[str, Any]]) -> list[pb.ToolCall]:
+    """OpenAI ``tool_calls`` entries (whole or delta) as messages."""
+    return [
+        pb.ToolCall(
+            index=entry.get("index", i),
+            id=entry.get("id", ""),
+            name=entry["function"].get("name", ""),
+            arguments=entry["function"].get("arguments", ""),
+        )
+        for i, entry in enumerate(entries)
+    ]
+
+
+def _parsed_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """A parsed chat message or delta as Choice fields (text is the content)."""
+    return {
+        "text": body.get("content") or "",
+        "reasoning_content": body.get("reasoning_content") or "",
+        "tool_calls": _calls(body.get("tool_calls") or []),
+    }
+
+
+def _whole_text(state: ChoiceState) -> dict[str, Any]:
+    text = "".join(state.text)
+    if state.parser is None:
+        return {"text": text, "finish_reason": state.finish_reason or ""}
+    state.parser.parse_whole(text)
+    reason = state.parser.finish_reason(state.finish_reason) or ""
+    return _parsed_fields(state.parser.message()) | {"finish_reason": reason}
 
 
 def _whole_choice(index: int, state: ChoiceState, meta: ResponseMeta) -> pb.Choice:
-    choice = pb.Choice(
-        index=index,
-        text="".join(state.text),
-        token_ids=state.token_ids,
-        finish_reason=state.finish_reason or "",
-    )
+    choice = pb.Choice(index=index, token_ids=state.token_ids, **_whole_text(state))
     if meta.want_logprobs:
         choice.logprobs.extend(
             token_logprobs(state.token_ids, state.logprobs, state.top_logprobs, meta)
@@ -107,16 +183,25 @@ def whole_response(builder: ResponseBuilder) -> pb.GenerateResponse:
     )
 
 
-def stream_message(chunk: TokenChunk, meta: ResponseMeta) -> pb.GenerateStreamResponse | None:
-    """The new output of ``chunk``'s sequence; None when the chunk carries nothing."""
+def _delta_fields(chunk: TokenChunk, parser: ChoiceParser | None) -> dict[str, Any]:
+    """Text fields and finish reason of ``chunk``, split by ``parser`` when there is one."""
+    reason = (chunk.finish_reason or "") if chunk.finished else ""
+    if parser is None:
+        return {"text": chunk.text, "finish_reason": reason}
+    delta: ChatDelta = parser.step(chunk.text, chunk.finished)
+    if chunk.finished:
+        reason = parser.finish_reason(chunk.finish_reason) or ""
+    return _parsed_fields(parser.delta_body(delta)) | {"finish_reason": reason}
+
+
+def stream_message(
+    chunk: TokenChunk, meta: ResponseMeta, parser: ChoiceParser | None = None
+) -> pb.GenerateStreamResponse | None:
+    """The new output of ``chunk``'s sequence (split by the choice's ``parser``, which it
+    advances); None when the chunk carries nothing."""
     if not (chunk.text or chunk.token_ids or chunk.finished):
         return None
-    choice = pb.Choice(
-        index=chunk.index,
-        text=chunk.text,
-        token_ids=chunk.token_ids,
-        finish_reason=(chunk.finish_reason or "") if chunk.finished else "",
-    )
+    choice = pb.Choice(index=chunk.index, token_ids=chunk.token_ids, **_delta_fields(chunk, parser))
     if meta.want_logprobs:
         choice.logprobs.extend(
             token_logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs, meta)

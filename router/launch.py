@@ -233,13 +233,32 @@ def check_line(url: str, data: dict[str, Any], grpc_port: int | None) -> str:
     return line
 
 
-def run(path: Path | None, port: int | None, check_only: bool, grpc_port: int | None = None) -> int:
+def with_reasoning_parser(data: dict[str, Any], parser: str | None) -> dict[str, Any]:
+    """``data`` with ``router.reasoning_parser`` set on every app (None: as the file says)."""
+    if parser is None:
+        return data
+    apps = []
+    for app in data["applications"]:
+        args = dict(app.get("args") or {})
+        args["router"] = dict(args.get("router") or {}) | {"reasoning_parser": parser}
+        apps.append(dict(app) | {"args": args})
+    return dict(data) | {"applications": apps}
+
+
+def run(
+    path: Path | None,
+    port: int | None,
+    check_only: bool,
+    grpc_port: int | None = None,
+    reasoning_parser: str | None = None,
+) -> int:
     """Serve until interrupted (or, with ``check_only``, answer one request and stop)."""
     use_loopback_ray()  # before anything imports ray
     import ray
     from ray import serve
 
     data = load_deploy_file(path)
+    data = with_reasoning_parser(data, reasoning_parser)
     first = data["applications"][0]
     model = ServingConfig.parse(first["args"]).router.served_model_name
     grpc = grpc_options(data, grpc_port)

@@ -26,6 +26,8 @@ from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.admission import Admission, Slot
 from router.body import BodyLimits, read_json_object
+from router.chat_output import OutputParsing
+from router.chat_request import ReasoningParserName, plan_chat
 from router.errors import (
     INTERNAL_ERROR,
     APIError,
@@ -36,6 +38,7 @@ from router.errors import (
     from_validation_error,
     internal_error,
 )
+from router.openai_fields import refused_field
 from router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,17 +72,12 @@ class APIConfig(BaseModel):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
     max_n: int = Field(16, ge=1)
+    reasoning_parser: ReasoningParserName | None = Field(
+        None, description="split <think> reasoning into reasoning_content (SGLang's names)"
+    )
 
 
 # ---- prompt and sampling parameters ----------------------------------------------------
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The conversation through the DeepSeek chat template, ending in the assistant tag."""
-    try:
-        return tokenizer.encode_chat(body.template_messages(), True, thinking=body.thinking)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
-
-
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """400 unless every id is a token of the model: in ``[0, vocab_size)``."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -141,9 +139,14 @@ def _public_names(message: str, body: SamplingFields) -> str:
 
 
 def build_sampling_params(
-    body: SamplingFields, prompt_len: int, config: APIConfig, prompt_param: str
+    body: SamplingFields,
+    prompt_len: int,
+    config: APIConfig,
+    prompt_param: str,
+    extra: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams of ``body``; ``max_tokens`` defaults to what the context leaves."""
+    """SamplingParams of ``body`` (and ``extra`` fields, e.g. a tool constraint);
+    ``max_tokens`` defaults to what the context leaves."""
     if body.n > config.max_n:
         raise bad_request(f"n must be <= {config.max_n}, got {body.n}", "n")
     max_tokens = body.requested_max_tokens()
@@ -152,7 +155,19 @@ def build_sampling_params(
     if max_tokens is None:
         max_tokens = config.max_model_len - prompt_len
     try:
-        return SamplingParams(**body.sampling_kwargs(), max_new_tokens=max_tokens)
+        kwargs = body.sampling_kwargs()
+    except ValidationError as exc:  # a structured-output field that makes no Constraint
+        param = (body.constraint_fields() or ["response_format"])[0]
+        problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise bad_request(f"invalid {param}: {problem}", param) from None
+    if extra and kwargs.get("constraint") is not None and extra.get("constraint") is not None:
+        raise bad_request(
+            "tool_choice forces a tool call, which constrains the output: it cannot be "
+            "combined with response_format, regex or ebnf",
+            "tool_choice",
+        )
+    try:
+        return SamplingParams(**(kwargs | (extra or {})), max_new_tokens=max_tokens)
     except SamplingParamsError as exc:
         raise bad_request(_public_names(str(exc), body), body.param_name(exc.field)) from None
 
@@ -282,18 +297,36 @@ class OpenAIServer:
             req = model.model_validate(body)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
-        problem = req.unsupported()
+        problem = refused_field(body, kind) or req.unsupported()
         if problem is not None:
             raise bad_request(problem[1], problem[0])
         self._check_model(req.model)
-        ids, prompt_param = self._prompt_ids(req)
+        plan = None
+        if isinstance(req, ChatCompletionRequest):
+            plan = plan_chat(self.tokenizer, req, self.config.reasoning_parser)
+            ids, prompt_param, extra = plan.prompt_ids, "messages", plan.sampling_extra
+        else:
+            ids = completion_prompt_ids(self.tokenizer, req, self.vocab_size)
+            prompt_param, extra = "prompt", {}
         check_token_ids(req.stop_token_ids or [], self.vocab_size, "stop_token_ids")
-        params = build_sampling_params(req, len(ids), self.config, prompt_param)
+        check_token_ids(list(req.logit_bias or {}), self.vocab_size, "logit_bias")
+        params = build_sampling_params(req, len(ids), self.config, prompt_param, extra)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         gen = GenerateRequest(request_id=request_id, prompt_ids=ids, params=params)
-        return Prepared(gen, self._meta(kind, gen), req.stream, req.include_usage)
+        echo = self._echo_text(req, ids)
+        parsing = None if plan is None else plan.parsing(self.tokenizer, params)
+        return Prepared(gen, self._meta(kind, gen, parsing, echo), req.stream, req.include_usage)
 
-    def _meta(self, kind: Kind, gen: GenerateRequest) -> ResponseMeta:
+    def _echo_text(self, req: SamplingFields, ids: list[int]) -> str:
+        """Completions ``echo``: the prompt as given, or its token ids decoded."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return ""
+        prompt = req.single_prompt()
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, False)
+
+    def _meta(
+        self, kind: Kind, gen: GenerateRequest, parsing: OutputParsing | None, echo: str = ""
+    ) -> ResponseMeta:
         return ResponseMeta(
             kind=kind,
             request_id=gen.request_id,
@@ -303,14 +336,9 @@ class OpenAIServer:
             prompt_tokens=len(gen.prompt_ids),
             want_logprobs=gen.params.logprobs is not None,
             token_text=self._token_text,
+            echo=echo,
+            parsing=parsing,
         )
-
-    def _prompt_ids(self, req: SamplingFields) -> tuple[list[int], str]:
-        """The prompt's token ids, and the request field that holds the prompt."""
-        if isinstance(req, ChatCompletionRequest):
-            return chat_prompt_ids(self.tokenizer, req), "messages"
-        assert isinstance(req, CompletionRequest)
-        return completion_prompt_ids(self.tokenizer, req, self.vocab_size), "prompt"
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

@@ -2,10 +2,12 @@
 
 Field names and extensions follow vLLM / SGLang (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``chat_template_kwargs``). Unknown fields are ignored and explicit ``null`` means "not
-given", as with vLLM. Types are strict: ``"2"`` is not an int, ``"yes"`` not a bool, and
-``1.0`` not an int. Ranges are checked by SamplingParams, not here, so the limits live
-in one place; ``PARAM_NAMES`` maps its field names back to the request's.
+``chat_template_kwargs``, and SGLang's ``regex`` / ``ebnf`` structured-output fields).
+OpenAI fields this server cannot honour are refused with 400 (``router/openai_fields.py``);
+other unknown fields are ignored and explicit ``null`` means "not given", as with vLLM.
+Types are strict: ``"2"`` is not an int, ``"yes"`` not a bool, and ``1.0`` not an int.
+Ranges are checked by SamplingParams, not here, so the limits live in one place;
+``PARAM_NAMES`` maps its field names back to the request's.
 ``ResponseBuilder`` turns backend TokenChunks into streamed chunks or a whole response.
 """
 
@@ -13,14 +15,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.sampling_params import SamplingParams
+from router.chat_output import ChoiceParser, OutputParsing
+from router.chat_tools import (
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+    effective_choice,
+    tool_problem,
+    tools_system_prompt,
+)
 from workers.protocol import TokenChunk
 
-Message = dict[str, str]
+Message = dict[str, Any]
+TokenIdKey = Annotated[int, Strict(False)]  # JSON object keys are strings: "50256" is an id
 TopLogprobs = list[list[tuple[int, float]]]  # per token: (token id, logprob) alternatives
 
 
@@ -47,17 +60,74 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    """A conversation turn. ``developer`` is OpenAI's newer name for ``system``."""
+    """A conversation turn. ``developer`` is OpenAI's newer name for ``system``.
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    An assistant turn may carry ``tool_calls`` instead of content; a ``tool`` turn is a
+    call's result (``tool_call_id`` is accepted; the template places results by order).
+    ``reasoning_content`` of earlier turns is not rendered, as the R1 template drops it.
+    """
 
-    def as_template_message(self) -> Message:
-        """``{"role", "content"}`` with text parts joined, as the chat template takes it."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages have them, not {self.role}")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: expected content in a {self.role} message, got none")
+        return self
+
+    def text(self) -> str | None:
+        """The content with text parts joined; None for a call-only assistant turn."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_template_message(self, text_with_calls: bool = True) -> Message:
+        """The turn as the chat template takes it. ``text_with_calls`` False: a turn with
+        tool calls renders as calls only (the published V3 template renders a turn's
+        text or its calls, never both; R1's renders both)."""
         role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, str):
-            return {"role": role, "content": self.content}
-        return {"role": role, "content": "".join(part.text for part in self.content)}
+        message: Message = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
+            if not text_with_calls:
+                message["content"] = None
+        return message
+
+
+class JSONSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema and whether it is strict."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool = False
+
+
+class ResponseFormat(_Body):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema must be given exactly when type is 'json_schema'")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        """The engine constraint of this format (None for ``text``)."""
+        if self.type == "json_object":
+            return Constraint(kind="json_object")
+        if self.json_schema is None:
+            return None
+        return Constraint.json_schema(self.json_schema.schema_, self.json_schema.strict)
 
 
 class SamplingFields(_Body):
@@ -86,6 +156,10 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[TokenIdKey, float] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         """The completion budget the client asked for, if any."""
@@ -100,7 +174,23 @@ class SamplingFields(_Body):
         same_name = SamplingParams.model_fields.keys() & type(self).model_fields.keys()
         given = {name: getattr(self, name) for name in same_name}
         given |= {"min_new_tokens": self.min_tokens, "logprobs": self.top_logprobs_k()}
+        given |= {"constraint": self.constraint()}
         return {k: v for k, v in given.items() if v is not None}
+
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields the request sets (at most one is allowed)."""
+        fields = [name for name in ("regex", "ebnf") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.insert(0, "response_format")
+        return fields
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint: ``response_format``, ``regex`` or ``ebnf``."""
+        if self.regex is not None:
+            return Constraint(kind="regex", text=self.regex)
+        if self.ebnf is not None:
+            return Constraint(kind="ebnf", text=self.ebnf)
+        return None if self.response_format is None else self.response_format.constraint()
 
     @property
     def include_usage(self) -> bool:
@@ -109,12 +199,17 @@ class SamplingFields(_Body):
 
     def param_name(self, sampling_field: str) -> str:
         """The request field behind a SamplingParams field (for error ``param``)."""
+        if sampling_field.split(".")[0] == "constraint":
+            return (self.constraint_fields() or ["response_format"])[0]
         return self.PARAM_NAMES.get(sampling_field, sampling_field)
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for a request this server cannot honour, else None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        constraints = self.constraint_fields()
+        if len(constraints) > 1:
+            return constraints[1], f"give at most one of {', '.join(constraints)}"
         return None
 
 
@@ -132,7 +227,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang: False keeps <think>...</think> in content
+    include_reasoning: bool = True  # vLLM: False leaves reasoning_content out
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -148,15 +247,27 @@ class ChatCompletionRequest(SamplingFields):
         return super().param_name(sampling_field)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported by this server"
+        problem = tool_problem(self.tools, self.tool_choice)
+        if problem is not None:
+            return problem
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         return super().unsupported()
 
-    def template_messages(self) -> list[Message]:
-        """The conversation as the DeepSeek chat template takes it."""
-        return [m.as_template_message() for m in self.messages]
+    def template_messages(self, text_with_calls: bool = True) -> list[Message]:
+        """The conversation as the DeepSeek chat template takes it, the tools (unless
+        ``tool_choice`` is ``none``) offered in a last system message."""
+        messages = [m.as_template_message(text_with_calls) for m in self.messages]
+        choice = self.effective_tool_choice
+        if self.tools and choice != "none":
+            text = tools_system_prompt(self.tools, choice, self.parallel_tool_calls)
+            messages.append({"role": "system", "content": text})
+        return messages
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """``tool_choice``, or OpenAI's default: ``auto`` with tools, ``none`` without."""
+        return effective_choice(self.tools, self.tool_choice)
 
     @property
     def thinking(self) -> bool | None:
@@ -177,8 +288,11 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported by this server"
+        if self.echo and self.logprobs is not None:
+            return "echo", (
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute; drop logprobs or echo"
+            )
         if self.suffix:
             return "suffix", "suffix is not supported by this server"
         return super().unsupported()
@@ -213,6 +327,8 @@ class ResponseMeta:
     prompt_tokens: int
     want_logprobs: bool
     token_text: Callable[[int], str]
+    echo: str = ""  # completions ``echo``: the prompt text each choice starts with
+    parsing: OutputParsing | None = None  # chat: reasoning / tool-call split, if any
 
 
 @dataclass
@@ -226,6 +342,7 @@ class ChoiceState:
     finish_reason: str | None = None
     reported_tokens: int = 0
     text_offset: int = 0  # completions logprobs: offset of the next token's text
+    parser: ChoiceParser | None = None  # splits the text when the request asks for it
 
 
 def _lp(value: float) -> float:
@@ -280,7 +397,10 @@ class ResponseBuilder:
 
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
-        self.choices = [ChoiceState() for _ in range(meta.n)]
+        parsing = meta.parsing
+        self.choices = [
+            ChoiceState(parser=None if parsing is None else parsing.parser()) for _ in range(meta.n)
+        ]
         self.cached_tokens = 0
 
     def add(self, chunk: TokenChunk) -> ChoiceState:
@@ -302,12 +422,20 @@ class ResponseBuilder:
         """Token counts summed over the ``n`` choices; the prompt counts once."""
         completion = sum(max(len(s.token_ids), s.reported_tokens) for s in self.choices)
         prompt = self.meta.prompt_tokens
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.meta.parsing is not None and self.meta.parsing.reasoning is not None:
+            reasoning = sum(s.parser.reasoning_tokens(s.token_ids) for s in self.parsed())
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
+
+    def parsed(self) -> list[ChoiceState]:
+        """The choices whose text is split (all of a chat request that asks for it)."""
+        return [s for s in self.choices if s.parser is not None]
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         meta = self.meta
@@ -354,9 +482,16 @@ class ResponseBuilder:
         return body | {"logprobs": logprobs, "finish_reason": reason}
 
     def opening_events(self) -> list[dict[str, Any]]:
-        """Chat streams open with one ``{"role": "assistant"}`` delta per choice."""
+        """Chat streams open with one ``{"role": "assistant"}`` delta per choice; echoing
+        completion streams with one event per choice carrying the prompt."""
         if self.meta.kind != "chat":
-            return []
+            return [
+                self._envelope(
+                    self._chunk_object(), [self._choice(i, self.meta.echo, None, None, stream=True)]
+                )
+                for i in range(self.meta.n)
+                if self.meta.echo
+            ]
         return [
             self._envelope(
                 self._chunk_object(), [self._choice(i, "", None, None, stream=True, opening=True)]
@@ -367,12 +502,25 @@ class ResponseBuilder:
     def stream_event(self, chunk: TokenChunk) -> dict[str, Any] | None:
         """The event for ``chunk``; None when it carries nothing to show."""
         state = self.add(chunk)
+        if state.parser is not None:
+            return self._parsed_event(chunk, state, state.parser)
         if not (chunk.text or chunk.finished or (self.meta.want_logprobs and chunk.token_ids)):
             return None
         logprobs = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs, state)
         reason = chunk.finish_reason if chunk.finished else None
         choice = self._choice(chunk.index, chunk.text, logprobs, reason, stream=True)
         return self._envelope(self._chunk_object(), [choice])
+
+    def _parsed_event(
+        self, chunk: TokenChunk, state: ChoiceState, parser: ChoiceParser
+    ) -> dict[str, Any] | None:
+        delta = parser.delta_body(parser.step(chunk.text, chunk.finished))
+        if not (delta or chunk.finished or (self.meta.want_logprobs and chunk.token_ids)):
+            return None
+        logprobs = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs, state)
+        reason = parser.finish_reason(chunk.finish_reason) if chunk.finished else None
+        choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs}
+        return self._envelope(self._chunk_object(), [choice | {"finish_reason": reason}])
 
     def usage_event(self) -> dict[str, Any]:
         """The final ``stream_options.include_usage`` event: no choices, only usage."""
@@ -381,8 +529,13 @@ class ResponseBuilder:
     # ---- whole response -------------------------------------------------------------
     def _final_choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
         logprobs = self._logprobs(state.token_ids, state.logprobs, state.top_logprobs, state)
-        text = "".join(state.text)
-        return self._choice(index, text, logprobs, state.finish_reason, stream=False)
+        text = self.meta.echo + "".join(state.text)  # echo: completions only, no parser
+        if state.parser is None:
+            return self._choice(index, text, logprobs, state.finish_reason, stream=False)
+        state.parser.parse_whole(text)
+        reason = state.parser.finish_reason(state.finish_reason)
+        message = state.parser.message()
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def response(self) -> dict[str, Any]:
         """The non-streaming ``chat.completion`` / ``text_completion`` body."""

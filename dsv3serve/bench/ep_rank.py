@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dsv3serve.bench.ep_rank_bytes import LocalHits, local_hits, step_bytes
+from dsv3serve.bench.ep_rank_bytes import local_hits, step_bytes
 from dsv3serve.bench.ep_rank_report import config_record, memory_record, print_table
 from dsv3serve.bench.ep_rank_setup import (
     EP_LAYOUTS,
@@ -143,7 +143,7 @@ def kv_choice(
 
 def record_hits(
     runner: ModelRunner, recorder: RoutingRecorder, batch_size: int, context: int
-) -> LocalHits:
+) -> list[int]:
     """One eager step of the batch with the recorder on: the local experts each MoE layer's
     routing hits (the graphed steps replay the same tokens, hence the same routing)."""
     batch = _batch(runner, batch_size, context)
@@ -193,9 +193,7 @@ def measure_point(
         "total_bytes": nbytes.total,
         "roofline_ms": roof_ms,
         "ratio": ms / roof_ms,
-        "kernel_extra_bytes": nbytes.kernel_extra,
-        "local_experts_hit": _spread(hits.hit),
-        "local_experts_read_by_kernel": _spread(hits.read),
+        "local_experts_hit": _spread(hits),
     }
 
 

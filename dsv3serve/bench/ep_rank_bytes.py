@@ -5,11 +5,8 @@ Per step the rank reads: every decoder layer's norms and absorbed-form attention
 expert plus its LOCAL experts that the batch's routing hits (with the same-rank loopback no
 other rank's tokens arrive, so only this rank's tokens count), every sequence's cached
 latents in every layer, and the final norm, the whole ``lm_head`` and the new tokens'
-embedding rows. Activations are not counted.
-
-The fused MoE kernel also reads local expert 0 whenever a dispatched row has a slot on
-another rank (the caller clamps those ids to 0 with weight 0); that read is not needed by
-the routing and is reported apart (``kernel_extra_bytes``), not in the roofline.
+embedding rows. Activations are not counted. Choices of experts on other ranks reach the
+fused MoE as id -1 and are skipped, so the kernel reads exactly the hit experts.
 """
 
 from __future__ import annotations
@@ -31,43 +28,32 @@ from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.model.deepseek_v3 import MoE
 
 
-@dataclass(frozen=True)
-class LocalHits:
-    """Per MoE layer: local experts the routing hits, and those the kernel reads."""
-
-    hit: list[int]
-    read: list[int]
-
-
-def local_hits(calls: list[torch.Tensor], experts: range) -> LocalHits:
-    """From each MoE layer's global ``topk_ids`` [T, K]: distinct local experts chosen, and
-    those plus expert ``experts.start`` where any slot lies elsewhere (clamped to slot 0)."""
-    hit, read = [], []
+def local_hits(calls: list[torch.Tensor], experts: range) -> list[int]:
+    """From each MoE layer's global ``topk_ids`` [T, K]: the distinct local experts chosen."""
+    hits = []
     for ids in calls:
         here = (ids >= experts.start) & (ids < experts.stop)
-        chosen = set(ids[here].unique().tolist())
-        hit.append(len(chosen))
-        read.append(len(chosen | {experts.start}) if bool((~here).any()) else len(chosen))
-    return LocalHits(hit, read)
+        hits.append(int(ids[here].unique().numel()))
+    return hits
 
 
 @dataclass(frozen=True)
 class StepBytes:
-    """Bytes of one decode step by kind; ``kernel_extra`` is outside the roofline."""
+    """Bytes of one decode step by kind."""
 
     parts: dict[str, float]
-    kernel_extra: float
 
     @property
     def total(self) -> float:
         return sum(self.parts.values())
 
 
-def step_bytes(runner: ModelRunner, batch_size: int, context: int, hits: LocalHits) -> StepBytes:
-    """The rank's bytes for ``batch_size`` sequences at ``context`` with routing ``hits``."""
+def step_bytes(runner: ModelRunner, batch_size: int, context: int, hits: list[int]) -> StepBytes:
+    """The rank's bytes for ``batch_size`` sequences at ``context``, ``hits`` local experts
+    per MoE layer."""
     model = runner.model
     parts = dict.fromkeys(("attention", "dense_mlp", "moe_fixed", "routed_experts"), 0.0)
-    extra, moe = 0.0, 0
+    moe = 0
     for layer in model.layers:
         parts["attention"] += norm_bytes(layer) + attention_decode_bytes(layer.self_attn)
         if not isinstance(layer.mlp, MoE):
@@ -75,11 +61,10 @@ def step_bytes(runner: ModelRunner, batch_size: int, context: int, hits: LocalHi
             continue
         one = expert_bytes(layer.mlp)
         parts["moe_fixed"] += moe_fixed_bytes(layer.mlp)
-        parts["routed_experts"] += hits.hit[moe] * one
-        extra += (hits.read[moe] - hits.hit[moe]) * one
+        parts["routed_experts"] += hits[moe] * one
         moe += 1
     parts["head"] = float(head_bytes(model, batch_size))
     parts["kv"] = float(kv_read_bytes(runner.pool, batch_size, context) * len(model.layers))
-    if moe != len(hits.hit):
-        raise ValueError(f"expected routing for {moe} MoE layers, found {len(hits.hit)}")
-    return StepBytes(parts, extra)
+    if moe != len(hits):
+        raise ValueError(f"expected routing for {moe} MoE layers, found {len(hits)}")
+    return StepBytes(parts)

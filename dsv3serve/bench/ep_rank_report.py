@@ -23,9 +23,8 @@ NOTES = (
     "router + shared expert, the local experts the recorded routing hits, the whole lm_head, "
     "every sequence's latents in every layer) / the copy bandwidth measured in this run "
     "(copy_TBps, bytes read + written per second, as `bench model`); ratio = ms / roofline_ms.",
-    "kernel_extra_bytes: local expert 0, read by the fused MoE kernel for the weight-0 slots "
-    "of experts on other ranks (clamped to slot 0); not needed by the routing, so outside "
-    "the roofline.",
+    "routed experts: choices of experts on other ranks reach the fused MoE as id -1 and are "
+    "skipped, so it reads only the local experts hit.",
     "graph_ms: one decode step through the runner's CUDA graph (host padding, attention plan, "
     "replay, logits copy), median of --iters after --warmup; eager_ms: the same step without "
     "graphs, median of --eager-iters.",

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from dsv3serve.engine.intake import InvalidRequestError, prompt_ids
+from dsv3serve.engine.grammar import GrammarCompiler, GrammarState, full_bitmask
+from dsv3serve.engine.intake import InvalidRequestError, check_logit_bias, prompt_ids
 from dsv3serve.engine.model_runner import StepResult
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
@@ -38,6 +39,7 @@ class SeqState:
     detok: IncrementalDetokenizer
     stop: StopStringMatcher
     emitted: int = 0  # output tokens already reported
+    grammar: GrammarState | None = None  # structured output: the sequence's matcher
 
 
 def top_logprobs(state: SeqState, tops: TopLists, row: int) -> dict[int, float]:
@@ -90,6 +92,7 @@ class EngineCore:
     ) -> None:
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.metrics: Metrics | None = None
         self.states: dict[str, SeqState] = {}
         self.on_prefilled: Callable[[Sequence], None] = _ignore
@@ -98,8 +101,13 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------
     def prompt_ids(self, req: Request) -> list[int]:
-        """``req``'s validated prompt ids (tokenized when given as text)."""
-        return prompt_ids(req, self.tokenizer, self.vocab_size)
+        """``req``'s validated prompt ids (tokenized when given as text); also checks the
+        parameters that depend on the model (``logit_bias`` ids, the constraint compiles)."""
+        ids = prompt_ids(req, self.tokenizer, self.vocab_size)
+        check_logit_bias(req.params, self.vocab_size)
+        if req.params.constraint is not None:
+            self.grammars.compile(req.params.constraint)
+        return ids
 
     def check_new_id(self, request_id: str) -> None:
         """Raise InvalidRequestError when ``request_id`` is already running here."""
@@ -114,6 +122,8 @@ class EngineCore:
         gen = None if seed is None else make_generator(seed + index, self.runner.device)
         detok = IncrementalDetokenizer(self.tokenizer, context, params.skip_special_tokens)
         state = SeqState(seq, index, params, gen, detok, StopStringMatcher(params.stop))
+        if params.constraint is not None:
+            state.grammar = self.grammars.new_state(params.constraint)
         self.states[seq.seq_id] = state
         return state
 
@@ -180,8 +190,22 @@ class EngineCore:
             [s.seq.output_ids for s in states],
             self.vocab_size,
             self.runner.device,
+            self.grammar_bitmask(states),
         )
         return self.sampler.sample(logits, batch)
+
+    def grammar_bitmask(self, states: list[SeqState]) -> torch.Tensor | None:
+        """Host int32 [B, W] allowed-token bitmask of the next token of each of ``states``
+        (all ones on unconstrained rows), or None when none is constrained. Each matcher
+        first accepts its sequence's committed outputs (they must all be real ids)."""
+        if all(s.grammar is None for s in states):
+            return None
+        bitmask = full_bitmask(len(states), self.vocab_size)
+        for row, s in enumerate(states):
+            if s.grammar is not None:
+                s.grammar.sync(s.seq.output_ids)
+                s.grammar.fill(bitmask, row)
+        return bitmask
 
     def emit(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsv3serve.engine.request import Request
+from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.sequence import Sequence
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
@@ -28,6 +29,15 @@ def prompt_ids(req: Request, tokenizer: Tokenizer, vocab_size: int) -> list[int]
     if bad:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
     return list(ids)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Raise InvalidRequestError when a ``logit_bias`` token id is outside the vocabulary."""
+    bad = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias: token ids must be in [0, {vocab_size}), got {bad[:5]}"
+        )
 
 
 def new_sequence(req: Request, index: int, prompt: list[int], **extra: Any) -> Sequence:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from torch import Tensor
+
 from dsv3serve.engine.core import EngineCore, top_logprobs
 from dsv3serve.engine.model_runner import StepResult
 from dsv3serve.engine.request import TokenOutput
@@ -91,9 +93,13 @@ class SpecLoop:
     def _spec_step(self, batch: ScheduledBatch) -> list[TokenOutput]:
         spec = self.spec
         drafts = spec.propose(batch.items)
-        target = spec.verify_forward(batch.items, drafts)
         sampled = [item for item in batch.items if item.sample]
-        requests = [self._verify_request(item, drafts.get(item.seq_id, [])) for item in sampled]
+        masks = self._grammar_masks(sampled, drafts)
+        target = spec.verify_forward(batch.items, drafts)
+        requests = [
+            self._verify_request(item, drafts.get(item.seq_id, []), masks.get(item.seq_id))
+            for item in sampled
+        ]
         verified = self.verifier.verify(target.logits, requests)
         committed = {item.seq_id: v.tokens for item, v in zip(sampled, verified, strict=True)}
         self.core.scheduler.on_step_done(batch, committed)
@@ -106,10 +112,30 @@ class SpecLoop:
                 outputs.append(self.core.emit(state, v.logprobs, v.top_logprobs))
         return outputs
 
-    def _verify_request(self, item: ScheduledItem, drafts: list[int]) -> VerifyRequest:
+    def _grammar_masks(
+        self, sampled: list[ScheduledItem], drafts: dict[str, list[int]]
+    ) -> dict[str, Tensor]:
+        """Bitmask rows [1 + drafts, W] of each constrained item's verified positions; its
+        drafts are cut (in ``drafts``) to the prefix its grammar allows."""
+        masks = {}
+        for item in sampled:
+            grammar = self.core.states[item.seq_id].grammar
+            if grammar is None:
+                continue
+            grammar.sync(item.seq.output_ids)
+            kept, masks[item.seq_id] = grammar.draft_masks(drafts.get(item.seq_id, []))
+            if item.seq_id in drafts:
+                drafts[item.seq_id] = kept
+        return masks
+
+    def _verify_request(
+        self, item: ScheduledItem, drafts: list[int], bitmask: Tensor | None
+    ) -> VerifyRequest:
         state = self.core.states[item.seq_id]
         seq = state.seq
-        return VerifyRequest(state.params, state.generator, seq.prompt_ids, seq.output_ids, drafts)
+        return VerifyRequest(
+            state.params, state.generator, seq.prompt_ids, seq.output_ids, drafts, bitmask
+        )
 
 
 def _begin_step(core: EngineCore) -> tuple[list[TokenOutput], ScheduledBatch | None]:

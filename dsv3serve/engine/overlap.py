@@ -17,7 +17,10 @@ checks and detokenizer, and emits. A sequence that turns out finished (stop toke
 and its extra token is never emitted. Aborts between steps roll back the same way.
 
 Rows with repetition / frequency / presence penalties need their whole token history on the
-host, so a step that samples such a row after a step still in flight resolves that one first.
+host, and structured-output rows need their grammar matcher to have accepted the previous
+token, so a step that samples such a row after a step still in flight resolves that one
+first. The row's bitmask is then built on the host after the step's forward is queued, so
+on CUDA it overlaps with that forward.
 Speculative decoding and multi-rank groups run without overlap.
 """
 
@@ -130,11 +133,14 @@ class OverlapLoop:
             self.core.scheduler.rollback_launch(item)
 
     def _needs_history(self, batch: ScheduledBatch, prev: LaunchedStep) -> bool:
-        """Whether a penalised row of ``batch`` has an unresolved token of ``prev``."""
+        """Whether a penalised or grammar-constrained row of ``batch`` has an unresolved
+        token of ``prev``."""
         pending = prev.sampled_ids
         for item in batch.sample_items:
             state = self.core.state(item.seq_id)
-            if state is not None and state.params.has_penalties and item.seq_id in pending:
+            if state is None or item.seq_id not in pending:
+                continue
+            if state.params.has_penalties or state.grammar is not None:
                 return True
         return False
 

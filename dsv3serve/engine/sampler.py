@@ -4,6 +4,8 @@ Per step the engine builds one :class:`SamplingBatch` (host work: gather per-row
 parameters, count token histories) and calls :meth:`Sampler.sample` (device work only,
 no host-device sync). Order of operations per row:
 
+0. logit controls: ``logit_bias`` is added, then tokens outside the row's structured-output
+   mask (a host-built bitmask, unpacked on the device) are set to ``-inf``;
 1. penalties on the float32 logits: repetition (HF/vLLM: divide positive logits and
    multiply negative ones of tokens seen in prompt or output), then frequency and
    presence (OpenAI: ``logit -= freq * count + presence * (count > 0)``, output tokens);
@@ -79,6 +81,8 @@ class SamplingBatch:
     any_greedy: bool
     needs_sort: bool
     needs_min_p: bool
+    bias: Tensor | None = None
+    allowed: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -94,13 +98,15 @@ class SamplingBatch:
         output_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
+        bitmask: Tensor | None = None,
     ) -> SamplingBatch:
         """Gather per-row parameters and token histories into device tensors.
 
         Row ``i`` uses ``params[i]``, ``generators[i]`` (required, and on ``device``,
         exactly when ``params[i].seed`` is set), and its history ``prompt_ids[i]`` +
         ``output_ids[i]`` (token ids in ``[0, vocab_size)``), read only by rows with
-        penalties.
+        penalties. ``bitmask``: host int32 [B, ceil(V / 32)], bit ``t % 32`` of word
+        ``t // 32`` set where token ``t`` is allowed (``engine/grammar.py``), or None.
         """
         device = torch.device(device)
         _check_rows(params, generators, prompt_ids, output_ids, device)
@@ -124,6 +130,8 @@ class SamplingBatch:
             any_greedy=any(greedy),
             needs_sort=min(top_k, default=vocab_size) < vocab_size or min(top_p, default=1.0) < 1.0,
             needs_min_p=any(p.min_p > 0.0 for p in params),
+            bias=_build_bias(params, vocab_size, device),
+            allowed=None if bitmask is None else _unpack_bitmask(bitmask, vocab_size, device),
         )
 
 
@@ -153,10 +161,45 @@ def _check_rows(
 def _upload(rows: Sequence[Sequence[float]], device: torch.device) -> Tensor:
     """Per-row parameters [len(rows), B] float32 on ``device`` in one copy: pinned and
     non-blocking on CUDA, so launching a step's sampling does not wait for its forward."""
-    host = torch.tensor(rows, dtype=torch.float32)
+    return _to_device(torch.tensor(rows, dtype=torch.float32), device)
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``: pinned and non-blocking on CUDA."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _build_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> Tensor | None:
+    """[B, V] float32 with each row's ``logit_bias`` scattered in (ids checked < V)."""
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias.items()]
+    if not entries:
+        return None
+    bad = [t for _, t, _ in entries if t >= vocab_size]
+    if bad:
+        raise ValueError(f"expected logit_bias token ids in [0, {vocab_size}), got {bad[:5]}")
+    flat = torch.tensor([row * vocab_size + t for row, t, _ in entries], dtype=torch.int64)
+    values = torch.tensor([b for _, _, b in entries], dtype=torch.float32)
+    bias = torch.zeros(len(params) * vocab_size, dtype=torch.float32, device=device)
+    bias.index_put_((_to_device(flat, device),), _to_device(values, device))
+    return bias.view(len(params), vocab_size)
+
+
+def _unpack_bitmask(bitmask: Tensor, vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] bool from a host int32 bitmask [B, ceil(V / 32)], unpacked on ``device``."""
+    rows, words = bitmask.shape
+    if words * 32 < vocab_size or bitmask.dtype != torch.int32:
+        raise ValueError(
+            f"expected an int32 bitmask of >= {(vocab_size + 31) // 32} words per row, "
+            f"got {bitmask.dtype} {tuple(bitmask.shape)}"
+        )
+    packed = _to_device(bitmask, device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.view(rows, words * 32)[:, :vocab_size].bool()
 
 
 def _build_penalties(
@@ -249,6 +292,7 @@ class Sampler:
         expected = (batch.size, batch.vocab_size)
         assert logits.dtype == torch.float32, f"expected float32 logits, got {logits.dtype}"
         assert tuple(logits.shape) == expected, f"expected logits {expected}, got {logits.shape}"
+        logits = apply_logit_controls(logits, batch)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         token_ids = self._choose(logits, batch)
@@ -273,6 +317,16 @@ class Sampler:
         # Exp(1) draws can be exactly 0 in float32; p / 0 would tie at inf or give NaN.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_logit_controls(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """``logit_bias`` added, then tokens outside the structured-output mask set to -inf;
+    returns ``logits`` itself when the batch has neither."""
+    if batch.bias is not None:
+        logits = logits + batch.bias
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, -torch.inf)
+    return logits
 
 
 def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:

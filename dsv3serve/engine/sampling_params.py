@@ -10,9 +10,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from dsv3serve.engine.constraint import Constraint
+
 # Temperatures below this are treated as greedy: dividing logits by them would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 # Seeds are 64-bit signed (vLLM's range); sequence i of n seeds with seed + i, which
 # torch.Generator.manual_seed still takes (it accepts [-2**63, 2**64 - 1]).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -50,7 +53,10 @@ class SamplingParams(BaseModel):
 
     ``temperature == 0`` means greedy decoding; ``top_k`` of -1 or 0 disables top-k;
     ``logprobs`` is the number of top alternatives to return per token (0 returns only
-    the sampled token's logprob, ``None`` returns none). Constructed with keyword
+    the sampled token's logprob, ``None`` returns none). ``logit_bias`` maps token ids to
+    a value in [-100, 100] added to their logits before sampling (ids are checked against
+    the model's vocabulary by the engine). ``constraint`` restricts the output to a
+    grammar (structured output; see ``engine/constraint.py``). Constructed with keyword
     arguments, invalid values raise :class:`SamplingParamsError`, a ``ValueError``
     (``model_validate`` raises pydantic's ``ValidationError``, also a ``ValueError``).
     """
@@ -73,6 +79,8 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = {}
+    constraint: Constraint | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -170,6 +178,31 @@ class SamplingParams(BaseModel):
         if any(t < 0 for t in value):
             raise _reject("token ids must be >= 0")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[int, float]) -> dict[int, float]:
+        if any(t < 0 for t in value):
+            raise _reject("token ids must be >= 0")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in value.values()):
+            raise _reject(f"bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return value
+
+    @model_validator(mode="after")
+    def _check_constraint_ending(self) -> SamplingParams:
+        if self.constraint is None:
+            return self
+        for name, set_ in (
+            ("ignore_eos", self.ignore_eos),
+            ("min_new_tokens", self.min_new_tokens > 0),
+        ):
+            if set_:
+                raise _reject(
+                    f"{name} cannot be combined with a structured-output constraint: "
+                    "the constraint ends the output when its structure is complete",
+                    field=name,
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_token_budget(self) -> SamplingParams:

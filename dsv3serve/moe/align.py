@@ -3,10 +3,11 @@
 The router's choices ``topk_ids`` [T, k] are read as ``M = T * k`` assignments; assignment
 ``a = t * k + j`` is token ``t``'s ``j``-th expert. :class:`ExpertBlocks` lists them grouped by
 expert, each expert's run padded to a multiple of ``block_m`` with the sentinel ``M``, so a GEMM
-program can take one block and one expert's weights. Nothing here reads a device value on the
-host: buffer sizes follow from ``M``, ``E`` and ``block_m`` alone (at most ``min(M, E)``
-experts are hit, each wasting at most ``block_m - 1`` rows), which keeps the path
-CUDA-graph-capturable.
+program can take one block and one expert's weights. A negative id marks an assignment this
+rank does not compute (an expert held by another EP rank): it is in no block. Nothing here
+reads a device value on the host: buffer sizes follow from ``M``, ``E`` and ``block_m`` alone
+(at most ``min(M, E)`` experts are hit, each wasting at most ``block_m - 1`` rows), which
+keeps the path CUDA-graph-capturable.
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ def max_blocks(num_assign: int, num_experts: int, block_m: int) -> int:
 def _count_body(ids_ptr, counts_ptr, num_assign, BLOCK: tl.constexpr):
     """counts[e] += number of assignments to expert e (counts int32 [E], zeroed before)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < num_assign
-    e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-    tl.atomic_add(counts_ptr + e, 1, mask=ok)
+    e = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1).to(tl.int32)
+    tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
 
 
 def _plan_body(
@@ -91,10 +91,10 @@ def _plan_body(
 
 
 def _scatter_body(ids_ptr, cursor_ptr, sorted_ptr, num_assign, BLOCK: tl.constexpr):
-    """sorted[cursor[e]++] = a for every assignment a to expert e (atomic, any order)."""
+    """sorted[cursor[e]++] = a for every assignment a to expert e >= 0 (atomic, any order)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < num_assign
-    e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    e = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1).to(tl.int32)
+    ok = e >= 0
     slot = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
     tl.store(sorted_ptr + slot, offs, mask=ok)
 
@@ -109,7 +109,7 @@ _ASSIGN_BLOCK = 1024
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Sort assignments by expert with the Triton kernels (count, plan, scatter).
 
-    topk_ids [T, k] int32 or int64 with values in [0, num_experts).
+    topk_ids [T, k] int32 or int64 with values in [0, num_experts), or negative to skip.
     """
     m = topk_ids.numel()
     flat = topk_ids.reshape(-1)
@@ -140,23 +140,26 @@ def moe_align_block_size_ref(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> ExpertBlocks:
     """Torch oracle of :func:`moe_align_block_size` (any device, no host sync); within an
-    expert, assignments keep ascending order."""
+    expert, assignments keep ascending order; negative ids are skipped."""
     m = topk_ids.numel()
     flat = topk_ids.reshape(-1).long()
     dev = topk_ids.device
     n_blocks = max_blocks(m, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    valid = flat >= 0
+    bucket = torch.where(valid, flat, num_experts)  # skipped assignments: a bucket past the end
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
-    starts = ends - padded
-    order = torch.sort(flat, stable=True).indices
-    by_expert = flat[order]
+    starts = torch.cat([ends - padded, ends[-1:] if num_experts else padded.new_zeros(1)])
+    order = torch.sort(bucket, stable=True).indices
+    by_expert = bucket[order]
     rank = torch.arange(m, device=dev) - (counts.cumsum(0) - counts)[by_expert]
-    sorted_ids = torch.full((n_blocks * block_m,), m, dtype=torch.int32, device=dev)
-    sorted_ids[starts[by_expert] + rank] = order.int()
+    dest = torch.where(by_expert < num_experts, starts[by_expert] + rank, n_blocks * block_m)
+    sorted_ids = torch.full((n_blocks * block_m + 1,), m, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.int()  # skipped ones land in the dropped last slot
     first_rows = torch.arange(n_blocks, device=dev) * block_m
     owner = torch.searchsorted(ends, first_rows, right=True)
     total = ends[-1:] if num_experts else torch.zeros(1, dtype=torch.long, device=dev)
     expert_ids = torch.where(first_rows < total, owner, -1).int()
-    return ExpertBlocks(sorted_ids, expert_ids, total.int(), block_m, m)
+    return ExpertBlocks(sorted_ids[:-1], expert_ids, total.int(), block_m, m)

@@ -34,7 +34,9 @@ class MoEBackend(ABC):
         experts: FusedExperts,
         with_shared: bool = False,
     ) -> torch.Tensor:
-        """x [T, H]; topk_weights [T, k] float32 (already scaled); topk_ids [T, k] int64.
+        """x [T, H]; topk_weights [T, k] float32 (already scaled); topk_ids [T, k] int64, where
+        -1 (with weight 0) marks a choice this rank does not compute (an expert on another EP
+        rank): it costs nothing and adds nothing.
 
         ``with_shared``: the ids include the shared expert's slot E (see
         :mod:`dsv3serve.moe.shared`), so the stack's first E + 1 experts run. Returns [T, H]

@@ -32,10 +32,10 @@ class TorchRefMoE(MoEBackend):
         experts: FusedExperts,
         with_shared: bool = False,
     ) -> torch.Tensor:
-        # the loop runs the experts the ids name, the shared slot E included when present
+        # the loop runs the experts the ids name, the shared slot E included when present;
+        # negative ids (experts on other EP ranks) are skipped
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat_ids = topk_ids.flatten()
-        hit = torch.unique(flat_ids).tolist()
+        hit = [e for e in torch.unique(topk_ids).tolist() if e >= 0]
         for e in hit:
             token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
             out.index_add_(

@@ -34,10 +34,10 @@ def to_local_ids(
     weights: torch.Tensor, ids: torch.Tensor, experts: range
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global ids [T, K] -> slots of the stack holding ``experts``; a choice of an expert held
-    elsewhere becomes slot 0 with weight 0 (the backends take only valid slots)."""
+    elsewhere becomes id -1 with weight 0, which the backends skip (:class:`MoEBackend`)."""
     local = ids - experts.start
     held = (local >= 0) & (local < len(experts))
-    return torch.where(held, weights, 0.0), torch.where(held, local, 0)
+    return torch.where(held, weights, 0.0), torch.where(held, local, -1)
 
 
 def run_dispatched(
@@ -51,12 +51,11 @@ def run_dispatched(
     """Routed-expert output [T, H] for this rank's tokens ``x`` [T, H] (T may be 0): send
     them to their experts' ranks, run the local experts on what arrived, bring sums back."""
     sent = dispatcher.dispatch(x, ids, weights)
-    held = sent.topk_ids >= 0
-    local_w = torch.where(held, sent.topk_weights, 0.0)
-    local_ids = sent.topk_ids.clamp(min=0)
     if sent.x.shape[0] == 0:
         return dispatcher.combine(sent.x, sent)
-    return dispatcher.combine(backend.forward(sent.x, local_w, local_ids, experts), sent)
+    # slots of experts on other ranks arrive as -1, which the backends skip; zero their weights
+    local_w = torch.where(sent.topk_ids >= 0, sent.topk_weights, 0.0)
+    return dispatcher.combine(backend.forward(sent.x, local_w, sent.topk_ids, experts), sent)
 
 
 def fusion_blocked_reason(layout: RankLayout | None) -> str | None:

@@ -213,7 +213,8 @@ def _combine_body(
 ):  # fmt: skip
     """out[t, n] = sum_j w[t, j] * y[t * TOP_K + j, n], summed in float32.
 
-    y [T * TOP_K, N], w [T, TOP_K] float32 (already scaled by the router), out [T, N].
+    y [T * TOP_K, N], w [T, TOP_K] float32 (already scaled by the router), out [T, N]. A row
+    with weight 0 is not read: skipped assignments (negative ids) leave their y rows unwritten.
     """
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -221,7 +222,8 @@ def _combine_body(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * stride_wt + j).to(tl.float32)
-        yj = tl.load(y_ptr + (t * TOP_K + j) * stride_ym + cols, mask=ok, other=0.0)
+        live = cols < tl.where(wj != 0, N, 0)  # a zero weight reads nothing
+        yj = tl.load(y_ptr + (t * TOP_K + j) * stride_ym + cols, mask=live, other=0.0)
         acc += yj.to(tl.float32) * wj
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 

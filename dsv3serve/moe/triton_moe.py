@@ -17,7 +17,9 @@ multiplied them by ``routed_scaling_factor``. Rounding follows :class:`TorchRefM
 and up outputs, silu and the product are rounded to x's dtype, each expert's output too, and
 the weighted sum is float32. The shared expert is fused by the caller appending it as expert E
 with weight 1 to every token (:mod:`dsv3serve.moe.shared`): the kernels then see E + 1
-experts and ``top_k + 1`` assignments per token, and its table is E + 1's.
+experts and ``top_k + 1`` assignments per token, and its table is E + 1's. Under expert
+parallelism a choice of an expert this rank does not hold has id -1 and weight 0: it joins no
+block, no GEMM computes it, and the combine skips it.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """Routed experts for x [T, H] (steps in the module docstring); returns [T, H] in x.dtype.
 
-    topk_weights [T, k] float32 (already scaled), topk_ids [T, k] int32/int64. Runs the kernels
+    topk_weights [T, k] float32 (already scaled), topk_ids [T, k] int32/int64 (-1 with weight
+    0: skipped, see the module docstring). Runs the kernels
     whatever the device (the interpreter runs them on CPU tensors); ``config`` defaults to
     :func:`get_config` for this shape and device.
     """

@@ -35,7 +35,7 @@ class _Phase(Enum):
     CONTENT = "content"
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):
@@ -70,11 +70,22 @@ class ReasoningParser:
         self._end_tag = end_tag
         self._phase = _Phase.START
         self._buffer = ""
+        self._ended = False
 
     @property
     def in_reasoning(self) -> bool:
         """True until the end tag has been seen (or the output turned out to be content)."""
         return self._phase is not _Phase.CONTENT
+
+    @property
+    def has_reasoning(self) -> bool:
+        """True once the output is known to open with reasoning (ended or not)."""
+        return self._phase is _Phase.REASONING or self._ended
+
+    @property
+    def reasoning_ended(self) -> bool:
+        """True once the end tag has been seen."""
+        return self._ended
 
     def feed(self, text: str) -> ReasoningDelta:
         """Consume the next chunk of generated text; return what can be released now."""
@@ -121,8 +132,9 @@ class ReasoningParser:
             content = self._buffer[end + len(self._end_tag) :]
             self._buffer = ""
             self._phase = _Phase.CONTENT
+            self._ended = True
             return ReasoningDelta(reasoning_content=reasoning, content=content)
-        held = 0 if final else _partial_tag_len(self._buffer, self._end_tag)
+        held = 0 if final else partial_tag_len(self._buffer, self._end_tag)
         cut = len(self._buffer) - held
         reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return ReasoningDelta(reasoning_content=reasoning)

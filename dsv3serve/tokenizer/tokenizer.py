@@ -67,6 +67,11 @@ class Tokenizer:
         return token_id
 
     @property
+    def hf_backend(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (for libraries that read its vocabulary)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)

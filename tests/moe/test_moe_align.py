@@ -36,3 +36,16 @@ def test_max_blocks_bounds_every_routing() -> None:
     assert max_blocks(8, 256, 16) == 8
     assert max_blocks(2048, 256, 16) == -(-(2048 + 256 * 15) // 16)
     assert max_blocks(0, 256, 16) == 0
+
+
+def test_ref_skips_negative_ids() -> None:
+    """Choices of experts held by another EP rank (-1) join no block."""
+    torch.manual_seed(3)
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(30)])
+    ids[torch.rand(ids.shape) < 0.6] = -1
+    ids[0] = -1  # a token with nothing here
+    b = moe_align_block_size_ref(ids, 16, 16)
+    check_blocks(b, ids, 16)
+    every_skip = torch.full((5, 4), -1)
+    empty = moe_align_block_size_ref(every_skip, 16, 16)
+    assert int(empty.num_padded) == 0 and bool((empty.expert_ids == -1).all())

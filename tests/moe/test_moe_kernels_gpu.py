@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_util import check_blocks, random_routing
+from moe_util import check_blocks, drop_remote, random_routing
 
 from dsv3serve.kernels.fp8_ref import fp8_block_linear_ref
 from dsv3serve.moe.align import moe_align_block_size
@@ -167,6 +167,24 @@ def test_fused_moe_small_every_tier(fp8: bool, hidden: int, tier_t: int) -> None
 def test_fused_moe_fp8_weights_bf16_activations(t: int) -> None:
     ex = random_experts(SMALL["e"], 256, SMALL["inter"], True, torch.bfloat16, "cuda")
     _check_fused(ex, SMALL, t, act_quant=False)
+
+
+@pytest.mark.parametrize("t", [1, 64])
+def test_fused_moe_ep8_rank_skips_remote_choices(t: int) -> None:
+    """One EP8 rank's view (experts 32..63 of 256): other ranks' choices are -1 with weight 0;
+    the result equals the reference running every chosen expert with those weights zeroed,
+    and the blocking holds only this rank's rows (no slot-0 pile-up)."""
+    c = DS
+    ex = random_experts(256, c["hidden"], c["inter"] // 8, True, torch.bfloat16, "cuda")
+    torch.manual_seed(t)
+    w, ids = random_routing(t, 256, 8, 8, 4, "cuda")
+    x = torch.randn(t, c["hidden"], device="cuda", dtype=torch.bfloat16)
+    w_here, ids_here = drop_remote(w, ids, range(32, 64))
+    y = fused_moe(x, w_here, ids_here, ex.w13, ex.w2, ex.w13_scale_inv, ex.w2_scale_inv)
+    w_ref, ids_ref = drop_remote(w, ids, range(32, 64), local=False)
+    ref = TorchRefMoE().forward(x, w_ref, ids_ref, ex)
+    assert _rel_err(y, ref) < FP8_RTOL_FEW
+    check_blocks(moe_align_block_size(ids_here, 256, 16), ids_here, 256)
 
 
 def test_backend_and_cuda_graph(ds_experts: FusedExperts) -> None:

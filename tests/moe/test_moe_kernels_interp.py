@@ -26,7 +26,7 @@ from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
 if not INTERPRETING:
     pytest.skip("needs TRITON_INTERPRET=1 set before pytest starts", allow_module_level=True)
 
-from moe_util import check_blocks, random_routing  # noqa: E402
+from moe_util import check_blocks, drop_remote, random_routing  # noqa: E402
 
 from dsv3serve.kernels.fp8_ref import (  # noqa: E402
     FP8_DTYPE,
@@ -40,7 +40,7 @@ from dsv3serve.moe.gate import grouped_topk  # noqa: E402
 from dsv3serve.moe.gate_triton import grouped_topk_triton  # noqa: E402
 from dsv3serve.moe.moe_config import GemmTile, MoEConfig, default_config  # noqa: E402
 from dsv3serve.moe.ref import TorchRefMoE  # noqa: E402
-from dsv3serve.moe.triton_moe import fused_moe, moe_gate_up  # noqa: E402
+from dsv3serve.moe.triton_moe import fused_moe, moe_combine, moe_gate_up  # noqa: E402
 
 FLOAT_RTOL = {torch.float16: 2e-3, torch.float32: 1e-5}
 FP8_RTOL = 1e-2
@@ -105,6 +105,13 @@ def test_align_meets_the_spec(t: int, k: int, e: int, bm: int) -> None:
     check_blocks(moe_align_block_size(ids, e, bm), ids, e)
 
 
+def test_align_skips_negative_ids() -> None:
+    torch.manual_seed(1)
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(40)])
+    ids[ids >= 8] = -1  # experts 8..15 live on another EP rank
+    check_blocks(moe_align_block_size(ids, 16, 16), ids, 16)
+
+
 def test_align_skewed_int32() -> None:
     ids = torch.zeros(70, 2, dtype=torch.int32)
     ids[:, 1] = 5
@@ -159,6 +166,34 @@ def test_fused_moe_ragged_hidden(fp8: bool) -> None:
     dtype = torch.bfloat16 if fp8 else torch.float16
     y, ref = _run(6, 200, fp8, dtype, True, "bm16-swap")
     assert _rel_err(y, ref) < (FP8_RTOL if fp8 else FLOAT_RTOL[dtype])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_skips_other_ranks_experts(fp8: bool) -> None:
+    """An EP rank's view: choices outside experts 4..11 are -1 with weight 0; the result equals
+    the reference running every chosen expert with those weights zeroed."""
+    torch.manual_seed(5)
+    dtype = torch.bfloat16 if fp8 else torch.float16
+    ex = random_experts(16, 256, 128, fp8, dtype, "cpu")
+    w, ids = random_routing(11, 16, 4, 4, 2, "cpu")
+    x = torch.randn(11, 256).to(dtype)
+    w_here, ids_here = drop_remote(w, ids, range(4, 12))
+    y = fused_moe(x, w_here, ids_here, ex.w13, ex.w2, ex.w13_scale_inv, ex.w2_scale_inv)
+    w_ref, ids_ref = drop_remote(w, ids, range(4, 12), local=False)
+    ref = TorchRefMoE().forward(x, w_ref, ids_ref, ex)
+    assert _rel_err(y, ref) < (FP8_RTOL if fp8 else FLOAT_RTOL[dtype])
+
+
+def test_combine_reads_no_row_of_zero_weight() -> None:
+    """Skipped assignments leave their rows of y unwritten (NaN here): they must not be read."""
+    torch.manual_seed(6)
+    w = torch.rand(5, 4)
+    w[w < 0.4] = 0.0
+    y = torch.randn(20, 64)
+    y[(w == 0).flatten()] = float("nan")
+    out = moe_combine(y, w, torch.empty(5, 64))
+    ref = (w[:, :, None] * torch.nan_to_num(y).view(5, 4, 64)).sum(1)
+    assert _rel_err(out, ref) < FLOAT_RTOL[torch.float32]
 
 
 def test_fused_moe_empty_batch() -> None:

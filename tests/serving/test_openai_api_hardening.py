@@ -47,7 +47,11 @@ def hardened() -> Iterator[Hardened]:
     engine = make_engine(max_model_len=MAX_MODEL_LEN)
     local = LocalEngineBackend(engine)
     metrics = Metrics(Identity("router", "router", MODEL))
-    api = APIConfig(max_model_len=MAX_MODEL_LEN, body_read_timeout_s=BODY_TIMEOUT_S)
+    api = APIConfig(
+        max_model_len=MAX_MODEL_LEN,
+        body_read_timeout_s=BODY_TIMEOUT_S,
+        vocab_size=engine.model_cfg.vocab_size,
+    )
     server = OpenAIServer(api, engine.tokenizer, MeteredBackend(local, metrics))
     with ServerThread(build_fastapi_app(server)) as http:
         yield Hardened(engine, local, server, http, metrics)
@@ -128,6 +132,8 @@ BAD_INPUTS: list[tuple[Any, ...]] = [  # name, path, body, status, param
         "temperature",
     ),
     ("min over max names max_tokens", *comp(max_tokens=2, min_tokens=3), 400, "min_tokens"),
+    ("empty regex", *comp(regex=""), 400, "regex"),  # found by the fuzz run below
+    ("blank ebnf", *comp(ebnf="  "), 400, "ebnf"),
     ("trailing slash chat", CHAT_PATH + "/", {"messages": MSG}, 404, None),
     ("trailing slash completions", COMPLETIONS_PATH + "/", {"prompt": "hi"}, 404, None),
 ]

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from schema_cases import invalid_outputs
 from serving_util import (
     TINY_ENGINE,
     holds_nothing,
@@ -33,9 +34,11 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"
 PD_WORKERS = ("prefill-0", "decode-0")
 BODY_TIMEOUT_S = 3
+# The PD app splits reasoning in thinking mode (deepseek-v3: nothing changes without it).
 PD_ROUTER = {
     "served_model_name": "tiny",
     "metrics_port": None,
+    "reasoning_parser": "deepseek-v3",
     "body_read_timeout_s": BODY_TIMEOUT_S,
 }
 
@@ -58,8 +61,8 @@ def offline() -> Engine:
     return Engine(EngineConfig(**TINY_ENGINE))
 
 
-def offline_greedy_text(engine: Engine, max_tokens: int) -> str:
-    ids = engine.tokenizer.encode_chat(MESSAGES, True)
+def offline_greedy_text(engine: Engine, max_tokens: int, thinking: bool | None = None) -> str:
+    ids = engine.tokenizer.encode_chat(MESSAGES, True, thinking=thinking)
     params = SamplingParams(temperature=0, max_new_tokens=max_tokens)
     engine.add_request(Request("offline", params, prompt_ids=ids))
     text = ""
@@ -81,6 +84,29 @@ def test_streamed_greedy_chat_equals_offline_engine(
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == offline_greedy_text(offline, 24)
+
+
+def test_pd_reasoning_content_and_tokens_in_thinking_mode(
+    apps: dict[str, str], offline: Engine
+) -> None:
+    """Through PD (the first token from prefill, the rest from decode), a thinking prompt's
+    output is reasoning: the random tiny model never closes </think>."""
+    kw = {"model": "tiny", "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    kw |= {"extra_body": {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}}
+    expected = offline_greedy_text(offline, 16, thinking=True)
+    whole = client(apps[PD]).chat.completions.create(**kw)
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == expected and message.content is None
+    details = whole.usage.completion_tokens_details
+    assert details.reasoning_tokens == whole.usage.completion_tokens == 16
+    stream = client(apps[PD]).chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw
+    )
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == expected
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 16
 
 
 def test_pd_non_streaming_usage_n_and_logprobs(apps: dict[str, str], offline: Engine) -> None:
@@ -245,3 +271,24 @@ def test_200_concurrent_streams_complete_without_leaks(apps: dict[str, str]) -> 
     reasons = asyncio.run(run_all())
     assert len(reasons) == 200 and set(reasons) <= {"stop", "length"}, reasons
     assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 10) for w in PD_WORKERS)
+
+
+def test_json_schema_outputs_validate_through_pd(apps: dict[str, str]) -> None:
+    """The prefill side samples the first token under the schema; decode continues the
+    grammar from it (5 samples of each of the 20 schemas, temperature 1)."""
+    assert invalid_outputs(f"{apps[PD]}/v1", "tiny", 5) == []
+    assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS)
+
+
+@pytest.mark.parametrize("app", [PD, COLOCATED])
+def test_logit_bias_bans_and_forces_tokens(apps: dict[str, str], offline: Engine, app: str) -> None:
+    tok = offline.tokenizer
+    kw = {"model": "tiny", "prompt": "The sea", "max_tokens": 4, "temperature": 0}
+    http = client(apps[app])
+    greedy = http.completions.create(**kw).choices[0].text
+    first = tok.encode(greedy, add_bos=False)[0]
+    banned = http.completions.create(**kw, logit_bias={str(first): -100}).choices[0].text
+    assert banned != greedy and tok.encode(banned, add_bos=False)[0] != first
+    whale = tok.encode(" whale", add_bos=False)[0]
+    forced = http.completions.create(**kw, logit_bias={str(whale): 100}).choices[0].text
+    assert forced == tok.decode([whale] * 4)

@@ -2,7 +2,9 @@
 
 Every verified position is its own sampling row: its penalties count the output so far
 plus the drafts before it, and ``min_new_tokens`` counts them too, so each position sees
-exactly the distribution the target would sample from without speculation. Greedy rows
+exactly the distribution the target would sample from without speculation; a
+structured-output request brings one bitmask row per position (its grammar after the
+drafts before it). Greedy rows
 accept by prefix match, the others by rejection sampling (:mod:`.verify`); the committed
 tokens then end at the first one that stops the request. Logprobs are those of
 :class:`~dsv3serve.engine.sampler.Sampler` (penalised logits, before temperature).
@@ -16,7 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsv3serve.engine.sampler import SamplingBatch, apply_penalties, filtered_probs
+from dsv3serve.engine.grammar import full_bitmask
+from dsv3serve.engine.sampler import (
+    SamplingBatch,
+    apply_logit_controls,
+    apply_penalties,
+    filtered_probs,
+)
 from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.spec.verify import greedy_verify, rejection_verify
 from dsv3serve.engine.stop import check_stop_token
@@ -24,13 +32,15 @@ from dsv3serve.engine.stop import check_stop_token
 
 @dataclass(frozen=True)
 class VerifyRequest:
-    """One sequence to verify: its parameters, history and drafts (possibly none)."""
+    """One sequence to verify: its parameters, history and drafts (possibly none), and
+    for a constrained one its host int32 bitmask [1 + len(drafts), W] (else None)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_ids: list[int]
     output_ids: list[int]
     drafts: list[int]
+    bitmask: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,9 @@ class SpecVerifier:
             outputs,
             self.vocab_size,
             logits.device,
+            _stacked_bitmask(reqs, self.vocab_size),
         )
+        logits = apply_logit_controls(logits, batch)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         return batch, logits
@@ -190,6 +202,22 @@ def _tops(top_rows: tuple[list, list], b: int, n: int, req: VerifyRequest) -> li
     k = req.params.logprobs or 0
     values, ids = top_rows[0][b], top_rows[1][b]
     return [dict(zip(ids[j][:k], values[j][:k], strict=True)) for j in range(n)]
+
+
+def _stacked_bitmask(reqs: Sequence[VerifyRequest], vocab_size: int) -> Tensor | None:
+    """The requests' bitmask rows in verify order (all ones for unconstrained ones)."""
+    if all(r.bitmask is None for r in reqs):
+        return None
+    parts = [
+        full_bitmask(len(r.drafts) + 1, vocab_size) if r.bitmask is None else r.bitmask
+        for r in reqs
+    ]
+    for r, part in zip(reqs, parts, strict=True):
+        if part.shape[0] != len(r.drafts) + 1:
+            raise ValueError(
+                f"expected {len(r.drafts) + 1} bitmask rows (1 + drafts), got {part.shape[0]}"
+            )
+    return torch.cat(parts)
 
 
 def _padded_index(lengths: list[int], device: torch.device) -> Tensor:
