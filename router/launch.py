@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,7 @@ def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = AP
         f"dsv3serve is up at {url}\n\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{body}'\n\n"
-        "  python -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "/v1', "
+        f"  {sys.executable} -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "/v1', "
         "api_key='none'); print(c.chat.completions.create(model='" + model + "', "
         "messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32)"
         '.choices[0].message.content)"\n\n'

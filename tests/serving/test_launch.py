@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from router.launch import http_options, local_pd_config
+from router.launch import http_options, local_pd_config, usage_text
 
 # In a fresh interpreter (ray must not be imported before the launcher sets it up):
 # start the cluster as `dsv3serve serve` does, run one task so a worker exists, then list
@@ -55,3 +55,14 @@ def test_http_options_keep_the_deploy_files_serve_settings() -> None:
         "request_timeout_s": 600,
     }
     assert http_options({})["host"] == "127.0.0.1"
+
+
+def test_printed_python_example_runs_an_interpreter_with_openai() -> None:
+    """The usage text's ``python -c`` line names this interpreter, which has openai (a bare
+    ``python`` may be a system one without it)."""
+    text = usage_text("http://127.0.0.1:8000", "deepseek-v3-tiny")
+    line = next(x for x in text.splitlines() if ' -c "from openai import OpenAI' in x)
+    interpreter = line.split()[0]
+    assert interpreter == sys.executable
+    done = subprocess.run([interpreter, "-c", "import openai"], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
