@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
@@ -24,7 +24,7 @@ from router.config import RoleGroup, ServingConfig
 from router.grpc_api import GenerationService
 from router.metered import MeteredBackend
 from router.metrics_server import serve_metrics
-from router.openai_api import APIConfig, OpenAIServer, install_error_handlers
+from router.openai_api import APIConfig, OpenAIServer, new_app
 from router.pd import PDBackend
 from router.policy import ReplicaSet
 from router.proto import generate_pb2 as pb
@@ -32,8 +32,7 @@ from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
 
 ROUTER_NAME = "router"
-ingress = FastAPI(title="dsv3serve", docs_url=None, redoc_url=None)
-install_error_handlers(ingress)
+ingress = new_app()
 
 
 def replica_name(role: Role, index: int) -> str:
@@ -73,7 +72,8 @@ class Router:
         from dsv3serve.tokenizer.tokenizer import Tokenizer
 
         roles = self.cfg.roles()
-        info = decode(WorkerInfo, await self._workers[roles[-1]][0].info.remote())
+        infos = [decode(WorkerInfo, await self._workers[r][0].info.remote()) for r in roles]
+        info = infos[-1]
         sets = {
             role: ReplicaSet(
                 [replica_name(role, i) for i in range(len(self._workers[role]))],
@@ -92,9 +92,12 @@ class Router:
         backend = MeteredBackend(backend, self.metrics)
         api = APIConfig(
             served_model_name=settings.served_model_name,
-            max_model_len=info.max_model_len,
+            max_model_len=min(i.max_model_len for i in infos),  # what every role can hold
             max_in_flight=settings.max_in_flight,
             max_body_bytes=settings.max_body_bytes,
+            body_read_timeout_s=settings.body_read_timeout_s,
+            max_json_depth=settings.max_json_depth,
+            vocab_size=info.vocab_size,
             reasoning_parser=settings.reasoning_parser,
         )
         tokenizer = await asyncio.to_thread(

@@ -50,6 +50,10 @@ class RouterSettings(BaseModel):
     served_model_name: str = "deepseek-v3"
     max_in_flight: int = Field(256, ge=1, description="admitted requests; more get 429")
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not received within it gets 408"
+    )
+    max_json_depth: int = Field(128, ge=8, description="deeper JSON nesting gets 400")
     policy: Policy = "prefix_affinity"
     prefix_affinity_pages: int = Field(4, ge=1)
     affinity_imbalance_tokens: int = Field(32768, ge=0)

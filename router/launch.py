@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -89,34 +90,75 @@ def grpc_options(data: dict[str, Any], grpc_port: int | None = None) -> dict[str
     return options
 
 
-def start(data: dict[str, Any], port: int | None = None, grpc_port: int | None = None) -> str:
-    """Start a local Ray cluster (HTTP on loopback, no dashboard), gRPC when the file has
-    ``grpc_options``, and every app; returns the HTTP URL."""
+# Ray replaces a loopback node address given to ray.init with a routable one, and then
+# binds GCS, raylet, workers and agents to every interface; with this flag off (Ray's
+# single-machine mode, the default on macOS and Windows) the node address stays
+# 127.0.0.1 and all of them bind to loopback. Read when ray is first imported.
+LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOOPBACK = "127.0.0.1"
+
+
+def use_loopback_ray() -> None:
+    """Make the local Ray cluster that ``start`` begins bind to loopback only; call
+    before ray is imported (``run`` does)."""
+    os.environ.update(LOOPBACK_RAY_ENV)
+
+
+def _check_loopback_node() -> None:
     import ray
+
+    address = ray.util.get_node_ip_address()
+    if address != LOOPBACK:
+        raise RuntimeError(
+            f"expected the local Ray node on {LOOPBACK}, found {address}: ray was imported "
+            "before router.launch.use_loopback_ray() set "
+            + ", ".join(f"{k}={v}" for k, v in LOOPBACK_RAY_ENV.items())
+        )
+
+
+def http_options(data: dict[str, Any], port: int | None = None) -> dict[str, Any]:
+    """The deploy file's ``http_options`` (Serve's: ``keep_alive_timeout_s``,
+    ``request_timeout_s``, ...) on loopback unless it names a host; ``port`` replaces
+    its port."""
+    options = {"host": LOOPBACK, "port": 8000} | dict(data.get("http_options") or {})
+    if port is not None:
+        options["port"] = port
+    return options
+
+
+def init_local_ray() -> None:
+    """Start a local Ray cluster with every Ray port (GCS, raylet, workers, agents) on
+    loopback and no dashboard; raises RuntimeError when it could not be kept there."""
+    use_loopback_ray()
+    import ray
+
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, 4),
+        include_dashboard=False,
+        _node_ip_address=LOOPBACK,
+        ignore_reinit_error=True,
+    )
+    _check_loopback_node()
+
+
+def start(data: dict[str, Any], port: int | None = None, grpc_port: int | None = None) -> str:
+    """Start a local Ray cluster (``init_local_ray``), HTTP (on loopback unless the file
+    names a host), gRPC when the file has ``grpc_options``, and every app; returns the
+    HTTP URL."""
+    init_local_ray()
     from ray import serve
 
     from router.app import build_app
 
-    http = dict(data.get("http_options") or {})
-    if port is not None:
-        http["port"] = port
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, 4),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        ignore_reinit_error=True,
-    )
-    serve.start(
-        http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)},
-        grpc_options=grpc_options(data, grpc_port),
-    )
+    http = http_options(data, port)
+    serve.start(http_options=http, grpc_options=grpc_options(data, grpc_port))
     for app in data["applications"]:
         serve.run(
             build_app(ServingConfig.parse(app.get("args") or {})),
             name=app.get("name", APP_NAME),
             route_prefix=app.get("route_prefix", "/"),
         )
-    return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    return f"http://{http['host']}:{http['port']}"
 
 
 def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = APP_NAME) -> str:
@@ -129,7 +171,7 @@ def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = AP
         f"dsv3serve is up at {url}\n\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{body}'\n\n"
-        "  python -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "/v1', "
+        f"  {sys.executable} -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "/v1', "
         "api_key='none'); print(c.chat.completions.create(model='" + model + "', "
         "messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32)"
         '.choices[0].message.content)"\n\n'
@@ -212,6 +254,7 @@ def run(
     reasoning_parser: str | None = None,
 ) -> int:
     """Serve until interrupted (or, with ``check_only``, answer one request and stop)."""
+    use_loopback_ray()  # before anything imports ray
     import ray
     from ray import serve
 

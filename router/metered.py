@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,13 +20,23 @@ class MeteredBackend:
         self.m = metrics
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """``req``'s chunks, measured. Sequences still unfinished when the consumer stops
+        (client gone: the stream is closed or cancelled) count as finished with
+        ``abort``; a backend failure is counted where it is reported (error chunks)."""
         start = time.monotonic()
         last: dict[int, float] = {}  # per sequence index: when its last token arrived
+        finished: set[int] = set()
         try:
             async with aclosing(self.backend.generate(req)) as chunks:
                 async for chunk in chunks:
                     self._observe(chunk, start, last)
+                    if chunk.finished:
+                        finished.add(chunk.index)
                     yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            for _ in range(req.params.n - len(finished)):
+                self.m.finished("abort")
+            raise
         finally:
             self.m.e2e.observe(time.monotonic() - start)
 

@@ -8,8 +8,8 @@ can both mount them. No torch and no Ray are imported here.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.admission import Admission, Slot
+from router.body import BodyLimits, read_json_object
 from router.chat_output import OutputParsing
 from router.chat_request import ReasoningParserName, plan_chat
 from router.errors import (
@@ -64,6 +65,11 @@ class APIConfig(BaseModel):
     max_model_len: int = Field(ge=2, description="prompt + completion tokens per sequence")
     max_in_flight: int = Field(256, ge=1, description="admitted requests; more get 429")
     max_body_bytes: int = Field(1 << 20, ge=1)
+    body_read_timeout_s: float = Field(30.0, gt=0, description="a slower body gets 408")
+    max_json_depth: int = Field(128, ge=2, description="deeper nesting gets 400")
+    vocab_size: int | None = Field(
+        None, ge=1, description="token ids must be below it; None: the tokenizer's size"
+    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
     max_n: int = Field(16, ge=1)
     reasoning_parser: ReasoningParserName | None = Field(
@@ -71,36 +77,20 @@ class APIConfig(BaseModel):
     )
 
 
-# ---- reading the body ----------------------------------------------------------------
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-
-
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object: 413 over ``max_bytes``, 400 unless UTF-8 JSON object."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        parts.append(part)
-    try:
-        body = json.loads(b"".join(parts).decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"request body is not valid UTF-8: {exc}", code="invalid_json") from None
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"expected a JSON object as the body, got {type(body).__name__}")
-    return body
-
-
 # ---- prompt and sampling parameters ----------------------------------------------------
-def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list[int]:
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 unless every id is a token of the model: in ``[0, vocab_size)``."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(
+            f"{param}: token ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad}",
+            param,
+        )
+
+
+def completion_prompt_ids(
+    tokenizer: Tokenizer, body: CompletionRequest, vocab_size: int
+) -> list[int]:
     """Token ids of a text prompt (with BOS) or the given ids as they are."""
     try:
         prompt = body.single_prompt()
@@ -110,8 +100,7 @@ def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_bos=True)
-    if any(t < 0 for t in prompt):
-        raise bad_request(f"prompt token ids must be >= 0, got {min(prompt)}", "prompt")
+    check_token_ids(prompt, vocab_size, "prompt")
     return list(prompt)
 
 
@@ -141,6 +130,14 @@ def check_context_length(
         )
 
 
+def _public_names(message: str, body: SamplingFields) -> str:
+    """``message`` of a SamplingParamsError with the request's field names in it
+    (``max_tokens``, not ``max_new_tokens``)."""
+    internal = re.compile(r"\b(" + "|".join(body.PARAM_NAMES) + r")\b")
+    message = message.replace("invalid SamplingParams: ", "invalid request: ")
+    return internal.sub(lambda m: body.param_name(m.group(0)), message)
+
+
 def build_sampling_params(
     body: SamplingFields,
     prompt_len: int,
@@ -157,7 +154,12 @@ def build_sampling_params(
     check_context_length(prompt_len, max_tokens, config.max_model_len, prompt_param, tokens_param)
     if max_tokens is None:
         max_tokens = config.max_model_len - prompt_len
-    kwargs = body.sampling_kwargs()
+    try:
+        kwargs = body.sampling_kwargs()
+    except ValidationError as exc:  # a structured-output field that makes no Constraint
+        param = (body.constraint_fields() or ["response_format"])[0]
+        problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise bad_request(f"invalid {param}: {problem}", param) from None
     if extra and kwargs.get("constraint") is not None and extra.get("constraint") is not None:
         raise bad_request(
             "tool_choice forces a tool call, which constrains the output: it cannot be "
@@ -167,7 +169,7 @@ def build_sampling_params(
     try:
         return SamplingParams(**(kwargs | (extra or {})), max_new_tokens=max_tokens)
     except SamplingParamsError as exc:
-        raise bad_request(str(exc), body.param_name(exc.field)) from None
+        raise bad_request(_public_names(str(exc), body), body.param_name(exc.field)) from None
 
 
 # ---- running a request -----------------------------------------------------------------
@@ -244,6 +246,10 @@ class OpenAIServer:
         self.backend = backend
         self.admission = Admission(config.max_in_flight)
         self.created = int(time.time())
+        self.vocab_size = config.vocab_size or tokenizer.vocab_size
+        self.body_limits = BodyLimits(
+            config.max_body_bytes, config.body_read_timeout_s, config.max_json_depth
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -272,7 +278,7 @@ class OpenAIServer:
 
     async def _handle(self, request: Request, kind: Kind) -> Response:
         try:
-            body = await read_json_object(request, self.config.max_body_bytes)
+            body = await read_json_object(request, self.body_limits)
             prepared = self.prepare(body, kind)
             return await run_until_disconnect(request, self._run(prepared))
         except APIError as err:
@@ -300,7 +306,10 @@ class OpenAIServer:
             plan = plan_chat(self.tokenizer, req, self.config.reasoning_parser)
             ids, prompt_param, extra = plan.prompt_ids, "messages", plan.sampling_extra
         else:
-            ids, prompt_param, extra = completion_prompt_ids(self.tokenizer, req), "prompt", {}
+            ids = completion_prompt_ids(self.tokenizer, req, self.vocab_size)
+            prompt_param, extra = "prompt", {}
+        check_token_ids(req.stop_token_ids or [], self.vocab_size, "stop_token_ids")
+        check_token_ids(list(req.logit_bias or {}), self.vocab_size, "logit_bias")
         params = build_sampling_params(req, len(ids), self.config, prompt_param, extra)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         gen = GenerateRequest(request_id=request_id, prompt_ids=ids, params=params)
@@ -393,21 +402,26 @@ class OpenAIServer:
             await guard.close()
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer routing errors (404, 405) with the OpenAI error body too."""
+def new_app() -> FastAPI:
+    """An empty FastAPI app for the OpenAI routes: no docs pages, no redirects (a
+    trailing slash is a 404 with an error body, not a 307), routing errors as OpenAI
+    error bodies."""
+    app = FastAPI(title="dsv3serve", docs_url=None, redoc_url=None, redirect_slashes=False)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    return app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    return JSONResponse(
-        error_body(str(exc.detail), "invalid_request_error"), exc.status_code, exc.headers
-    )
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):
+        message = f"{message}: {request.method} {request.url.path}"
+    return JSONResponse(error_body(message, "invalid_request_error"), exc.status_code, exc.headers)
 
 
 def build_fastapi_app(server: OpenAIServer) -> FastAPI:
     """A FastAPI app with the OpenAI routes mounted on ``server``'s methods."""
-    app = FastAPI(title="dsv3serve", docs_url=None, redoc_url=None)
+    app = new_app()
     routes = [
         ("/v1/chat/completions", server.chat_completions, "POST"),
         ("/v1/completions", server.completions, "POST"),
@@ -416,5 +430,4 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
     ]
     for path, endpoint, method in routes:
         app.add_api_route(path, endpoint, methods=[method], response_model=None)
-    install_error_handlers(app)
     return app

@@ -5,6 +5,7 @@ Field names and extensions follow vLLM / SGLang (``top_k``, ``min_p``, ``min_tok
 ``chat_template_kwargs``, and SGLang's ``regex`` / ``ebnf`` structured-output fields).
 OpenAI fields this server cannot honour are refused with 400 (``router/openai_fields.py``);
 other unknown fields are ignored and explicit ``null`` means "not given", as with vLLM.
+Types are strict: ``"2"`` is not an int, ``"yes"`` not a bool, and ``1.0`` not an int.
 Ranges are checked by SamplingParams, not here, so the limits live in one place;
 ``PARAM_NAMES`` maps its field names back to the request's.
 ``ResponseBuilder`` turns backend TokenChunks into streamed chunks or a whole response.
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.sampling_params import SamplingParams
@@ -32,11 +33,12 @@ from router.chat_tools import (
 from workers.protocol import TokenChunk
 
 Message = dict[str, Any]
+TokenIdKey = Annotated[int, Strict(False)]  # JSON object keys are strings: "50256" is an id
 TopLogprobs = list[list[tuple[int, float]]]  # per token: (token id, logprob) alternatives
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -154,7 +156,7 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[TokenIdKey, float] | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None

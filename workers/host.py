@@ -158,12 +158,15 @@ class EngineHost:
     # ---- introspection -------------------------------------------------------------------
     def info(self) -> WorkerInfo:
         cfg = self.cfg.engine
-        max_len = cfg.max_model_len or self.engine.model_cfg.max_position_embeddings
+        context = cfg.max_model_len or self.engine.model_cfg.max_position_embeddings
+        # per DP rank: a DP scheduler's config describes one rank's pool
+        capacity = self.engine.scheduler.config.num_pages * cfg.page_size
         return WorkerInfo(
             role=self.cfg.role,
-            max_model_len=max_len,
+            max_model_len=min(context, capacity),
             page_size=cfg.page_size,
             vocab_size=self.engine.model_cfg.vocab_size,
+            kv_capacity_tokens=capacity,
         )
 
     def load(self) -> WorkerLoad:
@@ -204,7 +207,7 @@ class EngineHost:
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         try:
             stream = self.aengine.generate(_engine_request(req))
-            metered = self.metrics.stream(_chunks(stream), True)
+            metered = self.metrics.stream(_chunks(stream), True, req.params.n)
             async with aclosing(stream), aclosing(metered) as chunks:
                 async for chunk in chunks:
                     yield chunk

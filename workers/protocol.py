@@ -162,12 +162,18 @@ class WorkerLoad(_Msg):
 
 
 class WorkerInfo(_Msg):
-    """Static facts about a replica's engine."""
+    """Static facts about a replica's engine.
+
+    ``max_model_len`` is what one sequence can really hold: the smaller of the model's
+    context (or the configured limit) and ``kv_capacity_tokens``, the KV pool of one DP
+    rank (a sequence lives on one rank's pool).
+    """
 
     role: Role
     max_model_len: int
     page_size: int
     vocab_size: int
+    kv_capacity_tokens: int
 
 
 class WorkerStats(_Msg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -24,23 +25,34 @@ class WorkerMetrics:
         return generate_latest(self.m.registry)
 
     async def stream(
-        self, chunks: AsyncIterator[TokenChunk], count_prompt: bool
+        self, chunks: AsyncIterator[TokenChunk], count_prompt: bool, n: int = 1
     ) -> AsyncIterator[TokenChunk]:
-        """Pass ``chunks`` through, counting tokens, finish reasons and decode time."""
+        """Pass ``chunks`` through, counting tokens, finish reasons and decode time.
+
+        Of the ``n`` sequences, those unfinished when the consumer closes the stream (the
+        router aborted the request) count as finished with ``abort``.
+        """
         first_at: float | None = None
-        async for chunk in chunks:
-            if chunk.token_ids:
-                now = time.monotonic()
-                if first_at is None:
-                    first_at = now
-                    if count_prompt:
-                        self.m.prompt_tokens.inc(chunk.prompt_tokens)
-                self.m.generation_tokens.inc(len(chunk.token_ids))
-            if chunk.finished:
-                self.m.finished(chunk.finish_reason or "unknown")
-                if first_at is not None:
-                    self.m.decode_time.observe(time.monotonic() - first_at)
-            yield chunk
+        finished: set[int] = set()
+        try:
+            async for chunk in chunks:
+                if chunk.token_ids:
+                    now = time.monotonic()
+                    if first_at is None:
+                        first_at = now
+                        if count_prompt:
+                            self.m.prompt_tokens.inc(chunk.prompt_tokens)
+                    self.m.generation_tokens.inc(len(chunk.token_ids))
+                if chunk.finished:
+                    finished.add(chunk.index)
+                    self.m.finished(chunk.finish_reason or "unknown")
+                    if first_at is not None:
+                        self.m.decode_time.observe(time.monotonic() - first_at)
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            for _ in range(n - len(finished)):
+                self.m.finished("abort")
+            raise
 
     def prefilled(self, seconds: float, prompt_tokens: int) -> None:
         self.m.prefill_time.observe(seconds)

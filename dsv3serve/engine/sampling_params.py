@@ -16,6 +16,9 @@ from dsv3serve.engine.constraint import Constraint
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+# Seeds are 64-bit signed (vLLM's range); sequence i of n seeds with seed + i, which
+# torch.Generator.manual_seed still takes (it accepts [-2**63, 2**64 - 1]).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParamsError(ValueError):
@@ -99,6 +102,13 @@ class SamplingParams(BaseModel):
     def _non_negative(cls, value: int) -> int:
         if value < 0:
             raise _reject("must be >= 0")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int | None) -> int | None:
+        if value is not None and not SEED_MIN <= value <= SEED_MAX:
+            raise _reject(f"must be a 64-bit signed integer, in [{SEED_MIN}, {SEED_MAX}]")
         return value
 
     @field_validator("temperature")

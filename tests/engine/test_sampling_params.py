@@ -51,6 +51,8 @@ def test_is_frozen() -> None:
         {"logprobs": 20},
         {"min_new_tokens": 7, "max_new_tokens": 7},
         {"seed": 0},
+        {"seed": -(2**63)},
+        {"seed": 2**63 - 1},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
@@ -82,6 +84,8 @@ def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
         ({"stop": ""}, "stop", "''", "non-empty"),
         ({"stop": ["ok", ""]}, "stop", "['ok', '']", "non-empty"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids", "[3, -1]", ">= 0"),
+        ({"seed": 2**63}, "seed", str(2**63), "64-bit signed"),
+        ({"seed": -(2**63) - 1}, "seed", str(-(2**63) - 1), "64-bit signed"),
         ({"temperature": "hot"}, "temperature", "'hot'", "valid number"),
         ({"top_pp": 0.9}, "top_pp", "0.9", "not permitted"),
     ],

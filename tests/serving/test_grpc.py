@@ -38,6 +38,7 @@ MAX_MODEL_LEN = 8192
 PROMPT = "The sea is"
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD_WORKERS = ("prefill-0", "decode-0")
+VOCAB = 129280  # the tiny model's vocabulary
 Code = grpc.StatusCode
 
 
@@ -160,7 +161,11 @@ BAD_REQUESTS = [
     bad("temperature", "temperature: must be >= 0", sampling(temperature=-1)),
     bad("empty-prompt", "prompt must not be empty", pb.GenerateRequest(text="")),
     bad("no-prompt", "prompt: Field required", pb.GenerateRequest(sampling=greedy(4))),
-    bad("negative-id", "must be >= 0", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, -1]))),
+    bad(
+        "negative-id",
+        "token ids must be in [0, ",
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, -1])),
+    ),
     bad("long-prompt", "context length", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 8192))),
     bad("long-completion", "context length", sampling(max_tokens=MAX_MODEL_LEN)),
     bad("n-0", "n: must be >= 1", sampling(n=0)),
@@ -169,6 +174,13 @@ BAD_REQUESTS = [
     bad("logprobs", "logprobs", sampling(logprobs=21)),
     bad("no-messages", "messages", pb.ChatRequest()),
     bad("role", "role", pb.ChatRequest(messages=[pb.ChatMessage(role="robot", content="hi")])),
+    bad("id-over-vocab", "vocabulary", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB]))),
+    bad("stop-id-over-vocab", "stop_token_ids", sampling(stop_token_ids=[VOCAB])),
+    bad(
+        "min-over-max",
+        "min_tokens (3) must be <= max_tokens (2)",
+        sampling(max_tokens=2, min_tokens=3),
+    ),
 ]
 
 

@@ -97,7 +97,7 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
             "cannot be combined with a structured-output constraint",
         ),
         ({"logit_bias": {"7": 101}}, "logit_bias", "[-100, 100]"),
-        ({"logit_bias": {"129280": 5}}, None, "token ids must be in [0, 129280)"),
+        ({"logit_bias": {"129280": 5}}, "logit_bias", "token ids must be in [0, 129280)"),
         ({"logit_bias": {"seven": 5}}, "logit_bias", "valid integer"),
     ],
 )

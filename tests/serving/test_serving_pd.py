@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -32,8 +33,14 @@ from dsv3serve.engine.sampling_params import SamplingParams
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"
 PD_WORKERS = ("prefill-0", "decode-0")
+BODY_TIMEOUT_S = 3
 # The PD app splits reasoning in thinking mode (deepseek-v3: nothing changes without it).
-PD_ROUTER = {"served_model_name": "tiny", "metrics_port": None, "reasoning_parser": "deepseek-v3"}
+PD_ROUTER = {
+    "served_model_name": "tiny",
+    "metrics_port": None,
+    "reasoning_parser": "deepseek-v3",
+    "body_read_timeout_s": BODY_TIMEOUT_S,
+}
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +185,64 @@ def test_pd_bad_input_gets_openai_4xx(
     assert error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param
+    assert httpx.get(f"{apps[PD]}/health", timeout=10).status_code == 200
+
+
+def test_models_reports_the_kv_pool_and_a_longer_prompt_gets_400_at_once(
+    apps: dict[str, str],
+) -> None:
+    """8,192 KV tokens per replica, far below the model's context: that is the limit, and
+    a 50k-token prompt is refused before any replica is asked (not a 429 after a wait)."""
+    card = httpx.get(f"{apps[PD]}/v1/models", timeout=30).json()["data"][0]
+    assert card["max_model_len"] == TINY_ENGINE["num_kv_tokens"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "sea " * 50_000}]}
+    response = httpx.post(f"{apps[PD]}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert "maximum context length is 8192 tokens" in error["message"]
+    assert all(holds_nothing(worker_stats(PD, w)) for w in PD_WORKERS)
+
+
+def test_serve_proxy_answers_a_trailing_slash_with_404(apps: dict[str, str]) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    response = httpx.post(f"{apps[PD]}/v1/chat/completions/", json=body, timeout=30)
+    assert response.status_code == 404, response.text
+    assert "/v1/chat/completions/" in response.json()["error"]["message"]
+
+
+def response_body(raw: bytes) -> bytes:
+    """The body of one raw HTTP/1.1 response, chunked or not."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        out, body = out + rest[:n], rest[n + 2 :]
+        if n == 0:
+            break
+    return out
+
+
+def test_serve_proxy_closes_a_slow_body_with_408(apps: dict[str, str]) -> None:
+    """11 of 100 declared bytes through Serve's proxy: the router's body timeout answers
+    408 and the proxy closes the connection."""
+    url = httpx.URL(apps[PD])
+    head = (
+        f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection((url.host, url.port)) as sock:
+        sock.settimeout(60)  # a guard against a hang, not a measurement
+        sock.sendall(head.encode() + b'{"prompt": ')
+        received = b""
+        while chunk := sock.recv(65536):  # until the proxy closes the connection
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 408 "), received
+    error = json.loads(response_body(received))["error"]
+    assert error["code"] == "request_timeout" and f"{BODY_TIMEOUT_S} s" in error["message"]
     assert httpx.get(f"{apps[PD]}/health", timeout=10).status_code == 200
 
 

@@ -176,6 +176,40 @@ def test_cancelled_prefill_frees_its_pages(hosts: dict[str, EngineHost]) -> None
     assert holds_nothing(prefill.stats())
 
 
+def test_info_reports_what_one_sequence_can_hold(hosts: dict[str, EngineHost]) -> None:
+    """The KV pool (1024 tokens) is far below the tiny model's context: it is the limit."""
+    info = hosts["decode"].info()
+    assert (info.kv_capacity_tokens, info.max_model_len) == (1024, 1024)
+
+
+def aborted(h: EngineHost) -> float:
+    """The host's ``request_success_total{finished_reason="abort"}``."""
+    return sum(
+        sample.value
+        for family in h.metrics.m.registry.collect()
+        for sample in family.samples
+        if sample.name.endswith("request_success_total")
+        and sample.labels.get("finished_reason") == "abort"
+    )
+
+
+def test_closing_a_stream_counts_each_unfinished_sequence_as_abort(
+    hosts: dict[str, EngineHost],
+) -> None:
+    colocated = hosts["colocated"]
+    params = SamplingParams(n=2, max_new_tokens=500, ignore_eos=True, seed=1)
+    before = aborted(colocated)
+
+    async def first_then_close() -> None:
+        stream = colocated.generate(request("abort-me", params))
+        assert not (await anext(stream)).finished
+        await stream.aclose()
+
+    asyncio.run(first_then_close())
+    assert aborted(colocated) == before + 2
+    assert holds_nothing(colocated.stats())
+
+
 def test_calls_for_another_role_are_refused(hosts: dict[str, EngineHost]) -> None:
     with pytest.raises(WrongRoleError):
         hosts["prefill"].reserve(ReserveRequest(request_id="y", num_tokens=4, lease_s=1))

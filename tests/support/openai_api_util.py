@@ -45,7 +45,8 @@ class Served:
 def serve(backend_of: Callable[[LocalEngineBackend], Any], **config: Any) -> Iterator[Served]:
     engine = make_engine(max_model_len=MAX_MODEL_LEN)
     backend = backend_of(LocalEngineBackend(engine))
-    api = APIConfig(max_model_len=MAX_MODEL_LEN, **config)
+    vocab = engine.model_cfg.vocab_size  # the model's, as the router gets it from a worker
+    api = APIConfig(max_model_len=MAX_MODEL_LEN, vocab_size=vocab, **config)
     server = OpenAIServer(api, engine.tokenizer, backend)
     with ServerThread(build_fastapi_app(server)) as http:
         yield Served(engine, backend, server, http)
