@@ -204,6 +204,7 @@ def test_closing_a_stream_counts_each_unfinished_sequence_as_abort(
         stream = colocated.generate(request("abort-me", params))
         assert not (await anext(stream)).finished
         await stream.aclose()
+        await colocated.aengine.settle()  # the abort is queued into the step loop
 
     asyncio.run(first_then_close())
     assert aborted(colocated) == before + 2
