@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints written once per session, and model helpers.
+"""Shared fixtures: tiny checkpoints written once per session, and model helpers; on a
+machine without a GPU, Triton's interpreter for the kernel tests.
 
 The tests mirror the packages (``tests/engine/``, ``tests/serving/``, ...); helpers and
 fakes live in ``tests/support/``. Test modules import helpers (and a few other test
@@ -7,12 +8,18 @@ modules' helpers) by module name, so ``support/`` and every test folder go on ``
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # no GPU: our Triton kernels run on CPU tensors through Triton's interpreter, which reads
+    # this when triton is first imported (the *_interp.py tests skip without it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dsv3serve.model.tiny import make_tiny_checkpoint
 
