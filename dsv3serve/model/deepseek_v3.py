@@ -24,7 +24,7 @@ from dsv3serve.layers.load_target import LoadTarget
 from dsv3serve.layers.norm import RMSNorm
 from dsv3serve.layers.rotary import RotaryEmbedding
 from dsv3serve.layers.vocab_parallel import logits_mode, vocab_parallel_logits
-from dsv3serve.model.sharding import Sharding
+from dsv3serve.model.sharding import Sharding, part_sharding
 from dsv3serve.moe import create_moe_backend
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
@@ -90,7 +90,7 @@ class DenseMLP(nn.Module):
     ) -> None:
         super().__init__()
         h, dt, aq = cfg.hidden_size, opts.dtype, opts.fp8_act_quant
-        self.shard = shard or Sharding(opts.layout)
+        self.shard = part_sharding(opts.layout, shard)
         lin = self.shard.linear
         self.gate_proj = lin(cfg, f"{prefix}.gate_proj", h, inter, dt, aq)
         self.up_proj = lin(cfg, f"{prefix}.up_proj", h, inter, dt, aq)
@@ -133,7 +133,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.fusion = cfg, opts.shared_experts_fusion
         self.moe_backend = opts.moe_backend
-        self.shard = shard or Sharding(opts.layout)
+        self.shard = part_sharding(opts.layout, shard)
         self.gate = MoEGate(cfg, opts.dtype)
         fp8 = cfg.quant_method == "fp8"
         shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
@@ -224,7 +224,7 @@ class MLAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg, self.layer_id, self.dtype = cfg, layer_id, opts.dtype
-        self.shard = shard or Sharding(opts.layout)
+        self.shard = part_sharding(opts.layout, shard)
         h, heads, dt, aq = cfg.hidden_size, cfg.num_attention_heads, opts.dtype, opts.fp8_act_quant
         qk, lin = heads * cfg.qk_head_dim, self.shard.linear
         if cfg.q_lora_rank:
@@ -342,7 +342,7 @@ class NextNLayer(nn.Module):
         prefix = f"model.layers.{cfg.num_hidden_layers}"
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dt)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dt)
-        shard = shard or Sharding(opts.layout)
+        shard = part_sharding(opts.layout, shard)
         self.eh_proj = shard.linear(cfg, f"{prefix}.eh_proj", 2 * h, h, dt, opts.fp8_act_quant)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, prefix, opts, shard)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dt)

@@ -71,3 +71,16 @@ class Sharding:
                 f"expected a dispatcher with {want} local experts, "
                 f"found {self.dispatcher.num_local_experts}"
             )
+
+
+def part_sharding(layout: RankLayout | None, shard: Sharding | None) -> Sharding:
+    """The sharding a model part is built with: the model's ``shard``, or for a part built on
+    its own (tests, benchmarks) one without collectives for ``layout``. The layout has one
+    source: a ``shard`` whose layout differs from the options' is refused."""
+    if shard is None:
+        return Sharding(layout)
+    if shard.layout != layout:
+        raise LayoutError(
+            f"expected the part's sharding for the options' layout {layout}, found {shard.layout}"
+        )
+    return shard

@@ -17,7 +17,8 @@ from shard_util import run_ranks
 from sharded_cases import Case, dp_steps, rank_worker, reference_logits
 
 from dsv3serve.config import ModelConfig
-from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions, MoE
+from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, DenseMLP, ModelOptions, MoE
+from dsv3serve.model.sharding import Sharding
 from dsv3serve.model.tiny import make_tiny_checkpoint
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.shard import RankLayout
@@ -170,3 +171,13 @@ def test_shared_fusion_refused_when_sharded(tiny_bf16_dir: Path, parallel) -> No
         MoE(cfg, prefix, ModelOptions(torch.float32, shared_experts_fusion="on", layout=layout))
     auto = ModelOptions(torch.float32, moe_backend="triton", layout=layout)
     assert MoE(cfg, prefix, auto).experts.shared_slots == 0
+
+
+def test_a_part_with_another_layout_than_its_options_is_refused(tiny_bf16_dir: Path) -> None:
+    """The layout has one source: a part handed a sharding for another layout refuses it."""
+    cfg = ModelConfig.from_hf(tiny_bf16_dir)
+    tp2 = RankLayout(ParallelConfig(tp_size=2), 0)
+    opts = ModelOptions(dtype=torch.float32, layout=tp2)
+    with pytest.raises(LayoutError, match="expected the part's sharding for the options' layout"):
+        DenseMLP(cfg, "model.layers.0.mlp", cfg.intermediate_size, opts, Sharding(None))
+    assert DenseMLP(cfg, "model.layers.0.mlp", cfg.intermediate_size, opts).shard.layout == tp2
