@@ -22,11 +22,14 @@ from torch import Tensor
 from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.group import (
     OP_DIGEST,
+    OP_SAMPLED,
     OP_STOP,
     Wire,
     comm_device,
     encode_spans,
     gather_digest,
+    send_sampled,
+    store_sampled,
 )
 from dsv3serve.engine.group import decode_spans as decode_one
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
@@ -138,6 +141,11 @@ class DPGroupLeader:
         sampled = [item for part in parts for item in part if item.sample]
         return StepResult(logits.to(self.runner.device), sampled)
 
+    def share_sampled(self, start: int, token_ids: torch.Tensor) -> None:
+        """Overlap scheduling: every rank's sampled ids (rank 0 samples them all), for every
+        rank's ring."""
+        send_sampled(self._wire, start, token_ids)
+
     def landing_pages(self, pages: list[int]) -> list[int]:
         """Rank 0's pages a KV connector writes a reservation's KV into."""
         return self.scheduler.landing_pages(pages)
@@ -185,6 +193,8 @@ def dp_follower_loop(
             owner, *pages = wire.recv(n).tolist()
             if owner == rank:
                 recv_pages(runner, pages, src=0)
+        elif op == OP_SAMPLED:
+            store_sampled(runner, wire, n)
         elif op == OP_DIGEST:
             gather_digest(runner, dist.get_world_size())
         elif op == OP_STOP:

@@ -138,11 +138,8 @@ class Engine:
                     "(GroupSpecForwards or DPSpecForwards), found none"
                 )
             self.spec.use_forwards(spec_forwards)
-        if self._overlap is not None:
-            self._overlap.detach()
-            logger.info("overlap schedule off: multi-rank groups run without it")
-            self._overlap = None
-            self._loop = PlainLoop(self._core)
+        if self._overlap is not None and self._overlap.in_flight:
+            raise RuntimeError("use_runner: a step is in flight; call it before any step")
         self._core.runner = runner
         if scheduler is not None:
             self.scheduler = self._core.scheduler = scheduler

@@ -25,7 +25,7 @@ from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool
 
-OP_STEP, OP_WRITE_PAGES, OP_DIGEST, OP_STOP = 1, 2, 3, 4
+OP_STEP, OP_WRITE_PAGES, OP_DIGEST, OP_STOP, OP_SAMPLED = 1, 2, 3, 4, 5
 _HEADER_LEN = 2  # [op, payload length]
 _SPAN_HEADER_LEN = 5  # [n_tokens, start, sample, page_size (0: slot list), n_entries]
 
@@ -186,6 +186,10 @@ class GroupLeader:
         self._wire.send(OP_STEP, encode_spans(batch_spans))
         return self.runner.run_spans(batch_spans, items)
 
+    def share_sampled(self, start: int, token_ids: torch.Tensor) -> None:
+        """Overlap scheduling: the step's sampled ids, for every rank's ring."""
+        send_sampled(self._wire, start, token_ids)
+
     def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Write pages here (compute dtype) and replicate their raw storage to every rank."""
         self.runner.write_pages(pages, kv)
@@ -205,6 +209,21 @@ class GroupLeader:
     def stop(self) -> None:
         """End the other ranks' loops."""
         self._wire.send(OP_STOP)
+
+
+def send_sampled(wire: Wire, start: int, token_ids: torch.Tensor) -> None:
+    """Overlap scheduling: rank 0 just wrote ``token_ids`` [n] into its future-token ring at
+    ``start``; every rank writes them into its own ring, where its next step's placeholders
+    resolve (on the device: no host sync on rank 0)."""
+    wire.send(OP_SAMPLED, torch.cat([token_ids.new_tensor([start]), token_ids]))
+
+
+def store_sampled(runner: ModelRunner, wire: Wire, n: int) -> None:
+    """A follower's side of :func:`send_sampled`."""
+    data = wire.recv(n)
+    if runner.future is None:
+        raise RuntimeError("sampled ids for the overlap ring: expected overlap on every rank")
+    runner.future.store(int(data[0]), data[1:].to(runner.future.buffer.device))
 
 
 def gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
@@ -232,6 +251,8 @@ def follower_loop(
             steps += 1
         elif op == OP_WRITE_PAGES:
             broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
+        elif op == OP_SAMPLED:
+            store_sampled(runner, wire, n)
         elif op == OP_DIGEST:
             gather_digest(runner, dist.get_world_size())
         elif op == OP_STOP:

@@ -193,6 +193,10 @@ class ModelRunner:
         """Forward the scheduled tokens; logits only where a token will be sampled."""
         return self.run_spans(self.spans(items), items)
 
+    def share_sampled(self, start: int, token_ids: torch.Tensor) -> None:
+        """Overlap scheduling hands a step's sampled ids to a group's other ranks; one rank
+        has none (a group leader overrides this)."""
+
     def run_spans(self, spans: list[SeqSpan], items: list[ScheduledItem] | None) -> StepResult:
         """Forward ``spans``; ``items`` (None on follower ranks) label the sampled rows."""
         sampled = [item for item in items or [] if item.sample]

@@ -21,7 +21,9 @@ host, and structured-output rows need their grammar matcher to have accepted the
 token, so a step that samples such a row after a step still in flight resolves that one
 first. The row's bitmask is then built on the host after the step's forward is queued, so
 on CUDA it overlaps with that forward.
-Speculative decoding and multi-rank groups run without overlap.
+In a group, rank 0 (which samples) sends each step's ids to every rank, which writes them
+into its own ring (``share_sampled``), so the followers' placeholders resolve on their devices
+too. Speculative decoding runs without overlap.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class OverlapLoop:
         sampled = core.sample(result)
         start = self.future.reserve(len(result.sampled_items))
         self.future.store(start, sampled.token_ids)
+        core.runner.share_sampled(start, sampled.token_ids)  # a group's other ranks' rings
         placeholders = self.future.placeholders(start, len(result.sampled_items))
         core.scheduler.on_step_launched(
             batch,
