@@ -82,10 +82,13 @@ class Router:
             for role in roles
         }
         settings = self.cfg.router
+        tokenizer = await asyncio.to_thread(
+            Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
+        )
         backend: Any
         if self.cfg.mode == "pd":
             backend = PDBackend(
-                sets["prefill"], sets["decode"], settings, info.page_size, self.metrics
+                sets["prefill"], sets["decode"], settings, info.page_size, tokenizer, self.metrics
             )
         else:
             backend = ColocatedBackend(sets["colocated"])
@@ -96,9 +99,6 @@ class Router:
             max_in_flight=settings.max_in_flight,
             max_body_bytes=settings.max_body_bytes,
             reasoning_parser=settings.reasoning_parser,
-        )
-        tokenizer = await asyncio.to_thread(
-            Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
         )
         return OpenAIServer(api, tokenizer, backend)
 
