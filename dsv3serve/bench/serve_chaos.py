@@ -8,8 +8,11 @@ a new one), through the Ray cluster at ``--ray-address``. Migrations are read fr
 router's ``/metrics`` (``--metrics-url``) before and after the run.
 
 Per kill, the report gives ``first_success_s`` (from the kill to the first successful
-completion of a request sent after it) and ``output_back_s`` (to the first one-second bin
-whose streamed chunks reach half the mean rate of the five bins before the kill).
+completion of a request sent after it) and ``output_back_s``: from the kill to the end of
+the last one-second bin whose streamed chunks fall below half the mean rate of the five
+bins before the kill, looking up to the next kill and no further than the last bin that
+reaches half that rate (past it the run is winding down, not recovering); 0 when the rate
+never fell that low, None when it never came back.
 """
 
 from __future__ import annotations
@@ -105,15 +108,28 @@ def timeline(results: list[RequestResult], duration_s: float) -> dict[str, list[
     return {"bin_start_s": start, "chunks": chunks, "completed": done, "failed": failed}
 
 
-def recovery(kill: Kill, results: list[RequestResult], line: dict[str, list[float]]) -> dict:
-    """``first_success_s`` and ``output_back_s`` of one kill (None: never within the run)."""
+def output_back_s(
+    chunks: list[float], kill_s: float, end_bin: int, baseline: float
+) -> float | None:
+    """The module docstring's ``output_back_s`` over bins ``[kill's bin, end_bin)``."""
+    half, k = baseline / 2, int(kill_s / BIN_S)
+    up = [i for i in range(k, end_bin) if chunks[i] >= half]
+    if not up:
+        return None
+    low = [i for i in range(k, up[-1]) if chunks[i] < half]
+    return (low[-1] + 1) * BIN_S - kill_s if low else 0.0
+
+
+def recovery(
+    kill: Kill, end_bin: int, results: list[RequestResult], line: dict[str, list[float]]
+) -> dict:
+    """``first_success_s`` and ``output_back_s`` of one kill (``end_bin``: where the next
+    kill's bin or the timeline ends)."""
     ends = [r.start_s + r.e2e_s for r in results if r.success and r.start_s >= kill.at_s]
     k = int(kill.at_s / BIN_S)
     before = line["chunks"][max(0, k - BASELINE_BINS) : k]
     baseline = sum(before) / len(before) if before else 0.0
-    back = next(
-        (i for i in range(k + 1, len(line["chunks"])) if line["chunks"][i] >= baseline / 2), None
-    )
+    back = output_back_s(line["chunks"], kill.at_s, end_bin, baseline)
     return {
         "deployment": kill.deployment,
         "planned_s": kill.planned_s,
@@ -121,7 +137,7 @@ def recovery(kill: Kill, results: list[RequestResult], line: dict[str, list[floa
         "actor": kill.actor,
         "first_success_s": min(ends) - kill.at_s if ends else None,
         "baseline_chunks_per_s": baseline,
-        "output_back_s": None if back is None else back * BIN_S - kill.at_s,
+        "output_back_s": back,
     }
 
 
@@ -133,12 +149,13 @@ def chaos_report(
 ) -> dict[str, Any]:
     """The ``chaos`` record of a run: kills with recovery times, failures, the timeline."""
     line = timeline(results, duration_s)
+    ends = [int(k.at_s / BIN_S) for k in kills[1:]] + [len(line["chunks"])]
     errors: dict[str, int] = {}
     for r in results:
         if not r.success:
             errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
     return {
-        "kills": [recovery(k, results, line) for k in kills],
+        "kills": [recovery(k, end, results, line) for k, end in zip(kills, ends, strict=True)],
         "failed_requests": sum(not r.success for r in results),
         "migrations": migrated,
         "errors": errors,
@@ -154,10 +171,10 @@ def format_chaos(report: dict[str, Any]) -> str:
     rows.append(f"{'Migrated streams:':<42}{'n/a' if migrated is None else int(migrated):>12}")
     for kill in report["kills"]:
         rows.append(f"{'-' * 8} {kill['deployment']} killed at {kill['killed_at_s']:.1f} s")
-        for key, label in (("first_success_s", "first success"), ("output_back_s", "output")):
+        for key, label in (("first_success_s", "first success"), ("output_back_s", "throughput")):
             value = kill[key]
             shown = "never" if value is None else f"{value:.2f}"
-            rows.append(f"{'  ' + label + ' after (s):':<42}{shown:>12}")
+            rows.append(f"{'  ' + label + ' back after (s):':<42}{shown:>12}")
     for message, count in report["errors"].items():
         rows.append(f"  {count} x {message[:90]}")
     rows.append("=" * 54)

@@ -12,7 +12,13 @@ import argparse
 import pytest
 
 from dsv3serve.bench.serve_args import BenchServeConfig, ChaosEvent, parse_chaos
-from dsv3serve.bench.serve_chaos import Kill, chaos_report, chunk_times, format_chaos
+from dsv3serve.bench.serve_chaos import (
+    Kill,
+    chaos_report,
+    chunk_times,
+    format_chaos,
+    output_back_s,
+)
 from dsv3serve.bench.serve_client import RequestResult
 
 
@@ -57,9 +63,17 @@ def test_timeline_and_recovery_after_a_kill() -> None:
     (kill,) = report["kills"]
     assert kill["baseline_chunks_per_s"] == pytest.approx(17 / 5)
     assert kill["first_success_s"] == pytest.approx(4.2)
-    assert kill["output_back_s"] == pytest.approx(3.0)  # bin 8 has 2 >= 1.7 chunks
+    assert kill["output_back_s"] == pytest.approx(3.0)  # bins 5-7 < 1.7 chunks, bin 8 has 2
     assert (report["failed_requests"], report["migrations"]) == (1, 3.0)
-    assert "first success after (s):" in format_chaos(report)
+    assert "first success back after (s):" in format_chaos(report)
+
+
+def test_throughput_back_looks_up_to_the_next_kill_and_not_into_the_wind_down() -> None:
+    chunks = [10, 10, 10, 10, 10, 0, 0, 10, 2, 10, 10, 1, 0, 0]
+    assert output_back_s(chunks, 5.0, len(chunks), 10.0) == pytest.approx(4.0)  # after bin 8
+    assert output_back_s(chunks, 5.0, 8, 10.0) == pytest.approx(2.0)  # next kill in bin 8
+    assert output_back_s(chunks, 0.5, 5, 10.0) == 0.0  # never fell below half
+    assert output_back_s(chunks, 12.0, len(chunks), 10.0) is None  # never came back
 
 
 def test_a_request_failed_before_its_first_chunk_has_no_chunks() -> None:
