@@ -8,11 +8,11 @@ a new one), through the Ray cluster at ``--ray-address``. Migrations are read fr
 router's ``/metrics`` (``--metrics-url``) before and after the run.
 
 Per kill, the report gives ``first_success_s`` (from the kill to the first successful
-completion of a request sent after it) and ``output_back_s``: from the kill to the end of
-the last one-second bin whose streamed chunks fall below half the mean rate of the five
-bins before the kill, looking up to the next kill and no further than the last bin that
-reaches half that rate (past it the run is winding down, not recovering); 0 when the rate
-never fell that low, None when it never came back.
+completion of a request sent after it) and ``output_back_s``: from the kill to the start
+of the first one-second bin, after the rate of streamed chunks first fell below half its
+mean over the five bins before the kill, that begins three bins in a row at half that mean
+or more (cut short by the next kill); 0 when the rate never fell that low before the next
+kill, None when it did not come back.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dsv3serve.bench.serve_client import RequestResult, httpx
 
 BIN_S = 1.0
 BASELINE_BINS = 5
+RECOVERED_BINS = 3
 MIGRATIONS = "dsv3serve:decode_migrations_total"
 
 
@@ -113,11 +114,13 @@ def output_back_s(
 ) -> float | None:
     """The module docstring's ``output_back_s`` over bins ``[kill's bin, end_bin)``."""
     half, k = baseline / 2, int(kill_s / BIN_S)
-    up = [i for i in range(k, end_bin) if chunks[i] >= half]
-    if not up:
-        return None
-    low = [i for i in range(k, up[-1]) if chunks[i] < half]
-    return (low[-1] + 1) * BIN_S - kill_s if low else 0.0
+    first_low = next((i for i in range(k, end_bin) if chunks[i] < half), None)
+    if first_low is None:
+        return 0.0
+    for i in range(first_low + 1, end_bin):
+        if all(c >= half for c in chunks[i : min(i + RECOVERED_BINS, end_bin)]):
+            return i * BIN_S - kill_s
+    return None
 
 
 def recovery(
@@ -171,10 +174,13 @@ def format_chaos(report: dict[str, Any]) -> str:
     rows.append(f"{'Migrated streams:':<42}{'n/a' if migrated is None else int(migrated):>12}")
     for kill in report["kills"]:
         rows.append(f"{'-' * 8} {kill['deployment']} killed at {kill['killed_at_s']:.1f} s")
-        for key, label in (("first_success_s", "first success"), ("output_back_s", "throughput")):
+        for key, label in (
+            ("first_success_s", "first success"),
+            ("output_back_s", "throughput back"),
+        ):
             value = kill[key]
             shown = "never" if value is None else f"{value:.2f}"
-            rows.append(f"{'  ' + label + ' back after (s):':<42}{shown:>12}")
+            rows.append(f"{'  ' + label + ' after (s):':<42}{shown:>12}")
     for message, count in report["errors"].items():
         rows.append(f"  {count} x {message[:90]}")
     rows.append("=" * 54)
