@@ -32,6 +32,7 @@ TOKENS_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
 BYTES_BUCKETS = tuple(float(4**i) * 1024 for i in range(1, 12))
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+MIGRATION_FAILURES = ("exhausted", "unsupported", "no_decode", "failed")
 SPEED_BUCKETS = tuple(gb * 1e9 for gb in (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400))
 
 
@@ -120,6 +121,21 @@ class Metrics:
         self.handoff_time = hist(
             "pd_handoff_seconds", "Prefill result to first decode output.", LATENCY_BUCKETS
         )
+        # decode-loss migration (router: ``router/migration.py``)
+        self.migrations = counter(
+            "decode_migrations_total",
+            "Streams moved to another decode replica after theirs failed (one per move).",
+        )
+        self._migration_failures = counter(
+            "decode_migration_failures_total",
+            "Streams ended with an error after their decode replica failed, by reason.",
+            ("reason",),
+        )
+        self.migration_time = hist(
+            "decode_migration_seconds",
+            "Decode replica failure to the first token of the migrated stream.",
+            LATENCY_BUCKETS,
+        )
         # speculative decoding (a round: one sequence's verify with at least one draft)
         self.spec_drafts = counter("spec_decode_num_drafts_total", "Draft rounds.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens_total", "Draft tokens.")
@@ -148,6 +164,8 @@ class Metrics:
             self._status.labels(**labels, protocol="http", status=status)
         for reason in ("error", "timeout"):
             self._transfer_failures.labels(**labels, reason=reason)
+        for reason in MIGRATION_FAILURES:
+            self._migration_failures.labels(**labels, reason=reason)
 
     def finished(self, reason: str) -> None:
         """Count one finished sequence (``stop``, ``length``, ``abort``, ``error``)."""
@@ -171,6 +189,10 @@ class Metrics:
     def transfer_failed(self, reason: str) -> None:
         """Count one failed transfer (``error`` or ``timeout``)."""
         self._transfer_failures.labels(**self.identity.labels(), reason=reason).inc()
+
+    def migration_failed(self, reason: str) -> None:
+        """Count one stream a decode failure ended (one of ``MIGRATION_FAILURES``)."""
+        self._migration_failures.labels(**self.identity.labels(), reason=reason).inc()
 
 
 @dataclass

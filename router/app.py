@@ -82,10 +82,13 @@ class Router:
             for role in roles
         }
         settings = self.cfg.router
+        tokenizer = await asyncio.to_thread(
+            Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
+        )
         backend: Any
         if self.cfg.mode == "pd":
             backend = PDBackend(
-                sets["prefill"], sets["decode"], settings, info.page_size, self.metrics
+                sets["prefill"], sets["decode"], settings, info.page_size, tokenizer, self.metrics
             )
         else:
             backend = ColocatedBackend(sets["colocated"])
@@ -99,9 +102,6 @@ class Router:
             max_json_depth=settings.max_json_depth,
             vocab_size=info.vocab_size,
             reasoning_parser=settings.reasoning_parser,
-        )
-        tokenizer = await asyncio.to_thread(
-            Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
         )
         return OpenAIServer(api, tokenizer, backend)
 

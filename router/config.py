@@ -66,6 +66,19 @@ class RouterSettings(BaseModel):
         "this long for one to come back (e.g. restarted by Serve), then 503",
     )
     reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
+    max_decode_migrations: int = Field(
+        1,
+        ge=0,
+        description="a stream whose decode replica fails is prefilled again (prompt + its "
+        "tokens so far) and continued on a decode replica, at most this many times; 0: it "
+        "ends with an in-band error (router/migration.py)",
+    )
+    decode_migration_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="with every decode replica down (e.g. the only one, while Serve "
+        "restarts it), a migrating stream waits this long for one to come back",
+    )
     metrics_host: str = Field("127.0.0.1", description="internal metrics endpoint address")
     metrics_port: int | None = Field(8001, ge=0, le=65535, description="None: no endpoint")
     reasoning_parser: Literal["deepseek-r1", "deepseek-v3"] | None = Field(

@@ -12,7 +12,9 @@ Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
-   released as soon as decode answers, or by its lease.
+   released as soon as decode answers, or by its lease;
+4. a decode replica that fails (dies, or answers 503) is marked down, and the stream
+   migrates: steps 1-3 again for prompt + its tokens so far (``router.migration``).
 
 Every exit path (finish, error, client disconnect) gives back the reservation, the staged
 KV and the router's own load accounting.
@@ -31,9 +33,11 @@ from typing import Any
 
 from dsv3serve.metrics import Identity, Metrics
 from router.config import RouterSettings
+from router.migration import DecodeLost, Migrator
 from router.policy import ReplicaSet, prefill_order
 from router.relay import relay
 from router.replica_health import ReplicaHealth
+from router.seam import SeamTokenizer
 from workers.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
 from workers.protocol import (
     DecodeRequest,
@@ -89,6 +93,7 @@ class PDBackend:
         decode: ReplicaSet,
         settings: RouterSettings,
         page_size: int,
+        tokenizer: SeamTokenizer,
         metrics: Metrics | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
@@ -98,6 +103,15 @@ class PDBackend:
         self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
         self._bg = Background()
         self.prefill_health = ReplicaHealth(prefill, answers, PROBE_INTERVAL_S)
+        self.decode_health = ReplicaHealth(decode, answers, PROBE_INTERVAL_S)
+        self.migrator = Migrator(
+            self._attempt,
+            self.decode_health.wait_any_up,
+            tokenizer,
+            settings.max_decode_migrations,
+            settings.decode_migration_wait_s,
+            self.metrics,
+        )
 
     # ---- GenerationBackend -------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -117,7 +131,12 @@ class PDBackend:
         return all(ok)
 
     # ---- one sequence ------------------------------------------------------------------
-    async def _one(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def _one(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Sequence ``req`` (n=1), migrated to another decode replica if its own fails."""
+        return self.migrator.stream(req)
+
+    async def _attempt(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """One reserve / prefill / decode of ``req``; raises DecodeLost if decode fails."""
         d = await self._reserve(req)
         tokens = _work_tokens(req)
         self.decode.acquire(d, tokens)
@@ -241,7 +260,8 @@ class PDBackend:
         self, d: int, p: int, attempt_id: str, req: GenerateRequest, result: PrefillResult
     ) -> AsyncIterator[TokenChunk]:
         """Stream from decode replica ``d``; prefill attempt ``attempt_id`` on ``p`` is
-        released as soon as ``d`` answers (it has pulled the KV or given up)."""
+        released as soon as ``d`` answers (it has pulled the KV or given up). A failure of
+        ``d`` (it died, or answered 503) marks it down and raises DecodeLost."""
         first = result.first
         msg = DecodeRequest(
             request=req,
@@ -262,12 +282,32 @@ class PDBackend:
             self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
 
         try:
-            async with aclosing(relay(stream, req.request_id, "decode replica", release)) as chunks:
+            async with aclosing(
+                lost_on_503(relay(stream, req.request_id, "decode replica", release))
+            ) as chunks:
                 async for chunk in chunks:
                     yield chunk
+        except DecodeLost:
+            self.decode_health.mark_down(d)
+            raise
         finally:
             if not released:
                 self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+
+
+async def lost_on_503(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    """``chunks`` of a decode stream, its 503 (before a chunk: raised; after: in-band)
+    raised as DecodeLost; other errors pass as they are."""
+    try:
+        async with aclosing(chunks) as it:
+            async for chunk in it:
+                if chunk.error is not None and chunk.error_status == 503:
+                    raise DecodeLost(chunk.error)
+                yield chunk
+    except BackendError as exc:
+        if exc.status != 503:
+            raise
+        raise DecodeLost(exc.message) from None
 
 
 def _failure(exc: Exception) -> str:

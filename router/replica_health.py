@@ -58,6 +58,23 @@ class ReplicaHealth:
             return False
         return True
 
+    async def wait_any_up(self, timeout_s: float) -> bool:
+        """Whether some replica is up, waiting at most ``timeout_s`` for one to be."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while len(self._up) == len(self.replicas):
+            waits = [asyncio.ensure_future(event.wait()) for event in self._up.values()]
+            try:
+                done, _ = await asyncio.wait(
+                    waits, timeout=max(deadline - loop.time(), 0.0), return_when="FIRST_COMPLETED"
+                )
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            if not done:
+                return False
+        return True
+
     async def _watch(self, index: int, event: asyncio.Event) -> None:
         handle = self.replicas.handles[index]
         while self._up.get(index) is event:

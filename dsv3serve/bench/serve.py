@@ -2,7 +2,8 @@
 
 Requests arrive as a Poisson process at ``request_rate`` (all at once for ``inf``), at
 most ``max_concurrency`` in flight; each is streamed and timed by ``serve_client``. Like
-SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``.
+SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``. With ``--chaos`` replicas are
+killed during the run (``serve_chaos``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dsv3serve.bench import serve_chaos
 from dsv3serve.bench.serve_args import BenchServeConfig, BenchServeError
 from dsv3serve.bench.serve_client import (
     RequestResult,
@@ -57,12 +59,16 @@ async def arrivals(
 
 
 async def run_once(
-    config: BenchServeConfig, target: Target, requests: list[BenchRequest]
+    config: BenchServeConfig,
+    target: Target,
+    requests: list[BenchRequest],
+    start: float | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every request on the arrival schedule; returns results and the duration."""
+    """Send every request on the arrival schedule; returns results and the duration
+    (``start``: the ``perf_counter`` times are measured from; default: now)."""
     gate = asyncio.Semaphore(config.max_concurrency or len(requests))
     bar = tqdm(total=len(requests), disable=config.disable_tqdm, desc="requests")
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
 
     async def one(req: BenchRequest) -> RequestResult:
         async with gate:
@@ -130,6 +136,8 @@ async def run_points(config: BenchServeConfig, tokenizer: Tokenizer) -> list[dic
         model = config.model or await first_model_id(client, config.base_url)
         target = Target(client, model, tokenizer)
         await warm_up(config, target, requests[0])
+        if config.chaos:
+            return [await run_chaos(config, target, requests)]
         records = []
         for point in config.points():
             results, duration = await run_once(point, target, requests)
@@ -137,6 +145,28 @@ async def run_points(config: BenchServeConfig, tokenizer: Tokenizer) -> list[dic
             print(format_table(record, run_header(point, model)), flush=True)
             records.append(record)
     return records
+
+
+async def run_chaos(
+    config: BenchServeConfig, target: Target, requests: list[BenchRequest]
+) -> dict[str, Any]:
+    """One run with the ``--chaos`` kills injected; its record has a ``chaos`` part."""
+    await asyncio.to_thread(serve_chaos.connect, config.ray_address)
+    before = await serve_chaos.migrations(target.client, config.metrics_url)
+    start = time.perf_counter()
+    injecting = asyncio.create_task(serve_chaos.inject(config.chaos, config.chaos_app, start))
+    results, duration = await run_once(config, target, requests, start)
+    kills = await injecting  # a kill planned after the last request still happens
+    after = await serve_chaos.migrations(target.client, config.metrics_url)
+    migrated = None if before is None or after is None else after - before
+    report = serve_chaos.chaos_report(results, duration, kills, migrated)
+    record = run_record(config, target.model, results, duration) | {
+        "chaos_spec": [vars(e) for e in config.chaos],
+        "chaos": report,
+    }
+    print(format_table(record, run_header(config, target.model)), flush=True)
+    print(serve_chaos.format_chaos(report), flush=True)
+    return record
 
 
 def load_tokenizer(config: BenchServeConfig) -> Tokenizer:
@@ -166,7 +196,10 @@ def run_bench_serve(config: BenchServeConfig) -> list[dict[str, Any]]:
         body = {"sweep": sweep_kind(config), "runs": records} if sweep_kind(config) else records[0]
         config.output_file.write_text(json.dumps(jsonable(body | {"meta": _meta()}), indent=2))
     if config.plot is not None:
-        from dsv3serve.bench.serve_plot import plot_sweep
+        from dsv3serve.bench.serve_plot import plot_chaos, plot_sweep
 
-        plot_sweep(records, config, config.plot)
+        if config.chaos:
+            plot_chaos(records[0], config.plot)
+        else:
+            plot_sweep(records, config, config.plot)
     return records

@@ -20,6 +20,31 @@ class BenchServeError(Exception):
 
 
 @dataclass(frozen=True)
+class ChaosEvent:
+    """Kill the replica of Serve deployment ``deployment`` ``at_s`` seconds into the run."""
+
+    deployment: str
+    at_s: float
+
+
+def parse_chaos(spec: str) -> tuple[ChaosEvent, ...]:
+    """``DEPLOYMENT@SECONDS[,...]`` (e.g. ``decode-0@10,prefill-0@20``), in time order."""
+    events = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, at, seconds = part.rpartition("@")
+        try:
+            when = float(seconds)
+        except ValueError:
+            when = -1.0
+        if not (at and name and math.isfinite(when) and when >= 0):
+            raise argparse.ArgumentTypeError(
+                f"--chaos: expected DEPLOYMENT@SECONDS (e.g. decode-0@10), got {part!r}"
+            )
+        events.append(ChaosEvent(name, when))
+    return tuple(sorted(events, key=lambda e: e.at_s))
+
+
+@dataclass(frozen=True)
 class BenchServeConfig:
     """One serving benchmark, or a sweep of them, against an OpenAI-compatible server.
 
@@ -51,6 +76,10 @@ class BenchServeConfig:
     plot: Path | None = None
     request_rate_sweep: tuple[float, ...] = ()
     concurrency_sweep: tuple[int, ...] = ()
+    chaos: tuple[ChaosEvent, ...] = ()
+    chaos_app: str = "dsv3serve"
+    ray_address: str = "auto"
+    metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         problems = [*self._dataset_problems(), *self._load_problems()]
@@ -84,6 +113,8 @@ class BenchServeConfig:
             yield f"values >= 1 in --concurrency-sweep, got {self.concurrency_sweep}"
         if self.request_rate_sweep and self.concurrency_sweep:
             yield "one of --request-rate-sweep and --concurrency-sweep, got both"
+        if self.chaos and (self.request_rate_sweep or self.concurrency_sweep):
+            yield "--chaos with a single run, got a sweep too"
 
     def points(self) -> list[BenchServeConfig]:
         """One config per benchmark to run: the sweep's points, or this config alone."""
@@ -154,9 +185,29 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument("--request-rate-sweep", type=_floats, default=(), help="r1,r2,...")
     sweep.add_argument("--concurrency-sweep", type=_ints, default=(), help="c1,c2,...")
-    p.add_argument("--plot", default=None, help="PNG of latency against output throughput")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="PNG: latency against output throughput (sweep); throughput over time (--chaos)",
+    )
     p.add_argument("--output-file", default=None, help="JSON results")
     p.add_argument("--disable-tqdm", action="store_true")
+
+
+def _add_chaos_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chaos",
+        type=parse_chaos,
+        default=(),
+        help="kill replicas during the run: DEPLOYMENT@SECONDS,... (e.g. decode-0@10,prefill-0@20)",
+    )
+    p.add_argument("--chaos-app", default="dsv3serve", help="the Serve app whose replicas die")
+    p.add_argument("--ray-address", default="auto", help="the app's Ray cluster (GCS address)")
+    p.add_argument(
+        "--metrics-url",
+        default=None,
+        help="the router's /metrics (e.g. http://127.0.0.1:8001/metrics): counts migrations",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -176,5 +227,6 @@ def add_serve_parser(bench: Any) -> argparse.ArgumentParser:
     _add_target_args(p)
     _add_dataset_args(p)
     _add_load_args(p)
+    _add_chaos_args(p)
     p.set_defaults(func=_run)
     return p

@@ -151,4 +151,5 @@ async def send_request(
         timer.finish(end, tokenizer)
     except (BenchServeError, httpx.HTTPError, ValueError) as exc:
         result.error = str(exc) or type(exc).__name__
+        result.e2e_s = time.perf_counter() - timer.sent  # when it failed
     return result

@@ -1,4 +1,5 @@
-"""PNG of a sweep: median and P99 TTFT, TPOT and E2E latency against output throughput."""
+"""PNGs: a sweep's median and P99 TTFT, TPOT and E2E latency against output throughput;
+a chaos run's throughput over time with its kills."""
 
 from __future__ import annotations
 
@@ -51,6 +52,46 @@ def plot_sweep(records: list[dict[str, Any]], config: BenchServeConfig, path: Pa
     fig.suptitle(
         f"{first['model']} via {config.endpoint}: {config.dataset_name}, "
         f"{first['num_prompts']} prompts"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_chaos(record: dict[str, Any], path: Path) -> None:
+    """Write a ``--chaos`` run's PNG: streamed chunks per second and completions / failures
+    per second over time, a line at each kill."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    chaos = record["chaos"]
+    line = chaos["timeline"]
+    fig = Figure(figsize=(10, 6))
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    top.plot(line["bin_start_s"], line["chunks"], "-", label="streamed chunks/s (~tok/s)")
+    top.set_ylabel("chunks / s")
+    bottom.bar(line["bin_start_s"], line["completed"], width=0.9, label="completed / s")
+    bottom.bar(line["bin_start_s"], line["failed"], width=0.9, label="failed / s", color="red")
+    bottom.set_ylabel("requests / s")
+    bottom.set_xlabel("time since the run started (s)")
+    for ax in (top, bottom):
+        for kill in chaos["kills"]:
+            ax.axvline(kill["killed_at_s"], color="black", linestyle="--", linewidth=1)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+    for kill in chaos["kills"]:
+        top.annotate(
+            f"kill {kill['deployment']}",
+            (kill["killed_at_s"], 0),
+            fontsize=8,
+            textcoords="offset points",
+            xytext=(3, 4),
+        )
+    migrated = chaos["migrations"]
+    fig.suptitle(
+        f"{record['model']}: {record['num_prompts']} requests, "
+        f"{chaos['failed_requests']} failed, "
+        f"{'?' if migrated is None else int(migrated)} migrated"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -63,3 +63,20 @@ def test_a_call_that_succeeds_clears_the_mark_at_once() -> None:
         return await waiter
 
     assert asyncio.run(run()) and rs.down == set()
+
+
+def test_waiting_for_any_replica_ends_when_one_answers_or_at_the_bound() -> None:
+    rs = replicas(0, 0)
+    probe = ProbeAnswers()
+
+    async def run() -> tuple[bool, bool, bool, bool]:
+        health = ReplicaHealth(rs, probe, interval_s=0.01)
+        one_up = await health.wait_any_up(0)  # replica 0 never failed
+        health.mark_down(0)
+        health.mark_down(1)
+        timed_out = await health.wait_any_up(0.05)  # neither answers within the bound
+        probe.up.set()
+        came_back = await health.wait_any_up(30)  # returns once a probe got an answer
+        return one_up, timed_out, came_back, len(rs.down) < 2
+
+    assert asyncio.run(run()) == (True, False, True, True)

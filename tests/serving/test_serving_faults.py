@@ -19,7 +19,9 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from serving_util import (
+    free_port,
     holds_nothing,
     local_serve,
     running_app,
@@ -210,3 +212,74 @@ def test_killed_only_prefill_replica_under_load_fails_nothing_and_recovers(
             assert wait_until(lambda w=worker: holds_nothing(worker_stats(LOAD_APP, w)), LEASE_S)
     key_errors = [str(p) for p in session_logs() if "KeyError" in p.read_text(errors="replace")]
     assert key_errors == []
+
+
+# ---- the only decode replica killed with streams in flight --------------------------------
+
+MIGRATE_APP = "decode-loss"
+MIGRATE_STREAMS = 20
+MIGRATE_TOKENS = 128
+
+
+def greedy_stream(url: str, i: int, started: threading.Event | None = None) -> str:
+    """The text of one streamed greedy chat (prompt ``i``); ``started`` is set once the
+    first token has arrived."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=180)
+    stream = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": f"Count to {i + 2}, slowly."}],
+        max_tokens=MIGRATE_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text = ""
+    for chunk in stream:
+        text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        if started is not None and chunk.choices:
+            started.set()
+    return text
+
+
+def router_metric(metrics_url: str, name: str, **labels: str) -> float:
+    """The router's sample ``name`` (``dsv3serve:`` prefix included) with ``labels``."""
+    families = text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text)
+    want = {"role": "router", **labels}
+    values = [
+        s.value
+        for family in families
+        for s in family.samples
+        if s.name == name and want.items() <= s.labels.items()
+    ]
+    assert len(values) == 1, (name, labels, values)
+    return values[0]
+
+
+def test_killed_decode_replica_migrates_every_stream_with_the_same_text(app_url: str) -> None:
+    """20 greedy streams are decoding on the only decode replica when it is killed: Serve
+    restarts it, and the router re-prefills each stream's prompt + tokens so far and goes
+    on there. Every stream completes with the text of the run without the fault; each was
+    migrated exactly once (so each was in flight); nothing is left on any replica."""
+    base = app_url.removesuffix(f"/{APP}")
+    metrics_port = free_port()
+    cfg = serving_config(
+        mode="pd",
+        kv_lease_s=LEASE_S,
+        router={"served_model_name": "tiny", "max_in_flight": 64, "metrics_port": metrics_port},
+    )
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with running_app(base, MIGRATE_APP, cfg) as url, ThreadPoolExecutor(MIGRATE_STREAMS) as pool:
+        expected = list(pool.map(lambda i: greedy_stream(url, i), range(MIGRATE_STREAMS)))
+        started = [threading.Event() for _ in range(MIGRATE_STREAMS)]
+        futures = [pool.submit(greedy_stream, url, i, started[i]) for i in range(MIGRATE_STREAMS)]
+        assert all(event.wait(120) for event in started)
+        ray.kill(replica_actor(MIGRATE_APP, "decode-0"), no_restart=True)
+        texts = [f.result(timeout=300) for f in futures]
+        assert texts == expected
+        migrations = router_metric(metrics_url, "dsv3serve:decode_migrations_total")
+        assert migrations == MIGRATE_STREAMS
+        failures = "dsv3serve:decode_migration_failures_total"
+        for reason in ("exhausted", "unsupported", "no_decode", "failed"):
+            assert router_metric(metrics_url, failures, reason=reason) == 0
+        for worker in ("prefill-0", "decode-0"):
+            assert wait_until(lambda w=worker: holds_nothing(worker_stats(MIGRATE_APP, w)), LEASE_S)
