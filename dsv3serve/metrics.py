@@ -111,6 +111,11 @@ class Metrics:
             "kv_transfer_speed_bytes_per_second", "KV transfer speed.", SPEED_BUCKETS
         )
         self.transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved.")
+        self.transfer_pages = counter("kv_transfer_pages_total", "KV pages pulled by decode.")
+        self.transfer_reused_pages = counter(
+            "kv_transfer_reused_pages_total",
+            "Prompt KV pages decode did not pull: its prefix cache held them.",
+        )
         self._transfer_failures = counter(
             "kv_transfer_failures_total", "Failed KV transfers by reason.", ("reason",)
         )

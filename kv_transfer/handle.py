@@ -15,7 +15,9 @@ class KVHandle(BaseModel):
     """Staged KV of one prefilled request, enough for a receiver to pull it.
 
     ``source`` is connector-specific (a shared-memory name, a peer address); only the
-    connector that made the handle reads it.
+    connector that made the handle reads it. ``first_page``: the index, among the prompt's
+    pages, of the first staged page: the decode side holds the pages before it (its prefix
+    cache), and the staged pages hold the ``num_tokens`` prompt tokens after them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -30,6 +32,7 @@ class KVHandle(BaseModel):
     dtype: str  # torch dtype name of the pool storage, e.g. "bfloat16", "float8_e4m3fn"
     nbytes: int = Field(ge=0)
     source: dict[str, Any] = {}
+    first_page: int = Field(0, ge=0)
 
 
 class TransferStats(BaseModel):

@@ -3,7 +3,9 @@
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
 1. reserve pages on a decode replica (least outstanding first); no room anywhere within
-   ``reserve_wait_s`` is a 429;
+   ``reserve_wait_s`` is a 429. The decode replica locks the prompt's prefix its own
+   cache holds and reserves pages for the rest only; the prefill side is told to stage
+   only those (``skip_pages``);
 2. prefill on a prefill replica chosen by policy; a replica that dies or times out is
    marked down (tried last until it answers again) and the request is retried, on another
    replica when one is up, up to ``max_prefill_attempts``, else 503; with no replica up
@@ -137,12 +139,12 @@ class PDBackend:
 
     async def _attempt(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """One reserve / prefill / decode of ``req``; raises DecodeLost if decode fails."""
-        d = await self._reserve(req)
+        d, cached_pages = await self._reserve(req)
         tokens = _work_tokens(req)
         self.decode.acquire(d, tokens)
         try:
             try:
-                result, p, attempt = await self._prefill(req)
+                result, p, attempt = await self._prefill(req, cached_pages)
             except BaseException:
                 self._cancel_reservation(d, req.request_id)
                 raise
@@ -161,11 +163,15 @@ class PDBackend:
     def _cancel_reservation(self, d: int, request_id: str) -> None:
         self._bg.submit(self.decode.handles[d].cancel_reservation.remote, request_id)
 
-    async def _reserve(self, req: GenerateRequest) -> int:
-        """Reserve KV room on the least loaded decode replica that has it."""
+    async def _reserve(self, req: GenerateRequest) -> tuple[int, int]:
+        """Reserve KV room on the least loaded decode replica that has it; returns the
+        replica and the prompt pages its prefix cache holds (they need no transfer)."""
         msg = encode(
             ReserveRequest(
-                request_id=req.request_id, num_tokens=len(req.prompt_ids), lease_s=self.lease_s
+                request_id=req.request_id,
+                num_tokens=len(req.prompt_ids),
+                lease_s=self.lease_s,
+                prompt_ids=req.prompt_ids,
             )
         )
         deadline = time.monotonic() + self.settings.reserve_wait_s
@@ -175,7 +181,7 @@ class PDBackend:
         finally:
             self.metrics.waiting_for_kv.dec()
 
-    async def _reserve_until(self, msg: bytes, deadline: float) -> int:
+    async def _reserve_until(self, msg: bytes, deadline: float) -> tuple[int, int]:
         """Full replicas are retried until ``deadline`` (then 429); when every replica
         failed (dead, or its engine died) it is a 503 at once, not a wait for room."""
         while True:
@@ -186,17 +192,21 @@ class PDBackend:
                 except Exception as exc:  # a dead decode replica: try the next
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
                     continue
-                if parse(ReserveResult, raw).ok:
-                    return d
+                reserved = parse(ReserveResult, raw)
+                if reserved.ok:
+                    return d, reserved.cached_pages
             if len(failures) == len(self.decode.handles):
                 raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
             if time.monotonic() >= deadline:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _prefill(self, req: GenerateRequest) -> tuple[PrefillResult, int, str]:
+    async def _prefill(
+        self, req: GenerateRequest, skip_pages: int = 0
+    ) -> tuple[PrefillResult, int, str]:
         """Prefill on the policy's replica, retrying when one fails or times out; returns
-        the result, the replica and the attempt id its KV is staged under."""
+        the result, the replica and the attempt id its KV is staged under (all prompt
+        pages but the first ``skip_pages``)."""
         deadline = time.monotonic() + self.settings.prefill_retry_wait_s
         failures: list[str] = []
         tried: list[int] = []
@@ -206,7 +216,7 @@ class PDBackend:
                 failures.append(f"{self.prefill.names[p]}: not back within prefill_retry_wait_s")
                 break
             attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
-            outcome = await self._try_prefill(p, req, attempt_id)
+            outcome = await self._try_prefill(p, req, attempt_id, skip_pages)
             if isinstance(outcome, PrefillResult):
                 return outcome, p, attempt_id
             failures.append(f"{self.prefill.names[p]}: {outcome}")
@@ -227,12 +237,12 @@ class PDBackend:
         return fresh[0] if fresh else order[0]
 
     async def _try_prefill(
-        self, p: int, req: GenerateRequest, attempt_id: str
+        self, p: int, req: GenerateRequest, attempt_id: str, skip_pages: int = 0
     ) -> PrefillResult | str:
         """One attempt on replica ``p``: the result, or why it failed (the replica is then
         marked down). An attempt abandoned for any reason (failure, timeout, client gone)
         is released there by its id: a no-op if the replica never had it."""
-        msg = encode(PrefillRequest(request=req, attempt_id=attempt_id))
+        msg = encode(PrefillRequest(request=req, attempt_id=attempt_id, skip_pages=skip_pages))
         try:
             result = await self._prefill_on(p, msg, len(req.prompt_ids))
         except BaseException as exc:
@@ -270,6 +280,7 @@ class PDBackend:
             first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
             kv=result.kv,
             draft=result.draft,
+            cached_tokens=first.cached_tokens,
         )
         stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
         handoff_start = time.monotonic()

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError, PrefillReleasedError
-from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport
+from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport, KVReservation
 from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
 from dsv3serve.engine.spec.loop import DraftState
+from dsv3serve.kvcache.allocator import pages_for_tokens
 from dsv3serve.metrics import Identity
 from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
@@ -39,6 +40,7 @@ from workers.protocol import (
     WorkerLoad,
     WorkerStats,
 )
+from workers.reservations import reserve_for, staged_mismatch
 from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
 
@@ -122,7 +124,7 @@ class EngineHost:
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
         self.staging = AttemptStaging(self.aengine, self.connector, cfg.kv_lease_s)
-        self._reserved: LeaseTable[list[int]] = LeaseTable(self._unreserve)
+        self._reserved: LeaseTable[KVReservation] = LeaseTable(self._unreserve)
         self._reaper: asyncio.Task[None] | None = None
 
     def close(self) -> None:
@@ -194,6 +196,8 @@ class EngineHost:
                 staged_kv=0 if self.connector is None else self.connector.staged(),
                 reservations=len(self._reserved),
                 group_size=self.cfg.group_size,
+                pulled_pages=self.metrics.pulled_pages,
+                reused_pages=self.metrics.reused_pages,
             )
 
         return self.aengine.call(read)
@@ -230,6 +234,9 @@ class EngineHost:
             await asyncio.sleep(self.cfg.test_prefill_delay_s)
         if self.staging.is_released(attempt):
             return _released_result(req, attempt)
+        if msg.skip_pages >= pages_for_tokens(len(req.prompt_ids), self.cfg.engine.page_size):
+            message = f"skip_pages {msg.skip_pages} leaves no page of the prompt to stage"
+            return PrefillResult(first=_error_chunk(req.request_id, message, 500), kv=None)
         start = time.monotonic()
         try:
             first, export = await self.aengine.prefill(_engine_request(req, attempt))
@@ -240,12 +247,14 @@ class EngineHost:
         if self.staging.is_released(attempt):  # its release is queued or done: stage nothing
             return _released_result(req, attempt)
         self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
-        return self._stage(req, attempt, first, export)
+        return self._stage(msg, first, export)
 
     def _stage(
-        self, req: GenerateRequest, attempt: str, first: TokenOutput, export: KVExport | None
+        self, msg: PrefillRequest, first: TokenOutput, export: KVExport | None
     ) -> PrefillResult:
-        """The first token, and ``export``'s pages staged for a pull (with the draft state)."""
+        """The first token, and ``export``'s pages past ``msg.skip_pages`` staged for a pull
+        (with the draft state)."""
+        req, attempt = msg.request, msg.attempt_id
         first_chunk = chunk_from_output(first).model_copy(update={"request_id": req.request_id})
         if export is None:
             return PrefillResult(first=first_chunk, kv=None)
@@ -254,7 +263,7 @@ class EngineHost:
         except BaseException:
             self.staging.unstage(attempt)
             raise
-        handle = self.staging.stage(attempt, export, len(req.prompt_ids))
+        handle = self.staging.stage(attempt, export, len(req.prompt_ids), msg.skip_pages)
         return PrefillResult(first=first_chunk, kv=handle, draft=draft)
 
     async def release_kv(self, attempt_id: str) -> None:
@@ -267,23 +276,32 @@ class EngineHost:
 
     # ---- decode ----------------------------------------------------------------------------
     def reserve(self, msg: ReserveRequest) -> ReserveResult:
-        """Admission on the decode side: hold pages for the incoming KV under a lease."""
+        """Admission on the decode side: hold pages for the incoming KV under a lease.
+
+        With ``msg.prompt_ids`` the prompt's prefix cached here is locked instead of
+        reserved, and the result says how many leading pages need no pull.
+        """
         self._require("decode")
         self.check_health()  # a group with a dead rank takes no new work
-        pages = self.aengine.call(lambda e: e.reserve_kv(msg.num_tokens))
-        if pages is None:
+        res = self.aengine.call(lambda e: reserve_for(e, msg))
+        if res is None:
             return ReserveResult(ok=False)
         self._unreserve(msg.request_id, self._reserved.take(msg.request_id))
-        self._reserved.add(msg.request_id, pages, msg.lease_s)
-        return ReserveResult(ok=True, num_pages=len(pages))
+        self._reserved.add(msg.request_id, res, msg.lease_s)
+        return ReserveResult(
+            ok=True,
+            num_pages=len(res.pages),
+            cached_pages=res.num_cached_pages,
+            cached_tokens=res.num_cached_tokens,
+        )
 
     def cancel_reservation(self, request_id: str) -> None:
         """Give back a reservation that will not be used. Idempotent."""
         self._unreserve(request_id, self._reserved.take(request_id))
 
-    def _unreserve(self, request_id: str, pages: list[int] | None) -> None:
-        if pages:
-            self.aengine.call(lambda e: e.release_reservation(pages))
+    def _unreserve(self, request_id: str, res: KVReservation | None) -> None:
+        if res is not None:
+            self.aengine.call(lambda e: e.release_prompt_kv(res))
 
     def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Pull the KV into the reservation, then stream every output token."""
@@ -294,7 +312,7 @@ class EngineHost:
         self._start_reaper()
         rid = msg.request.request_id
         try:
-            pages, draft = await self._take_over(msg)
+            res, draft = await self._take_over(msg)
         except HandoffError as exc:
             yield _error_chunk(rid, str(exc), 503)
             return
@@ -302,10 +320,12 @@ class EngineHost:
         stream = self.aengine.generate_imported(
             _engine_request(msg.request),
             msg.first_token,
-            pages,
+            res.pages,
             msg.first_logprob,
             top,
             draft=draft,
+            prefix=res.prefix,
+            cached_tokens=msg.cached_tokens,
         )
         try:
             metered = self.metrics.stream(_chunks(stream), False)
@@ -313,28 +333,33 @@ class EngineHost:
                 async for chunk in chunks:
                     yield chunk
         except _REFUSED as exc:
-            self._unreserve(rid, pages)
+            self._unreserve(rid, res)
             yield _error_chunk(rid, str(exc), 400)
 
-    async def _take_over(self, msg: DecodeRequest) -> tuple[list[int], DraftState | None]:
-        """The reserved pages, filled with the prefill side's KV, and the draft state.
+    async def _take_over(self, msg: DecodeRequest) -> tuple[KVReservation, DraftState | None]:
+        """The reservation, its pages filled with the prefill side's KV, and the draft state.
 
         Raises HandoffError, the reservation freed, when the reservation expired, the
-        draft state is missing or does not fit, or the transfer failed.
+        staged pages are not the ones it misses, the draft state is missing or does not
+        fit, or the transfer failed.
         """
         rid = msg.request.request_id
-        pages = self._reserved.take(rid)
-        if pages is None:
+        res = self._reserved.take(rid)
+        if res is None:
             raise HandoffError("the KV reservation expired before the transfer")
+        mismatch = staged_mismatch(msg.kv, res)
+        if mismatch is not None:
+            self._unreserve(rid, res)
+            raise HandoffError(mismatch)
         try:
             draft = self._draft_state(msg)
         except DraftMismatchError as exc:
-            self._unreserve(rid, pages)
+            self._unreserve(rid, res)
             raise HandoffError(str(exc)) from None
-        error = await self._receive(msg.kv, pages)
+        error = await self._receive(msg.kv, res)
         if error is not None:
             raise HandoffError(error)
-        return pages, draft
+        return res, draft
 
     def _draft_state(self, msg: DecodeRequest) -> DraftState | None:
         """Where this engine's first draft chain starts; None without speculation here.
@@ -356,16 +381,18 @@ class EngineHost:
         num_tokens = len(msg.request.prompt_ids) + 1
         return draft_from_wire(msg.draft, num_tokens, size, runner.dtype, runner.device)
 
-    async def _receive(self, handle: KVHandle, pages: list[int]) -> str | None:
-        """Pull ``handle`` into ``pages``; on failure free them and return the reason.
+    async def _receive(self, handle: KVHandle, res: KVReservation) -> str | None:
+        """Pull ``handle`` into ``res.pages``; on failure free the reservation and return
+        the reason.
 
         A cancelled caller does not interrupt the copy: the pages are freed only after
         the transfer thread has stopped writing into them.
         """
+        pages = res.pages
         try:
             landing = self._landing_pages(pages)
         except Exception as exc:  # a dead engine: give the reservation back, say why
-            self._unreserve(handle.request_id, pages)
+            self._unreserve(handle.request_id, res)
             return f"KV transfer failed: {exc}"
         task = asyncio.ensure_future(
             asyncio.to_thread(self.connector.receive, handle, landing[: handle.num_pages])
@@ -373,12 +400,13 @@ class EngineHost:
         m = self.metrics.m
         m.in_transfer.inc()
         try:
-            self.metrics.transferred(await asyncio.shield(task))
+            stats = await asyncio.shield(task)
+            self.metrics.transferred(stats, handle.num_pages, res.num_cached_pages)
         except asyncio.CancelledError:
-            task.add_done_callback(lambda _: self._unreserve(handle.request_id, pages))
+            task.add_done_callback(lambda _: self._unreserve(handle.request_id, res))
             raise
         except TransferError as exc:
-            self._unreserve(handle.request_id, pages)
+            self._unreserve(handle.request_id, res)
             m.transfer_failed("timeout" if "timed out" in str(exc).lower() else "error")
             return f"KV transfer failed: {exc}"
         finally:
@@ -388,7 +416,7 @@ class EngineHost:
         try:  # TP: every rank's pool; DP: the owning rank's only
             self.aengine.call(lambda _: self.group.leader.replicate_pages(pages))
         except Exception as exc:
-            self._unreserve(handle.request_id, pages)
+            self._unreserve(handle.request_id, res)
             return f"KV placement on the group failed: {exc}"
         return None
 

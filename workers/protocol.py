@@ -73,10 +73,15 @@ class PrefillRequest(_Msg):
     ``attempt_id`` names this try of the request, unique per try (a retry gets a new one):
     the engine runs it, and the KV is staged and released (``release_kv``), under that id,
     so cleanup meant for one try never touches another. The KV handle carries it.
+
+    ``skip_pages``: leading prompt pages the decode side holds already (its prefix cache,
+    see ``ReserveResult``): they are not staged. The prefill side still computes every
+    prompt token its own prefix cache does not hold.
     """
 
     request: GenerateRequest
     attempt_id: str = Field(min_length=1, max_length=256)
+    skip_pages: int = Field(0, ge=0)
 
 
 class DraftHandoff(_Msg):
@@ -124,16 +129,35 @@ class PrefillResult(_Msg):
 
 
 class ReserveRequest(_Msg):
-    """Decode admission: hold pages for ``num_tokens`` of incoming KV for ``lease_s``."""
+    """Decode admission: hold pages for ``num_tokens`` of incoming KV for ``lease_s``.
+
+    With ``prompt_ids`` (``num_tokens`` of them) the decode side first matches the prompt
+    against its prefix cache and locks the hit: only the pages after it are reserved.
+    """
 
     request_id: str
     num_tokens: int = Field(ge=1)
     lease_s: float = Field(gt=0)
+    prompt_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> ReserveRequest:
+        if self.prompt_ids is not None and len(self.prompt_ids) != self.num_tokens:
+            raise ValueError(
+                f"prompt_ids: found {len(self.prompt_ids)} tokens, expected num_tokens "
+                f"({self.num_tokens})"
+            )
+        return self
 
 
 class ReserveResult(_Msg):
+    """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages (holding
+    ``cached_tokens`` tokens) this side's prefix cache holds already."""
+
     ok: bool
     num_pages: int = 0
+    cached_pages: int = 0
+    cached_tokens: int = 0
 
 
 class DecodeRequest(_Msg):
@@ -141,6 +165,8 @@ class DecodeRequest(_Msg):
 
     ``draft``: the prefill side's :class:`DraftHandoff`, passed on unchanged; a decode
     replica with speculative decoding needs it (it cannot rebuild the draft's KV).
+    ``cached_tokens``: the prefill side's prefix-cache hit (prompt tokens it did not
+    compute), reported in every chunk's ``cached_tokens``.
     """
 
     request: GenerateRequest
@@ -149,6 +175,7 @@ class DecodeRequest(_Msg):
     first_top_logprobs: list[tuple[int, float]] = []
     kv: KVHandle
     draft: DraftHandoff | None = None
+    cached_tokens: int = Field(0, ge=0)
 
 
 class WorkerLoad(_Msg):
@@ -177,7 +204,11 @@ class WorkerInfo(_Msg):
 
 
 class WorkerStats(_Msg):
-    """Internal accounting, used by tests to check that nothing leaks."""
+    """Internal accounting, used by tests to check that nothing leaks.
+
+    ``pulled_pages`` / ``reused_pages`` (decode side, since start): prompt pages pulled
+    from prefill, and prompt pages not pulled because this side's prefix cache held them.
+    """
 
     role: Role
     free_pages: int
@@ -187,3 +218,5 @@ class WorkerStats(_Msg):
     staged_kv: int
     reservations: int
     group_size: int = 1
+    pulled_pages: int = 0
+    reused_pages: int = 0

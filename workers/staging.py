@@ -50,17 +50,27 @@ class AttemptStaging:
         """Whether ``release`` named ``attempt_id`` (within the last ``lease_s``)."""
         return attempt_id in self._released
 
-    def stage(self, attempt_id: str, export: KVExport, num_tokens: int) -> KVHandle:
-        """Publish the prompt pages of ``export`` for a pull, under a lease; on failure the
-        export is freed and the error raised."""
+    def stage(
+        self, attempt_id: str, export: KVExport, num_tokens: int, skip_pages: int = 0
+    ) -> KVHandle:
+        """Publish the prompt pages of ``export`` from page ``skip_pages`` on (the decode
+        side holds the ones before) for a pull, under a lease; on failure the export is
+        freed and the error raised (ValueError: nothing would be left to stage)."""
         num_pages = pages_for_tokens(num_tokens, export.page_size)
         try:
-            handle = self.connector.publish(attempt_id, export.pages[:num_pages], num_tokens)
+            if not 0 <= skip_pages < num_pages:
+                raise ValueError(
+                    f"skip_pages must be in [0, {num_pages}) for a prompt of {num_tokens} "
+                    f"tokens in pages of {export.page_size}, got {skip_pages}"
+                )
+            pages = export.pages[skip_pages:num_pages]
+            staged_tokens = num_tokens - skip_pages * export.page_size
+            handle = self.connector.publish(attempt_id, pages, staged_tokens)
         except BaseException:
             self.unstage(attempt_id)
             raise
         self._staged.add(attempt_id, None, self.lease_s)
-        return handle
+        return handle.model_copy(update={"first_page": skip_pages})
 
     async def release(self, attempt_id: str) -> None:
         """Fence ``attempt_id`` and free what it holds; returns once the engine's step

@@ -19,6 +19,8 @@ class WorkerMetrics:
     def __init__(self, identity: Identity, engine_state: Callable[[], EngineState]) -> None:
         self.m = Metrics(identity)
         self.m.registry.register(EngineStateCollector(identity, engine_state))
+        self.pulled_pages = 0
+        self.reused_pages = 0
 
     def exposition(self) -> bytes:
         """This replica's metrics in the Prometheus text format."""
@@ -58,7 +60,13 @@ class WorkerMetrics:
         self.m.prefill_time.observe(seconds)
         self.m.prompt_tokens.inc(prompt_tokens)
 
-    def transferred(self, stats: TransferStats) -> None:
+    def transferred(self, stats: TransferStats, pulled_pages: int, reused_pages: int) -> None:
+        """Count one pull of ``pulled_pages`` pages, and the ``reused_pages`` prompt pages
+        it did not move because the decode side's prefix cache held them."""
+        self.pulled_pages += pulled_pages
+        self.reused_pages += reused_pages
+        self.m.transfer_pages.inc(pulled_pages)
+        self.m.transfer_reused_pages.inc(reused_pages)
         self.m.transfer_latency.observe(stats.seconds)
         self.m.transfer_size.observe(stats.nbytes)
         self.m.transfer_speed.observe(stats.gbps * 1e9)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.spec.loop import DraftState
+from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -149,15 +150,29 @@ class AsyncEngine:
         first_logprob: float = 0.0,
         first_top: dict[int, float] | None = None,
         draft: DraftState | None = None,
+        prefix: PrefixMatch | None = None,
+        cached_tokens: int = 0,
     ) -> AsyncIterator[TokenOutput]:
-        """Decode side of PD: stream ``req`` on from KV already in reserved ``pages``.
+        """Decode side of PD: stream ``req`` on from KV already in reserved ``pages`` (after
+        the locked ``prefix`` pages, with decode-side prefix reuse).
 
         ``draft``: the prefill side's ``KVExport.draft``, when both run speculative decoding.
+        ``cached_tokens``: the prefill side's prefix-cache hit (see ``Engine.import_kv``).
         """
         token, hidden = (None, None) if draft is None else (draft.token, draft.hidden)
 
         def admit(engine: Engine) -> None:
-            engine.import_kv(req, first_token, pages, first_logprob, first_top, token, hidden)
+            engine.import_kv(
+                req,
+                first_token,
+                pages,
+                first_logprob,
+                first_top,
+                token,
+                hidden,
+                prefix=prefix,
+                cached_tokens=cached_tokens,
+            )
 
         async for out in self._stream(req, admit, 1, _Admission()):
             yield out

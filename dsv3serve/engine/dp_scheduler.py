@@ -11,9 +11,12 @@ sequence's ``page_table`` holds its rank's local pages and ``seq.dp_rank`` names
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
+from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation
 from dsv3serve.engine.scheduler import Scheduler
 from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SchedulerConfig, Sequence
+from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 
 class DPKVView:
@@ -145,13 +148,40 @@ class DPScheduler:
         pages = self.ranks[rank].reserve(num_tokens)
         if pages is None or rank == 0:
             return pages
-        staging = self.ranks[0].reserve(num_tokens)
-        if staging is None:
+        global_pages = self._with_staging(rank, pages)
+        if global_pages is None:
             self.ranks[rank].release_reservation(pages)
+        return global_pages
+
+    def _with_staging(self, rank: int, pages: list[int]) -> list[int] | None:
+        """Global ids of ``rank``'s reserved ``pages``, with as many staging pages held on
+        rank 0 (rank 0's own pages need none); None when rank 0 has no room."""
+        if rank == 0:
+            return pages
+        staging = self.ranks[0].reserve(len(pages) * self.config.page_size)
+        if staging is None:
             return None
         global_pages = self.global_pages(rank, pages)
         self._staging[global_pages[0]] = staging
         return global_pages
+
+    def reserve_prompt(self, prompt: list[int], salt: str = "") -> KVReservation | None:
+        """A :meth:`Scheduler.reserve_prompt` on the rank with the longest cached prefix of
+        ``prompt``, then the most available pages (global ``pages``, local prefix pages)."""
+
+        def score(rank: int) -> tuple[int, int]:
+            kv = self.ranks[rank].kv
+            return kv.peek_prefix(prompt, salt, len(prompt) - 1), kv.available_pages
+
+        for rank in sorted(range(self.dp_size), key=score, reverse=True):
+            reservation = self.ranks[rank].reserve_prompt(prompt, salt)
+            if reservation is None:
+                continue
+            pages = self._with_staging(rank, reservation.pages)
+            if pages is not None:
+                return replace(reservation, pages=pages)
+            self.ranks[rank].release_prompt(reservation)
+        return None
 
     def landing_pages(self, pages: list[int]) -> list[int]:
         """Rank 0's pages where a reservation's KV arrives (the pages themselves on rank 0)."""
@@ -170,9 +200,17 @@ class DPScheduler:
         if staging is not None:
             self.ranks[0].release_reservation(staging)
 
-    def add_prefilled(self, seq: Sequence, pages: list[int]) -> None:
+    def release_prompt(self, reservation: KVReservation) -> None:
+        """Give back a :meth:`reserve_prompt` reservation: pages, staging and prefix lock."""
+        self.release_reservation(reservation.pages)
+        rank, _ = self.split_pages(reservation.pages)
+        self.ranks[rank].kv.release(reservation.prefix.handle, [])
+
+    def add_prefilled(
+        self, seq: Sequence, pages: list[int], prefix: PrefixMatch = NO_PREFIX
+    ) -> None:
         seq.dp_rank, local = self.split_pages(pages)
-        self._of(seq).add_prefilled(seq, local)
+        self._of(seq).add_prefilled(seq, local, prefix)
 
     # ---- counters -------------------------------------------------------------------
     def _total(self, name: str) -> int:

@@ -30,17 +30,19 @@ from dsv3serve.engine.overlap import OverlapLoop
 from dsv3serve.engine.pd_hooks import FirstToken, KVExport, PDHooks
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
-from dsv3serve.engine.scheduler import Scheduler
+from dsv3serve.engine.sched_pd import NO_PREFIX
+from dsv3serve.engine.scheduler import KVReservation, Scheduler
 from dsv3serve.engine.sequence import SchedulerConfig
 from dsv3serve.engine.spec.forwards import SpecForwards
 from dsv3serve.engine.spec.loop import SpecDecoder
 from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.kvcache.radix_cache import PrefixMatch
 from dsv3serve.metrics import EngineState, Metrics
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "InvalidRequestError", "KVExport", "resolve_model_dir"]
+__all__ = ["Engine", "InvalidRequestError", "KVExport", "KVReservation", "resolve_model_dir"]
 
 
 def resolve_model_dir(cfg: EngineConfig) -> Path:
@@ -211,9 +213,18 @@ class Engine:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
         return self._pd.reserve_kv(num_tokens)
 
+    def reserve_prompt_kv(self, prompt_ids: list[int], salt: str = "") -> KVReservation | None:
+        """Decode side: reserve pages for the part of ``prompt_ids`` whose KV is not cached
+        here; the cached prefix is locked for the request (None when full)."""
+        return self._pd.reserve_prompt(prompt_ids, salt)
+
     def release_reservation(self, pages: list[int]) -> None:
         """Decode side: give back reserved pages that will not be used."""
         self._pd.release_reservation(pages)
+
+    def release_prompt_kv(self, reservation: KVReservation) -> None:
+        """Decode side: give back an unused ``reserve_prompt_kv`` reservation."""
+        self._pd.release_prompt(reservation)
 
     def import_kv(
         self,
@@ -224,6 +235,8 @@ class Engine:
         first_top: dict[int, float] | None = None,
         draft_token: int | None = None,
         draft_hidden: torch.Tensor | None = None,
+        prefix: PrefixMatch | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         """Decode side: continue ``req`` from KV already written into reserved ``pages``.
 
@@ -233,12 +246,15 @@ class Engine:
         the handoff. With speculative decoding, ``draft_token`` and ``draft_hidden`` [H]
         (the prefill side's ``KVExport.draft``) let the first decode step draft at once;
         without them it verifies no drafts and the drafting starts one step later.
+        With decode-side prefix reuse, ``prefix`` (a ``reserve_prompt_kv`` reservation's)
+        holds the prompt's first pages and ``pages`` the rest. ``cached_tokens``: the
+        prefill side's prefix-cache hit, reported as the request's cached tokens.
         """
         draft = None
         if draft_token is not None and draft_hidden is not None:
             draft = (draft_token, draft_hidden)
-        first = FirstToken(first_token, first_logprob, first_top, draft)
-        self._pd.import_kv(req, pages, first)
+        first = FirstToken(first_token, first_logprob, first_top, draft, cached_tokens)
+        self._pd.import_kv(req, pages, first, NO_PREFIX if prefix is None else prefix)
 
 
 def _scheduler_config(cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int) -> SchedulerConfig:

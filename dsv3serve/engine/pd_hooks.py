@@ -11,8 +11,10 @@ import torch
 from dsv3serve.engine.core import EngineCore
 from dsv3serve.engine.intake import new_sequence
 from dsv3serve.engine.request import Request
+from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation
 from dsv3serve.engine.sequence import Sequence
 from dsv3serve.engine.spec.loop import DraftState, SpecDecoder
+from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,17 @@ class KVExport:
 @dataclass(frozen=True)
 class FirstToken:
     """The prefill side's first token of an imported request, with its logprobs and,
-    under speculative decoding, the seed of the first draft chain (token, hidden [H])."""
+    under speculative decoding, the seed of the first draft chain (token, hidden [H]).
+
+    ``cached_tokens``: prompt tokens the prefill side took from its prefix cache (not
+    computed for this request); the imported request reports them in its outputs.
+    """
 
     token: int
     logprob: float = 0.0
     top: dict[int, float] | None = None
     draft: tuple[int, torch.Tensor] | None = None
+    cached_tokens: int = 0
 
 
 class PDHooks:
@@ -95,18 +102,31 @@ class PDHooks:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
         return self.core.scheduler.reserve(num_tokens)
 
+    def reserve_prompt(self, prompt: list[int], salt: str) -> KVReservation | None:
+        """Decode side: lock ``prompt``'s prefix cached here and reserve pages for the rest
+        of its KV (None when full)."""
+        return self.core.scheduler.reserve_prompt(prompt, salt)
+
     def release_reservation(self, pages: list[int]) -> None:
         """Decode side: give back reserved pages that will not be used."""
         self.core.scheduler.release_reservation(pages)
 
-    def import_kv(self, req: Request, pages: list[int], first: FirstToken) -> None:
-        """Decode side: continue ``req`` from KV already written into reserved ``pages``;
-        its first output (``first.token``) waits in the core's pending outputs."""
+    def release_prompt(self, reservation: KVReservation) -> None:
+        """Decode side: give back an unused ``reserve_prompt`` reservation."""
+        self.core.scheduler.release_prompt(reservation)
+
+    def import_kv(
+        self, req: Request, pages: list[int], first: FirstToken, prefix: PrefixMatch = NO_PREFIX
+    ) -> None:
+        """Decode side: continue ``req`` from KV in the locked ``prefix`` pages and the
+        reserved ``pages`` after them; its first output (``first.token``) waits in the
+        core's pending outputs."""
         core = self.core
         core.check_new_id(req.request_id)
         prompt = core.prompt_ids(req)
         seq = new_sequence(req, 0, prompt, output_ids=[first.token])
-        core.scheduler.add_prefilled(seq, pages)
+        seq.num_cached_tokens = first.cached_tokens
+        core.scheduler.add_prefilled(seq, pages, prefix)
         state = core.track(seq, 0, req.params, prompt)
         if self.spec is not None and first.draft is not None:
             token, hidden = first.draft

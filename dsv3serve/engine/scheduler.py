@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from dsv3serve.engine.sched_launch import LaunchBook
-from dsv3serve.engine.sched_pd import PDPages
+from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation, PDPages
 from dsv3serve.engine.sched_policy import StepPolicy
 from dsv3serve.engine.sched_state import SchedState, check_start
 from dsv3serve.engine.sequence import (
@@ -27,10 +27,12 @@ from dsv3serve.engine.sequence import (
     SequenceStatus,
 )
 from dsv3serve.kvcache.manager import KVCacheManager
+from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 # the sequence types tests and callers use beside the scheduler
 __all__ = [
     "ContextLengthError",
+    "KVReservation",
     "ScheduledBatch",
     "ScheduledItem",
     "Scheduler",
@@ -190,16 +192,27 @@ class Scheduler:
         """Decode side of PD: reserve pages for ``num_tokens`` tokens of incoming KV."""
         return self._pd.reserve(num_tokens)
 
+    def reserve_prompt(self, prompt: list[int], salt: str = "") -> KVReservation | None:
+        """Decode side of PD: lock ``prompt``'s cached prefix, reserve pages for the rest."""
+        return self._pd.reserve_prompt(prompt, salt)
+
     def release_reservation(self, pages: list[int]) -> None:
         """Give back reserved pages that will not be used (e.g. transfer failed)."""
         self._pd.release_reservation(pages)
 
-    def add_prefilled(self, seq: Sequence, pages: list[int]) -> None:
-        """Decode side of PD: queue ``seq`` whose prompt KV already sits in reserved ``pages``.
+    def release_prompt(self, reservation: KVReservation) -> None:
+        """Give back an unused ``reserve_prompt`` reservation: its pages and prefix lock."""
+        self._pd.release_prompt(reservation)
+
+    def add_prefilled(
+        self, seq: Sequence, pages: list[int], prefix: PrefixMatch = NO_PREFIX
+    ) -> None:
+        """Decode side of PD: queue ``seq`` whose prompt KV sits in the locked ``prefix``
+        pages followed by reserved ``pages``.
 
         ``seq.output_ids`` must hold exactly the first token sampled by the prefill side.
         """
-        self._pd.add_prefilled(seq, pages)
+        self._pd.add_prefilled(seq, pages, prefix)
 
     def release_exported(self, seq: Sequence) -> None:
         """Free the pages a finished prefill-only sequence kept for KV transfer."""

@@ -119,6 +119,10 @@ class KVCacheManager:
         """Tokens of ``tokens`` cached now, without locking or stats."""
         return self._cache.peek(tokens, salt, limit)
 
+    def prefix_hashes(self, max_entries: int) -> list[int]:
+        """A bounded summary of the cache for routers: see ``RadixCache.prefix_hashes``."""
+        return self._cache.prefix_hashes(max_entries)
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a prefix query made with ``record_stats=False``."""
         self._cache.record_query(num_tokens, num_hit_tokens)

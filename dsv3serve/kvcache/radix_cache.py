@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dsv3serve.kvcache.allocator import PageAllocator
+from dsv3serve.kvcache.prefix_hash import next_hash, salt_hash
 
 PageKey = tuple[int, ...]
 
@@ -186,6 +187,21 @@ class RadixCache:
             freed.append(node.page)
         self._allocator.free(freed)
         return len(freed)
+
+    def prefix_hashes(self, max_entries: int) -> list[int]:
+        """Hashes (``kvcache.prefix_hash``) of the cached prefixes, one per node, at most
+        ``max_entries`` of them: the most recently used first, the deepest first among
+        equals (a deep prefix's hash implies all of its shorter ones)."""
+        entries: list[tuple[int, int, int]] = []  # (last access, depth, hash)
+        for salt, root in self._roots.items():
+            stack = [(child, 1, salt_hash(salt)) for child in root.children.values()]
+            while stack:
+                node, depth, parent_hash = stack.pop()
+                h = next_hash(parent_hash, node.key)
+                entries.append((node.last_access, depth, h))
+                stack.extend((child, depth + 1, h) for child in node.children.values())
+        entries.sort(reverse=True)  # a path shares its access time: deepest first
+        return [h for *_, h in entries[:max_entries]]
 
     def check_invariants(self) -> set[int]:
         """Check counters, ref counts and page ownership; return the set of tree pages."""

@@ -95,3 +95,30 @@ def test_a_prefilled_import_joins_its_rank() -> None:
     assert s.abort("p")
     s.check_invariants()
     assert s.ranks[1].kv.used_pages == 0
+
+
+def test_a_prompt_reservation_goes_to_the_rank_holding_its_prefix() -> None:
+    """Rank 1 caches the prompt's first 3 pages and has fewer available pages than rank 0:
+    the reservation still lands there, locks those pages, and reserves (with rank 0
+    staging) only the last page; releasing it gives back pages, staging and lock."""
+    s = _sched(pages=8)
+    prompt = list(range(1, 15))  # 14 tokens: 3 full pages + 2
+    busy = s.ranks[0].reserve(4 * PAGE)  # make rank 1 the emptier one for the first request
+    pages = s.reserve(len(prompt))
+    assert busy is not None and pages is not None and s.split_pages(pages)[0] == 1
+    s.ranks[0].release_reservation(s.take_staging(pages))
+    s.ranks[0].release_reservation(busy)
+    s.add_prefilled(Sequence("warm#0", prompt, 2, request_id="warm", output_ids=[9]), pages)
+    _run_to_end(s)
+    filler = s.ranks[1].reserve(2 * PAGE)
+    assert s.ranks[0].kv.available_pages > s.ranks[1].kv.available_pages
+    res = s.reserve_prompt(prompt)
+    assert res is not None and res.num_cached_pages == 3 and res.num_cached_tokens == 12
+    assert len(res.pages) == 1 and s.split_pages(res.pages)[0] == 1
+    assert len(s.landing_pages(res.pages)) == 1  # staging on rank 0
+    s.ranks[1].kv.evict_all()
+    assert s.ranks[1].kv.peek_prefix(prompt, "", 13) == 12  # locked: not evicted
+    s.release_prompt(res)
+    s.ranks[1].release_reservation(filler)
+    s.check_invariants()
+    assert s.kv.used_pages == 0

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from dsv3serve.kvcache.allocator import PageAllocator
 from dsv3serve.kvcache.manager import KVCacheManager
+from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
 from dsv3serve.kvcache.radix_cache import RadixCache, RadixNode
 
 PAGE = 4
@@ -154,3 +155,18 @@ def test_manager_random_ops_keep_invariants(ops: list[tuple[int, int, int]]) -> 
     manager.evict_all()
     assert manager.free_pages == 12
     manager.check_invariants()
+
+
+def test_prefix_hashes_name_every_cached_prefix_most_recent_first() -> None:
+    cache = _cache_with(list(range(12)), salt="s")
+    other = cache._allocator.alloc(2)
+    assert other is not None
+    cache.insert([50, 51, 52, 53, 54, 55, 56, 57], other, "s")  # touched last
+    hashes = cache.prefix_hashes(10)
+    assert sorted(hashes) == sorted(
+        page_prefix_hashes(list(range(12)), PAGE, "s")
+        + page_prefix_hashes(range(50, 58), PAGE, "s")
+    )
+    assert hashes[0] == page_prefix_hashes(range(50, 58), PAGE, "s")[-1]
+    assert cache.prefix_hashes(1) == hashes[:1]
+    assert not set(hashes) & set(page_prefix_hashes(list(range(12)), PAGE, ""))

@@ -292,3 +292,36 @@ def test_logit_bias_bans_and_forces_tokens(apps: dict[str, str], offline: Engine
     whale = tok.encode(" whale", add_bos=False)[0]
     forced = http.completions.create(**kw, logit_bias={str(whale): 100}).choices[0].text
     assert forced == tok.decode([whale] * 4)
+
+
+LONG_MESSAGES = [
+    {
+        "role": "user",
+        "content": "Describe, one by one and at length, the tides, the currents, the "
+        "waves, the salt, the reefs, the whales, the storms and the light of the open sea.",
+    }
+]
+
+
+def test_a_repeated_prompt_reuses_the_decode_cache_and_reports_cached_tokens(
+    apps: dict[str, str], offline: Engine
+) -> None:
+    """Twice the same prompt through PD: the second time decode pulls only the pages its
+    prefix cache misses, ``cached_tokens`` reports the prefill side's hit, and the text is
+    the same; nothing is held afterwards. Colocated reports its own hit the same way."""
+    page = TINY_ENGINE["page_size"]
+    prompt_len = len(offline.tokenizer.encode_chat(LONG_MESSAGES, True))
+    assert prompt_len > 2 * page
+    full_pages = (prompt_len - 1) // page  # full pages of all but the last prompt token
+    kw = {"model": "tiny", "messages": LONG_MESSAGES, "max_tokens": 8, "temperature": 0}
+    before = worker_stats(PD, "decode-0")
+    replies = [client(apps[PD]).chat.completions.create(**kw) for _ in range(2)]
+    after = worker_stats(PD, "decode-0")
+    assert after.pulled_pages - before.pulled_pages == (full_pages + 1) + 1
+    assert after.reused_pages - before.reused_pages == full_pages
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    assert cached == [0, full_pages * page]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS)
+    colocated = [client(apps[COLOCATED]).chat.completions.create(**kw) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in colocated] == cached

@@ -408,3 +408,79 @@ def test_a_released_attempt_that_arrives_late_stages_nothing(
     assert result.kv is None and result.first.error_status == 503
     assert "released" in (result.first.error or "")
     assert holds_nothing(prefill.stats())
+
+
+# ---- decode-side prefix reuse -------------------------------------------------------
+
+
+async def reusing_handoff(
+    prefill: EngineHost, decode: EngineHost, req: GenerateRequest, skip: int | None = None
+) -> tuple[list[TokenChunk], int]:
+    """The router's PD path with prefix reuse: reserve naming the prompt, prefill staging
+    all pages but those the decode side holds (``skip`` overrides that), decode. Returns
+    the chunks and the pages the decode side said it holds."""
+    rid, ids = req.request_id, req.prompt_ids
+    reserve = ReserveRequest(request_id=rid, num_tokens=len(ids), lease_s=5, prompt_ids=ids)
+    reserved = decode.reserve(reserve)
+    assert reserved.ok
+    msg = attempt(req).model_copy(update={"skip_pages": reserved.cached_pages})
+    if skip is not None:
+        msg = msg.model_copy(update={"skip_pages": skip})
+    result = await prefill.prefill(msg)
+    assert result.kv is not None and result.kv.first_page == msg.skip_pages
+    first = result.first
+    chunks = await collect(
+        decode.decode(
+            DecodeRequest(
+                request=req,
+                first_token=first.token_ids[0],
+                first_logprob=first.logprobs[0],
+                kv=result.kv,
+                cached_tokens=first.cached_tokens,
+            )
+        )
+    )
+    await prefill.release_kv(msg.attempt_id)
+    return chunks, reserved.cached_pages
+
+
+def test_a_repeated_prompt_pulls_only_its_last_page(hosts: dict[str, EngineHost]) -> None:
+    """The second time a 70-token prompt comes (pages of 16), the decode side holds its
+    first 4 pages: only the 5th is staged and pulled; the tokens equal colocated, and
+    ``cached_tokens`` is the prefill side's own hit (64)."""
+    prefill, decode = hosts["prefill"], hosts["decode"]
+    req = GenerateRequest(request_id="rp", prompt_ids=list(range(5000, 5070)), params=GREEDY)
+    before = decode.stats()
+
+    async def run() -> list[tuple[list[TokenChunk], int]]:
+        return [await reusing_handoff(prefill, decode, req) for _ in range(2)]
+
+    (one, held_one), (two, held_two) = asyncio.run(run())
+    after = decode.stats()
+    assert (held_one, held_two) == (0, 4)
+    assert after.pulled_pages - before.pulled_pages == 5 + 1
+    assert after.reused_pages - before.reused_pages == 4
+    colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
+    assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
+    assert {c.cached_tokens for c in one} == {0} and {c.cached_tokens for c in two} == {64}
+    assert all(holds_nothing(h.stats()) for h in hosts.values())
+
+
+def test_staged_pages_that_do_not_fit_the_reservation_are_refused(
+    hosts: dict[str, EngineHost],
+) -> None:
+    """A prefill that stages the whole prompt for a decode side holding its first pages:
+    a 503 naming the mismatch, and neither side keeps anything (the prefix lock included)."""
+    prefill, decode = hosts["prefill"], hosts["decode"]
+    req = GenerateRequest(request_id="mm", prompt_ids=list(range(6000, 6040)), params=GREEDY)
+
+    async def run() -> list[TokenChunk]:
+        await reusing_handoff(prefill, decode, req)
+        chunks, held = await reusing_handoff(prefill, decode, req, skip=0)
+        assert held == 2
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 1 and chunks[0].error_status == 503
+    assert "holds the first 2 pages" in (chunks[0].error or "")
+    assert holds_nothing(prefill.stats()) and holds_nothing(decode.stats())

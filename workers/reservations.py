@@ -1,0 +1,28 @@
+"""The decode side's KV reservations: what a ``ReserveRequest`` holds in the engine, and
+the check that a prefill's staged pages are exactly the ones a reservation misses."""
+
+from __future__ import annotations
+
+from dsv3serve.engine.engine import Engine, KVReservation
+from kv_transfer.handle import KVHandle
+from workers.protocol import ReserveRequest
+
+
+def reserve_for(engine: Engine, msg: ReserveRequest) -> KVReservation | None:
+    """``msg``'s reservation (None when full): after the prompt's prefix cached here when
+    ``msg`` names the prompt, else for all ``num_tokens`` (nothing cached)."""
+    if msg.prompt_ids is not None:
+        return engine.reserve_prompt_kv(msg.prompt_ids)
+    pages = engine.reserve_kv(msg.num_tokens)
+    return None if pages is None else KVReservation(pages)
+
+
+def staged_mismatch(handle: KVHandle, res: KVReservation) -> str | None:
+    """Why ``handle`` does not stage exactly the pages ``res`` misses; None when it does."""
+    if handle.first_page == res.num_cached_pages and handle.num_pages == len(res.pages):
+        return None
+    return (
+        f"the prefill side staged {handle.num_pages} pages from prompt page "
+        f"{handle.first_page}, but this decode replica holds the first "
+        f"{res.num_cached_pages} pages and reserved {len(res.pages)} for the rest"
+    )
