@@ -25,11 +25,35 @@ def sampling_body(options: pb.SamplingOptions, kind: Kind) -> dict[str, Any]:
     body = {
         field.name: list(value) if field.is_repeated else value
         for field, value in options.ListFields()
+        if field.name not in STRUCTURE_FIELDS and field.name != "logit_bias"
     }
     top = body.pop("logprobs", None)
     if top is not None:  # chat asks with a flag plus a count, completions with the count
         body |= {"logprobs": True, "top_logprobs": top} if kind == "chat" else {"logprobs": top}
-    return body
+    if options.logit_bias:  # HTTP's JSON object keys are strings
+        body["logit_bias"] = {str(token): bias for token, bias in options.logit_bias.items()}
+    return body | structure_fields(options)
+
+
+STRUCTURE_FIELDS = ("json_object", "json_schema", "regex", "ebnf", "json_schema_strict")
+
+
+def structure_fields(options: pb.SamplingOptions) -> dict[str, Any]:
+    """The HTTP fields of the options' structured-output choice (``response_format``,
+    ``regex`` or ``ebnf``); a ``json_schema`` that is not JSON is INVALID_ARGUMENT."""
+    which = options.WhichOneof("structure")
+    if which == "json_object":
+        return {"response_format": {"type": "json_object"}} if options.json_object else {}
+    if which == "json_schema":
+        try:
+            schema = json.loads(options.json_schema)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"json_schema is not valid JSON: {exc}", "json_schema") from None
+        spec = {"name": "grpc", "schema": schema, "strict": options.json_schema_strict}
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    if which in ("regex", "ebnf"):
+        return {which: getattr(options, which)}
+    return {}
 
 
 def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:

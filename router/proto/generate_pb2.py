@@ -28,45 +28,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brouter/proto/generate.proto\x12\x0c\x64sv3serve.v1\"\xd1\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x04\n\x02_nB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.dsv3serve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.dsv3serve.v1.SamplingOptions\x12\r\n\x05model\x18\x04 \x01(\tB\x08\n\x06prompt\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.dsv3serve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"Z\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xa0\x03\n\x0b\x43hatRequest\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.dsv3serve.v1.ChatMessage\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.dsv3serve.v1.SamplingOptions\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\x08thinking\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12)\n\x05tools\x18\x05 \x03(\x0b\x32\x1a.dsv3serve.v1.FunctionTool\x12-\n\x0btool_choice\x18\x06 \x01(\x0b\x32\x18.dsv3serve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12separate_reasoning\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x11include_reasoning\x18\t \x01(\x08H\x03\x88\x01\x01\x42\x0b\n\t_thinkingB\x16\n\x14_parallel_tool_callsB\x15\n\x13_separate_reasoningB\x14\n\x12_include_reasoning\"F\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.dsv3serve.v1.TopLogprob\"\xc4\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.dsv3serve.v1.TokenLogprob\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\x12*\n\ntool_calls\x18\x07 \x03(\x0b\x32\x16.dsv3serve.v1.ToolCall\"\x9a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x1d\n\x10reasoning_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_reasoning_tokens\"\x91\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12%\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x14.dsv3serve.v1.Choice\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.dsv3serve.v1.Usage\"v\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06\x63hoice\x18\x02 \x01(\x0b\x32\x14.dsv3serve.v1.Choice\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.dsv3serve.v1.Usage\"\x0f\n\rHealthRequest\"F\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\x99\x03\n\nGeneration\x12I\n\x08Generate\x12\x1d.dsv3serve.v1.GenerateRequest\x1a\x1e.dsv3serve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.dsv3serve.v1.GenerateRequest\x1a$.dsv3serve.v1.GenerateStreamResponse0\x01\x12I\n\x0c\x43hatComplete\x12\x19.dsv3serve.v1.ChatRequest\x1a\x1e.dsv3serve.v1.GenerateResponse\x12W\n\x12\x43hatCompleteStream\x12\x19.dsv3serve.v1.ChatRequest\x1a$.dsv3serve.v1.GenerateStreamResponse0\x01\x12\x43\n\x06Health\x12\x1b.dsv3serve.v1.HealthRequest\x1a\x1c.dsv3serve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brouter/proto/generate.proto\x12\x0c\x64sv3serve.v1\"\xbd\x06\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.dsv3serve.v1.SamplingOptions.LogitBiasEntry\x12\x15\n\x0bjson_object\x18\x12 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x15 \x01(\tH\x00\x12\x1a\n\x12json_schema_strict\x18\x16 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0b\n\tstructureB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x04\n\x02_nB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.dsv3serve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.dsv3serve.v1.SamplingOptions\x12\r\n\x05model\x18\x04 \x01(\tB\x08\n\x06prompt\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.dsv3serve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"Z\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xa0\x03\n\x0b\x43hatRequest\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.dsv3serve.v1.ChatMessage\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.dsv3serve.v1.SamplingOptions\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\x08thinking\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12)\n\x05tools\x18\x05 \x03(\x0b\x32\x1a.dsv3serve.v1.FunctionTool\x12-\n\x0btool_choice\x18\x06 \x01(\x0b\x32\x18.dsv3serve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12separate_reasoning\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x11include_reasoning\x18\t \x01(\x08H\x03\x88\x01\x01\x42\x0b\n\t_thinkingB\x16\n\x14_parallel_tool_callsB\x15\n\x13_separate_reasoningB\x14\n\x12_include_reasoning\"F\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.dsv3serve.v1.TopLogprob\"\xc4\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.dsv3serve.v1.TokenLogprob\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\x12*\n\ntool_calls\x18\x07 \x03(\x0b\x32\x16.dsv3serve.v1.ToolCall\"\x9a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x1d\n\x10reasoning_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_reasoning_tokens\"\x91\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12%\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x14.dsv3serve.v1.Choice\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.dsv3serve.v1.Usage\"v\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06\x63hoice\x18\x02 \x01(\x0b\x32\x14.dsv3serve.v1.Choice\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.dsv3serve.v1.Usage\"\x0f\n\rHealthRequest\"F\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\x99\x03\n\nGeneration\x12I\n\x08Generate\x12\x1d.dsv3serve.v1.GenerateRequest\x1a\x1e.dsv3serve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.dsv3serve.v1.GenerateRequest\x1a$.dsv3serve.v1.GenerateStreamResponse0\x01\x12I\n\x0c\x43hatComplete\x12\x19.dsv3serve.v1.ChatRequest\x1a\x1e.dsv3serve.v1.GenerateResponse\x12W\n\x12\x43hatCompleteStream\x12\x19.dsv3serve.v1.ChatRequest\x1a$.dsv3serve.v1.GenerateStreamResponse0\x01\x12\x43\n\x06Health\x12\x1b.dsv3serve.v1.HealthRequest\x1a\x1c.dsv3serve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.proto.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=46
-  _globals['_SAMPLINGOPTIONS']._serialized_end=639
-  _globals['_TOKENIDS']._serialized_start=641
-  _globals['_TOKENIDS']._serialized_end=664
-  _globals['_GENERATEREQUEST']._serialized_start=667
-  _globals['_GENERATEREQUEST']._serialized_end=819
-  _globals['_CHATMESSAGE']._serialized_start=821
-  _globals['_CHATMESSAGE']._serialized_end=931
-  _globals['_FUNCTIONTOOL']._serialized_start=933
-  _globals['_FUNCTIONTOOL']._serialized_end=1023
-  _globals['_TOOLCHOICE']._serialized_start=1025
-  _globals['_TOOLCHOICE']._serialized_end=1083
-  _globals['_CHATREQUEST']._serialized_start=1086
-  _globals['_CHATREQUEST']._serialized_end=1502
-  _globals['_TOOLCALL']._serialized_start=1504
-  _globals['_TOOLCALL']._serialized_end=1574
-  _globals['_TOPLOGPROB']._serialized_start=1576
-  _globals['_TOPLOGPROB']._serialized_end=1638
-  _globals['_TOKENLOGPROB']._serialized_start=1640
-  _globals['_TOKENLOGPROB']._serialized_end=1752
-  _globals['_CHOICE']._serialized_start=1755
-  _globals['_CHOICE']._serialized_end=1951
-  _globals['_USAGE']._serialized_start=1954
-  _globals['_USAGE']._serialized_end=2108
-  _globals['_GENERATERESPONSE']._serialized_start=2111
-  _globals['_GENERATERESPONSE']._serialized_end=2256
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2258
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2376
-  _globals['_HEALTHREQUEST']._serialized_start=2378
-  _globals['_HEALTHREQUEST']._serialized_end=2393
-  _globals['_HEALTHRESPONSE']._serialized_start=2395
-  _globals['_HEALTHRESPONSE']._serialized_end=2465
-  _globals['_GENERATION']._serialized_start=2468
-  _globals['_GENERATION']._serialized_end=2877
+  _globals['_SAMPLINGOPTIONS']._serialized_end=875
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=620
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=668
+  _globals['_TOKENIDS']._serialized_start=877
+  _globals['_TOKENIDS']._serialized_end=900
+  _globals['_GENERATEREQUEST']._serialized_start=903
+  _globals['_GENERATEREQUEST']._serialized_end=1055
+  _globals['_CHATMESSAGE']._serialized_start=1057
+  _globals['_CHATMESSAGE']._serialized_end=1167
+  _globals['_FUNCTIONTOOL']._serialized_start=1169
+  _globals['_FUNCTIONTOOL']._serialized_end=1259
+  _globals['_TOOLCHOICE']._serialized_start=1261
+  _globals['_TOOLCHOICE']._serialized_end=1319
+  _globals['_CHATREQUEST']._serialized_start=1322
+  _globals['_CHATREQUEST']._serialized_end=1738
+  _globals['_TOOLCALL']._serialized_start=1740
+  _globals['_TOOLCALL']._serialized_end=1810
+  _globals['_TOPLOGPROB']._serialized_start=1812
+  _globals['_TOPLOGPROB']._serialized_end=1874
+  _globals['_TOKENLOGPROB']._serialized_start=1876
+  _globals['_TOKENLOGPROB']._serialized_end=1988
+  _globals['_CHOICE']._serialized_start=1991
+  _globals['_CHOICE']._serialized_end=2187
+  _globals['_USAGE']._serialized_start=2190
+  _globals['_USAGE']._serialized_end=2344
+  _globals['_GENERATERESPONSE']._serialized_start=2347
+  _globals['_GENERATERESPONSE']._serialized_end=2492
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2494
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2612
+  _globals['_HEALTHREQUEST']._serialized_start=2614
+  _globals['_HEALTHREQUEST']._serialized_end=2629
+  _globals['_HEALTHRESPONSE']._serialized_start=2631
+  _globals['_HEALTHRESPONSE']._serialized_end=2701
+  _globals['_GENERATION']._serialized_start=2704
+  _globals['_GENERATION']._serialized_end=3113
 # @@protoc_insertion_point(module_scope)

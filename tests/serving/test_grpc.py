@@ -7,12 +7,14 @@ admits at most two requests, so two held streams overload it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -149,6 +151,29 @@ def test_unary_n2_logprobs_and_token_prompt(served: Served) -> None:
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (4, 12)
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"size": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["size"],
+    "additionalProperties": False,
+}
+
+
+def test_logit_bias_and_json_schema_over_grpc(served: Served) -> None:
+    """The same structured-output and logit_bias behaviour as over HTTP."""
+    plain = served.stub.Generate(sampling(max_tokens=4, temperature=0), metadata=META, timeout=60)
+    greedy_ids = list(plain.choices[0].token_ids)
+    forced = served.stub.Generate(
+        sampling(max_tokens=4, temperature=0, logit_bias={77: 100.0}), metadata=META, timeout=60
+    )
+    assert list(forced.choices[0].token_ids) == [77] * 4 != greedy_ids
+    options = {"max_tokens": 40, "temperature": 1.0, "n": 3, "seed": 5}
+    request = sampling(**options, json_schema=json.dumps(SCHEMA), json_schema_strict=True)
+    reply = served.stub.Generate(request, metadata=META, timeout=120)
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
 def bad(name: str, mentions: str, request: object) -> object:
     return pytest.param(mentions, request, id=name)
 
@@ -176,6 +201,8 @@ BAD_REQUESTS = [
     bad("role", "role", pb.ChatRequest(messages=[pb.ChatMessage(role="robot", content="hi")])),
     bad("id-over-vocab", "vocabulary", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB]))),
     bad("stop-id-over-vocab", "stop_token_ids", sampling(stop_token_ids=[VOCAB])),
+    bad("schema-not-json", "json_schema is not valid JSON", sampling(json_schema="{nope")),
+    bad("bias-range", "logit_bias", sampling(logit_bias={5: 101.0})),
     bad(
         "min-over-max",
         "min_tokens (3) must be <= max_tokens (2)",
