@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.deepep_check import (
-    DispatchBackendUnavailable,
+    DispatchBackendUnavailable,  # noqa: F401 (re-exported: callers catch it from here)
     import_deep_ep,
     self_check,
 )
@@ -98,8 +98,8 @@ def _deepep(
 def _check_group(parallel: ParallelConfig, ep_rank: int, group: dist.ProcessGroup | None) -> None:
     if not dist.is_initialized():
         raise LayoutError(
-            f"ep_size {parallel.ep_size} with moe_a2a_backend {parallel.moe_a2a_backend!r} needs an initialised "
-            "torch.distributed process group (found none)"
+            f"ep_size {parallel.ep_size} with moe_a2a_backend {parallel.moe_a2a_backend!r} "
+            "needs an initialised torch.distributed process group (found none)"
         )
     found = (dist.get_world_size(group), dist.get_rank(group))
     if found != (parallel.ep_size, ep_rank):

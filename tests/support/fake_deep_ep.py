@@ -121,9 +121,8 @@ class FakeBuffer:
         tok = [is_token_in_rank[:, r].nonzero()[:, 0] for r in range(self.group_size)]
         recv_x, counts = _a2a([q[t] for t in tok], self.group)
         recv_s = _a2a([scales[t] for t in tok], self.group)[0] if scales is not None else None
-        ids = _a2a([self._local_ids(topk_idx[t], r, local) for r, t in enumerate(tok)], self.group)[
-            0
-        ]
+        local_ids = [self._local_ids(topk_idx[t], r, local) for r, t in enumerate(tok)]
+        ids = _a2a(local_ids, self.group)[0]
         w = _a2a([topk_weights[t] for t in tok], self.group)[0]
         w = torch.where(ids >= 0, w, 0.0)
         per_expert = [int((ids == e).sum()) for e in range(local)]
