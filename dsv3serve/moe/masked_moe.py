@@ -94,3 +94,11 @@ def masked_moe_triton(
     out = torch.empty_like(x) if out is None else out
     _launch(masked_down_kernel, hidden, stack.w2, stack.w2_scale_inv, counts, out, h, inter)
     return out
+
+
+def masked_moe(x: torch.Tensor, counts: torch.Tensor, stack: ExpertStack) -> torch.Tensor:
+    """:func:`masked_moe_triton` on a GPU with Triton, else :func:`masked_moe_ref`; padding
+    rows of the result are unspecified (the low-latency combine never reads them)."""
+    if x.is_cuda and HAS_TRITON:
+        return masked_moe_triton(x, counts.to(torch.int32), stack)
+    return masked_moe_ref(x, counts, stack)

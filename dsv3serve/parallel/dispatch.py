@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -20,6 +21,9 @@ from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher, DeepEPShape
 from dsv3serve.parallel.dispatch_loopback import LoopbackTimingOnlyDispatcher, NoDispatch
 from dsv3serve.parallel.shard import RankLayout
+
+logger = logging.getLogger(__name__)
+DEEPEP_FUSION_NOTE = "shared-expert fusion is off under DeepEP (SGLang's rule)"
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ def _deepep(
     payload = FP8_DTYPE if options.fp8_dispatch else None
     d = DeepEPDispatcher(module, shape, parallel.deepep_mode, group, payload)
     self_check(d, options.device)
+    logger.info("DeepEP (%s mode) passed its self-check; %s", d.mode, DEEPEP_FUSION_NOTE)
     return d
 
 
