@@ -105,6 +105,8 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         self.num_local_experts = shape.num_experts // self.world
         self.max_tokens_per_rank = shape.max_tokens_per_rank
         self.fp8 = payload_dtype == FP8_DTYPE
+        # v2 exports the id dtype it was built with; v1.2 takes int64
+        self.idx_dtype: torch.dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
         self.buffer = self._make_buffer()
         self._ll_dirty = False  # a normal-mode call used the buffer since the last clean
 
@@ -150,7 +152,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         if self.mode == "low_latency":
             raise RuntimeError("deepep_mode 'low_latency' sends every batch masked")
         _check_bf16(x)
-        ids = topk_ids.to(self.ep.topk_idx_t)
+        ids = topk_ids.to(self.idx_dtype)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
             ids, self.shape.num_experts
         )
@@ -190,7 +192,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
                 f"low-latency dispatch of {x.shape[0]} tokens: expected at most "
                 f"max_tokens_per_rank {self.max_tokens_per_rank}"
             )
-        ids = topk_ids.to(self.ep.topk_idx_t)
+        ids = topk_ids.to(self.idx_dtype)
         self._clean_if_dirty()
         recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(
             x, ids, self.max_tokens_per_rank, self.shape.num_experts, use_fp8=self.fp8
