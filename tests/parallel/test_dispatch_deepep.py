@@ -139,6 +139,8 @@ def test_refused_without_options_or_with_loopback() -> None:
 def test_parallel_config_errors() -> None:
     with pytest.raises(ValueError, match=r"moe_a2a_backend 'deepep' needs ep_size > 1"):
         ParallelConfig(tp_size=2, moe_a2a_backend="deepep")
+    with pytest.raises(ValueError, match=r"'deepep' needs enable_dp_attention: under TP"):
+        ParallelConfig(tp_size=2, ep_size=2, moe_a2a_backend="deepep")
     with pytest.raises(ValueError, match=r"deepep_mode 'low_latency' is only used with"):
         ParallelConfig(tp_size=2, deepep_mode="low_latency")
     with pytest.raises(ValueError, match=r"deepep_mode"):
