@@ -109,6 +109,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         self.idx_dtype: torch.dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
         self.buffer = self._make_buffer()
         self._ll_dirty = False  # a normal-mode call used the buffer since the last clean
+        self._check_qp_depth()
 
     @property
     def _group(self) -> dist.ProcessGroup:
@@ -136,6 +137,19 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
             low_latency_mode=low_latency,
             num_qps_per_rank=self.num_local_experts if low_latency else 1,
         )
+
+    def _check_qp_depth(self) -> None:
+        """DeepEP's low-latency calls assert ``nvshmem_qp_depth >= 2 * (max_tokens + 1)``;
+        refuse here, at start, rather than on the first decode step."""
+        depth = getattr(self.buffer, "nvshmem_qp_depth", None)
+        need = 2 * (self.max_tokens_per_rank + 1)
+        if self.mode != "normal" and depth is not None and depth < need:
+            raise ValueError(
+                f"DeepEP low-latency mode with max_tokens_per_rank {self.max_tokens_per_rank} "
+                f"needs NVSHMEM_QP_DEPTH >= {need}, found {depth} (set the variable, or lower "
+                "the engine's batch bound: max_running_requests under deepep_mode auto, "
+                "max_num_batched_tokens under low_latency)"
+            )
 
     def use_masked(self, decode: bool) -> bool:
         """``low_latency``: always; ``auto``: decode batches; ``normal``: never."""

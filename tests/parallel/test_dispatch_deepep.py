@@ -108,6 +108,7 @@ def test_glue_refusals(ranks) -> None:
     for res in results:
         ref = res["_refusals"]
         assert "expected at most max_tokens_per_rank 16" in ref["too_many"]
+        assert "needs NVSHMEM_QP_DEPTH >= 1026, found 1024" in ref["qp_depth"]
         assert "expects bfloat16 hidden states, got torch.float32" in ref["fp32"]
         assert "sends every batch masked" in ref["flat_under_ll"]
         assert "has no low-latency buffer" in ref["masked_under_normal"]

@@ -39,10 +39,16 @@ def deepep_config(world: int, mode: str) -> ParallelConfig:
 
 
 def make_deepep(
-    world: int, rank: int, mode: str, hidden: int, fp8: bool = False, corrupt: bool = False
+    world: int,
+    rank: int,
+    mode: str,
+    hidden: int,
+    fp8: bool = False,
+    corrupt: bool = False,
+    max_tokens: int = MAX_TOKENS,
 ) -> DeepEPDispatcher:
     """The factory's DeepEP dispatcher over the fake (runs the self-check)."""
-    opts = DeepEPOptions(hidden, MAX_TOKENS, fp8, module=fake_deep_ep.make_module(corrupt))
+    opts = DeepEPOptions(hidden, max_tokens, fp8, module=fake_deep_ep.make_module(corrupt))
     return create_dispatcher(deepep_config(world, mode), NUM_EXPERTS, rank, deepep=opts)
 
 
@@ -115,6 +121,7 @@ def _refusals(world: int, rank: int) -> dict[str, str]:
         "corrupt_normal": _refusal(lambda: make_deepep(world, rank, "normal", 128, corrupt=True)),
         "corrupt_ll": _refusal(lambda: make_deepep(world, rank, "low_latency", 128, corrupt=True)),
         "too_many": _refusal(lambda: ll.dispatch_masked(x, ids, w)),
+        "qp_depth": _refusal(lambda: make_deepep(world, rank, "auto", 128, max_tokens=512)),
         "fp32": _refusal(lambda: normal.dispatch(x.float(), ids, w)),
         "flat_under_ll": _refusal(lambda: ll.dispatch(x, ids, w)),
         "masked_under_normal": _refusal(lambda: normal.dispatch_masked(x[:2], ids[:2], w[:2])),

@@ -86,6 +86,8 @@ class FakeBuffer:
         self.low_latency_mode = low_latency_mode
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.cleans = 0
+        if low_latency_mode:
+            self.nvshmem_qp_depth = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> FakeConfig:
