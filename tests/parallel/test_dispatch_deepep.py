@@ -88,7 +88,7 @@ def test_run_dispatched_with_real_experts_both_phases(ranks) -> None:
         moe = res["_moe"]
         for phase in ("prefill", "decode"):
             torch.testing.assert_close(
-                moe[phase].float(), moe["want"].float(), atol=2e-3, rtol=2e-2,
+                moe[phase].float(), moe["want"].float(), atol=1e-4, rtol=1e-2,
                 msg=lambda m, w=f"{phase}/rank{r} seed {SEED}": f"{w}: {m}",
             )  # fmt: skip
 
@@ -158,3 +158,9 @@ def test_fake_is_named_as_fake() -> None:
 
     assert fake_deep_ep.make_module().__name__ == "fake_deep_ep"
     assert Path(fake_deep_ep.__file__).parent.name == "support"
+
+
+def test_moe_round_outputs_are_not_negligible(ranks) -> None:
+    """Keeps the tolerance above meaningful: the outputs are far above its atol."""
+    _, results = ranks
+    assert all(float(res["_moe"]["want"].float().abs().mean()) > 1e-3 for res in results)
