@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, quant_per_token_group
+from dsv3serve.parallel.config import DeepEPMode
 from dsv3serve.parallel.dispatch_base import (
     Dispatched,
     Dispatcher,
@@ -35,7 +36,6 @@ from dsv3serve.parallel.dispatch_base import (
     MaskedDispatcher,
 )
 
-DeepEPMode = Literal["auto", "normal", "low_latency"]
 NORMAL_BUFFER_FLOOR = 1 << 28  # 256 MiB of NVLink buffer at least, as SGLang sizes it
 
 
@@ -83,7 +83,9 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
     process group (None: the world). One ``deep_ep.Buffer`` serves both modes (NVLink bytes
     for normal, RDMA bytes for low-latency); under ``auto`` it is cleaned with
     ``clean_low_latency_buffer`` before the first low-latency call after a normal one, as
-    DeepEP requires (outside any CUDA graph: the engine's graphs replay only decode).
+    DeepEP requires. That clean is decided on the host, so a CUDA graph of the masked pair
+    would not replay it: capturing that pair needs the clean run before each replay (not
+    wired; ``graph_safe`` stays False).
     """
 
     def __init__(
