@@ -16,7 +16,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.parallel.comm import Comm, make_comm
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
-from dsv3serve.parallel.dispatch import create_dispatcher
+from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
 from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.shard import RankLayout
 from dsv3serve.plan.planner import plan
@@ -66,8 +66,20 @@ def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:
     layout = RankLayout(cfg.parallel, rank)
     dispatcher = None
     if cfg.enable_dp_attention and cfg.ep_size > 1:
-        dispatcher = create_dispatcher(cfg.parallel, model_cfg.n_routed_experts, rank)
+        dispatcher = create_dispatcher(
+            cfg.parallel, model_cfg.n_routed_experts, rank, deepep=_deepep_options(cfg, model_cfg)
+        )
     return RankParts(layout, make_comm(), dispatcher)
+
+
+def _deepep_options(cfg: EngineConfig, model_cfg: ModelConfig) -> DeepEPOptions:
+    """DeepEP's buffer sizes from the engine's batch bounds: ``low_latency`` sends every
+    batch masked (up to ``max_num_batched_tokens`` tokens); ``auto`` would send decode
+    batches (up to ``max_running_requests``) masked, but the model does not pass the phase
+    down yet, so its batches all take normal mode (docs/deepep.md)."""
+    masked_all = cfg.parallel.deepep_mode == "low_latency"
+    bound = cfg.max_num_batched_tokens if masked_all else cfg.max_running_requests
+    return DeepEPOptions(model_cfg.hidden_size, bound, device=torch.device(cfg.device))
 
 
 def agree_on_pages(num_pages: int, device: torch.device) -> int:

@@ -9,7 +9,8 @@ import torch
 from dsv3serve.config import ModelConfig
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
-from dsv3serve.parallel.dispatch_base import Dispatcher
+from dsv3serve.moe.masked_moe import masked_moe
+from dsv3serve.parallel.dispatch_base import Dispatcher, MaskedDispatcher
 from dsv3serve.parallel.shard import RankLayout, check_split, placement_of
 
 
@@ -47,9 +48,14 @@ def run_dispatched(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: FusedExperts,
+    decode: bool = False,
 ) -> torch.Tensor:
     """Routed-expert output [T, H] for this rank's tokens ``x`` [T, H] (T may be 0): send
-    them to their experts' ranks, run the local experts on what arrived, bring sums back."""
+    them to their experts' ranks, run the local experts on what arrived, bring sums back.
+    A :class:`MaskedDispatcher` that wants this phase (``decode``) masked takes
+    :func:`run_masked` instead."""
+    if isinstance(dispatcher, MaskedDispatcher) and dispatcher.use_masked(decode):
+        return run_masked(dispatcher, x, weights, ids, experts)
     sent = dispatcher.dispatch(x, ids, weights)
     if sent.x.shape[0] == 0:
         return dispatcher.combine(sent.x, sent)
@@ -58,11 +64,33 @@ def run_dispatched(
     return dispatcher.combine(backend.forward(sent.x, local_w, sent.topk_ids, experts), sent)
 
 
+DEEPEP_FUSION_REASON = (
+    "shared-expert fusion is off under moe_a2a_backend 'deepep' (SGLang's rule): DeepEP "
+    "dispatches routed top-k only, so the shared expert runs beside it on every rank's tokens"
+)
+
+
+def run_masked(
+    dispatcher: MaskedDispatcher,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: FusedExperts,
+) -> torch.Tensor:
+    """The low-latency path: per-expert masked layout -> masked grouped MoE -> weighted
+    combine (fixed shapes, no host sync with the Triton kernel)."""
+    sent = dispatcher.dispatch_masked(x, ids, weights)
+    y = masked_moe(sent.x, sent.counts, experts.stack())
+    return dispatcher.combine_masked(y, sent)
+
+
 def fusion_blocked_reason(layout: RankLayout | None) -> str | None:
     """Why this layout cannot run the shared expert as slot E of the stack (None: it can)."""
     if layout is None:
         return None
     p = layout.parallel
+    if p.moe_a2a_backend == "deepep":
+        return DEEPEP_FUSION_REASON
     if p.ep_size > 1:
         return f"expected every routed expert on the rank, found ep_size {p.ep_size}"
     if p.attn_tp_size > 1:

@@ -116,6 +116,11 @@ def _check_dense(p: ParallelConfig) -> None:
 def _check_a2a(p: ParallelConfig) -> None:
     if p.moe_a2a_backend == "deepep" and p.ep_size == 1:
         raise LayoutError("moe_a2a_backend 'deepep' needs ep_size > 1")
+    if p.moe_a2a_backend == "deepep" and not p.enable_dp_attention:
+        raise LayoutError(
+            "moe_a2a_backend 'deepep' needs enable_dp_attention: under TP every rank holds "
+            "every token and the routed experts run without dispatch / combine"
+        )
     if p.deepep_mode != "auto" and p.moe_a2a_backend != "deepep":
         raise LayoutError(
             f"deepep_mode {p.deepep_mode!r} is only used with moe_a2a_backend 'deepep', "

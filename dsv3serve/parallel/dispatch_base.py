@@ -50,3 +50,42 @@ class Dispatcher(ABC):
     def combine(self, y: Tensor, dispatched: Dispatched) -> Tensor:
         """``y`` [R, H]: this rank's weighted expert sum per received row -> [T, H] summed
         over ranks, in the token order of the matching ``dispatch``."""
+
+
+@dataclass
+class MaskedDispatched:
+    """What a low-latency dispatch left on this rank, grouped per local expert with padding:
+    ``x`` [E_local, M, H] (``M = max_tokens_per_rank * ep_size``; only rows ``< counts[e]`` of
+    expert ``e`` are valid, the rest is stale data that must never be read), ``counts``
+    [E_local] int32, and the backend's state for :meth:`MaskedDispatcher.combine_masked`.
+    Shapes do not depend on the routing, so the pair can be captured into a CUDA graph."""
+
+    x: Tensor
+    counts: Tensor
+    state: Any = None
+
+
+class MaskedDispatcher(ABC):
+    """A dispatcher with a fixed-shape, per-expert layout (DeepEP's low-latency mode).
+
+    The caller runs local expert ``e`` on ``x[e, :counts[e]]`` *unweighted*; combine applies
+    the top-k weights while summing each token's parts on its own rank.
+    """
+
+    max_tokens_per_rank: int
+    """Most tokens any rank may send in one masked dispatch (same on every rank)."""
+
+    @abstractmethod
+    def dispatch_masked(
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> MaskedDispatched:
+        """``x`` [T, H] with ``T <= max_tokens_per_rank``, ``topk_ids`` [T, K] global ids."""
+
+    @abstractmethod
+    def combine_masked(self, y: Tensor, dispatched: MaskedDispatched) -> Tensor:
+        """``y`` [E_local, M, H]: each valid row's expert output -> [T, H], the top-k
+        weighted sum over ranks, in the token order of the matching ``dispatch_masked``."""
+
+    @abstractmethod
+    def use_masked(self, decode: bool) -> bool:
+        """Whether a batch of this phase goes through the masked pair (else the flat one)."""

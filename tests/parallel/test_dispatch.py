@@ -228,23 +228,6 @@ def _dp_ep(world: int, **kw: str) -> ParallelConfig:
     )
 
 
-def test_factory_refuses_deepep_without_deep_ep() -> None:
-    with pytest.raises(LayoutError, match=r"deep_ep package is not installed.*docs/deepep\.md"):
-        create_dispatcher(_dp_ep(2, moe_a2a_backend="deepep"), NUM_EXPERTS, 0)
-
-
-def test_factory_refuses_deepep_even_when_deep_ep_imports(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
-    real = importlib.util.find_spec
-    fake_installed = object()  # stands in for an installed deep_ep (it cannot be built here)
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: fake_installed if n == "deep_ep" else real(n, *a)
-    )
-    with pytest.raises(LayoutError, match=r"DeepEP backend is not built yet \(issue: DeepEP"):
-        create_dispatcher(_dp_ep(2, moe_a2a_backend="deepep"), NUM_EXPERTS, 0)
-
-
 def test_factory_picks_by_layout() -> None:
     assert isinstance(create_dispatcher(ParallelConfig(tp_size=2), NUM_EXPERTS, 1), NoDispatch)
     loop = create_dispatcher(_dp_ep(4), NUM_EXPERTS, 3, loopback=True)

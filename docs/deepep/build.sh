@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Build a DeepEP wheel for dsv3serve's `moe_a2a_backend: deepep` (no official wheel exists).
+#
+# NOT RUN YET: written against DeepEP v1.2.1's setup.py (it finds NVSHMEM through the
+# `nvidia.nvshmem` package of the nvidia-nvshmem-cu13 wheel, or NVSHMEM_DIR), never executed
+# on a GPU machine. DeepEP's code is never copied into this repository.
+#
+# Two steps, because the GPU machine cannot reach the network:
+#
+#   1. where the network is reachable (a developer machine):
+#        docs/deepep/build.sh pack DIR [DEEPEP_GIT_DIR]
+#      writes DIR/deepep-src.tar.gz (the v1.2.1 tag, from DEEPEP_GIT_DIR: a clone or the bare
+#      snapshot the session's `fetch github:deepseek-ai/DeepEP` tool leaves under
+#      /work/.mirror/deepseek-ai+DeepEP/repo; default: clone upstream) and the NVSHMEM wheel
+#      (pip download, for the GPU machine's Python version, PY_VER, default 3.11).
+#      Carry DIR to the GPU machine (an ignored path named in `carry`, or shared/).
+#   2. on the GPU machine:
+#        docs/deepep/build.sh build DIR OUT
+#      installs the NVSHMEM wheel from DIR (no index), builds DeepEP against the installed
+#      torch and CUDA (TORCH_CUDA_ARCH_LIST, default 9.0 for H100 / H200), writes the wheel to
+#      OUT, installs it and imports it. Carry OUT's wheel between device calls and install
+#      it with `pip install --no-index OUT/deep_ep-*.whl DIR/nvidia_nvshmem_cu13-*.whl`.
+#
+# Then dsv3serve runs its self-check when a config asks for moe_a2a_backend 'deepep'
+# (dsv3serve/parallel/deepep_check.py). Low-latency mode needs NVSHMEM with IBGDA or NVLink
+# between the ranks; one GPU can only import the package and build a one-rank buffer.
+set -euo pipefail
+
+DEEPEP_TAG="${DEEPEP_TAG:-v1.2.1}"
+NVSHMEM_PKG="${NVSHMEM_PKG:-nvidia-nvshmem-cu13==3.4.5}"
+PY_VER="${PY_VER:-3.11}"
+
+pack() {
+  local dir="$1" src="${2:-}"
+  mkdir -p "$dir"
+  if [[ -z "$src" ]]; then
+    src="$(mktemp -d)/DeepEP"
+    git clone --quiet --branch "$DEEPEP_TAG" https://github.com/deepseek-ai/DeepEP.git "$src"
+  fi
+  git -C "$src" archive --format=tar.gz --prefix=DeepEP/ "$DEEPEP_TAG" >"$dir/deepep-src.tar.gz"
+  python -m pip download --no-deps --only-binary=:all: --python-version "$PY_VER" \
+    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    -d "$dir" "$NVSHMEM_PKG"
+  ls -l "$dir"
+}
+
+check_torch_cuda() {
+  local cuda
+  cuda="$(python -c 'import torch; print(torch.version.cuda or "")')"
+  if [[ "${cuda%%.*}" != "13" && -z "${ALLOW_CUDA_MISMATCH:-}" ]]; then
+    echo "torch is built for CUDA '${cuda}', the NVSHMEM wheel for CUDA 13: pack with" \
+      "NVSHMEM_PKG=nvidia-nvshmem-cu12 for CUDA 12 (or set ALLOW_CUDA_MISMATCH=1)" >&2
+    exit 1
+  fi
+}
+
+build() {
+  local dir="$1" out="$2" work
+  check_torch_cuda
+  python -m pip install --no-index --no-deps "$dir"/nvidia_nvshmem_cu13-*.whl
+  work="$(mktemp -d)"
+  tar -xzf "$dir/deepep-src.tar.gz" -C "$work"
+  mkdir -p "$out"
+  (
+    cd "$work/DeepEP"
+    export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+    python setup.py bdist_wheel
+    cp dist/*.whl "$out"/
+  )
+  python -m pip install --no-index --no-deps "$out"/deep_ep-*.whl
+  python -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer)'
+}
+
+case "${1:-}" in
+  pack) shift; pack "$@" ;;
+  build) shift; build "$@" ;;
+  *) echo "usage: $0 pack DIR [DEEPEP_GIT_DIR] | build DIR OUT" >&2; exit 2 ;;
+esac

@@ -1,0 +1,125 @@
+"""Triton kernels of the masked grouped MoE (DeepEP low-latency layout).
+
+Activations are ``[E, M, K]``: expert ``e`` owns rows ``0 .. counts[e] - 1`` of its slab,
+the rest is padding that is never loaded (row masks) nor stored. Program
+``(e, pid_m, pid_n)`` computes rows ``pid_m * BLOCK_M ...`` of expert ``e`` against
+``BLOCK_N`` rows of that expert's weight ``[N, K]`` (row-major inside the stack ``[E, N, K]``)
+and exits at once when its first row is at or past ``counts[e]`` -- the grid is sized from
+``M`` on the host, so no host sync on the counts.
+
+``W_SCALED``: e4m3 weights with one float32 scale per 128x128 block (DeepSeek's
+``weight_scale_inv`` [E, N/128, K/128]), dequantised in registers and multiplied in float32
+(``BLOCK_K`` divides 128); otherwise weights and activations share a 16/32-bit dtype.
+Intermediate values are rounded to the output dtype where the torch reference rounds.
+"""
+
+from __future__ import annotations
+
+from dsv3serve.kernels.fp8_quant import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+def _weight_tile_body(
+    w_ptr, ws_ptr, e, n_idx, n_ok, k_idx, k_ok, k0, stride_we, stride_wn, stride_se,
+    stride_sn, W_SCALED: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_K, BLOCK_N] of weight rows ``n_idx`` at K offsets ``k_idx`` (zero when masked),
+    dequantised to float32 when ``W_SCALED``."""
+    ptrs = w_ptr + e * stride_we + n_idx[None, :] * stride_wn + k_idx[:, None]
+    w = tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if W_SCALED:
+        s_ptrs = ws_ptr + e * stride_se + (n_idx // 128) * stride_sn + k0 // 128
+        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+        w = w.to(tl.float32) * s[None, :]
+    return w
+
+
+def _act_tile_body(
+    x_ptr, e, rows, row_ok, k_idx, k_ok, stride_xe, stride_xm, W_SCALED: tl.constexpr
+):
+    """[BLOCK_M, BLOCK_K] of valid rows (padding rows masked to zero, never read)."""
+    ptrs = x_ptr + e * stride_xe + rows[:, None] * stride_xm + k_idx[None, :]
+    a = tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if W_SCALED:
+        a = a.to(tl.float32)
+    return a
+
+
+def _masked_gate_up_body(
+    x_ptr, w_ptr, ws_ptr, counts_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+    stride_xe, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_om,
+    W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``out[e, m, n] = silu(x[e, m] . w[e, n]) * (x[e, m] . w[e, N + n])`` for valid rows;
+    ``w`` is ``w13`` [E, 2N, K] (gate rows then up rows), ``out`` [E, M, N]."""
+    e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid = tl.load(counts_ptr + e)
+    if pid_m * BLOCK_M >= valid:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < valid
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < K
+        a = _act_tile(x_ptr, e, rows, row_ok, k_idx, k_ok, stride_xe, stride_xm, W_SCALED)
+        wg = _weight_tile(
+            w_ptr, ws_ptr, e, cols, col_ok, k_idx, k_ok, k0, stride_we, stride_wn, stride_se,
+            stride_sn, W_SCALED,
+        )  # fmt: skip
+        wu = _weight_tile(
+            w_ptr, ws_ptr, e, cols + N, col_ok, k_idx, k_ok, k0, stride_we, stride_wn,
+            stride_se, stride_sn, W_SCALED,
+        )  # fmt: skip
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+    out_dtype = out_ptr.dtype.element_ty
+    g = acc_g.to(out_dtype).to(tl.float32)
+    u = acc_u.to(out_dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_dtype).to(tl.float32)
+    h = (act * u).to(out_dtype)
+    o_ptrs = out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _masked_down_body(
+    x_ptr, w_ptr, ws_ptr, counts_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+    stride_xe, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_om,
+    W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``out[e, m, n] = x[e, m] . w[e, n]`` for valid rows; ``w`` is ``w2`` [E, N, K]."""
+    e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid = tl.load(counts_ptr + e)
+    if pid_m * BLOCK_M >= valid:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < valid
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < K
+        a = _act_tile(x_ptr, e, rows, row_ok, k_idx, k_ok, stride_xe, stride_xm, W_SCALED)
+        w = _weight_tile(
+            w_ptr, ws_ptr, e, cols, col_ok, k_idx, k_ok, k0, stride_we, stride_wn, stride_se,
+            stride_sn, W_SCALED,
+        )  # fmt: skip
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    o_ptrs = out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+if HAS_TRITON:
+    _weight_tile = triton.jit(_weight_tile_body)
+    _act_tile = triton.jit(_act_tile_body)
+    masked_gate_up_kernel = triton.jit(_masked_gate_up_body)
+    masked_down_kernel = triton.jit(_masked_down_body)

@@ -1,0 +1,233 @@
+"""Expert-parallel dispatch / combine over DeepEP's ``deep_ep.Buffer`` (normal and low-latency).
+
+Written against DeepEP's Python API (``deep_ep.Buffer``: ``get_dispatch_layout``,
+``dispatch``, ``combine``, ``low_latency_dispatch``, ``low_latency_combine``, as in DeepEP
+v1.2 and the ``buffers/legacy.py`` of v2). The ``deep_ep`` module is passed in, so CPU tests
+run the same glue over ``tests/support/fake_deep_ep.py``; :mod:`dsv3serve.parallel.deepep_check`
+imports the real one and checks it before this class is built.
+
+* **normal** (prefill / extend): ``get_dispatch_layout`` then ``dispatch`` sends each token
+  once per rank holding one of its experts; rows arrive flat with *local* top-k ids (``-1``
+  elsewhere) -- the :class:`Dispatched` contract. ``combine`` sums the rows back unweighted
+  (the caller already applied the weights). With ``payload_dtype`` e4m3 the rows travel as
+  (e4m3, float32 scale per 128 channels) and are dequantised on arrival.
+* **low_latency** (decode): ``low_latency_dispatch`` leaves [E_local, max_tokens * W, H]
+  per expert with valid counts (:class:`MaskedDispatched`), fixed shapes, no host sync;
+  ``low_latency_combine`` applies the top-k weights. FP8 (1x128 scales) when
+  ``payload_dtype`` is e4m3: the masked MoE gets the dequantised bf16 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, quant_per_token_group
+from dsv3serve.parallel.config import DeepEPMode
+from dsv3serve.parallel.dispatch_base import (
+    Dispatched,
+    Dispatcher,
+    MaskedDispatched,
+    MaskedDispatcher,
+)
+
+NORMAL_BUFFER_FLOOR = 1 << 28  # 256 MiB of NVLink buffer at least, as SGLang sizes it
+
+
+@dataclass(frozen=True)
+class DeepEPShape:
+    """What the buffers are sized for: ``hidden`` and, for low-latency,
+    ``max_tokens_per_rank`` (every rank the same; DeepEP sizes its RDMA buffer from it)."""
+
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int = 128
+
+
+@dataclass(frozen=True)
+class _NormalState:
+    handle: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _MaskedState:
+    handle: tuple
+    topk_ids: Tensor
+    topk_weights: Tensor
+
+
+def dequant_rows(q: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """e4m3 rows [..., H] with float32 scales [..., ceil(H/128)] (any strides) -> ``dtype``."""
+    h = q.shape[-1]
+    s = scales.float().repeat_interleave(BLOCK, dim=-1)[..., :h]
+    return (q.float() * s).to(dtype)
+
+
+def _check_bf16(x: Tensor) -> None:
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"DeepEP dispatch expects bfloat16 hidden states, got {x.dtype}")
+
+
+class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
+    """Both DeepEP modes behind the dispatcher interfaces; ``mode`` picks which the
+    engine's batches take (:meth:`use_masked`): ``normal`` always flat, ``low_latency``
+    always masked, ``auto`` masked for decode and flat for prefill (SGLang's rule).
+
+    ``deep_ep`` is the imported module (real or fake); ``group`` the expert-parallel
+    process group (None: the world). One ``deep_ep.Buffer`` serves both modes (NVLink bytes
+    for normal, RDMA bytes for low-latency); under ``auto`` it is cleaned with
+    ``clean_low_latency_buffer`` before the first low-latency call after a normal one, as
+    DeepEP requires. That clean is decided on the host, so a CUDA graph of the masked pair
+    would not replay it: capturing that pair needs the clean run before each replay (not
+    wired; ``graph_safe`` stays False).
+    """
+
+    def __init__(
+        self,
+        deep_ep: ModuleType,
+        shape: DeepEPShape,
+        mode: DeepEPMode,
+        group: dist.ProcessGroup | None = None,
+        payload_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.ep, self.shape, self.mode, self.group = deep_ep, shape, mode, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if shape.num_experts % self.world:
+            raise ValueError(
+                f"num_experts {shape.num_experts} must divide over the {self.world} ranks"
+            )
+        if payload_dtype not in (None, FP8_DTYPE):
+            raise ValueError(f"payload_dtype: expected None or {FP8_DTYPE}, got {payload_dtype}")
+        self.num_local_experts = shape.num_experts // self.world
+        self.max_tokens_per_rank = shape.max_tokens_per_rank
+        self.fp8 = payload_dtype == FP8_DTYPE
+        # v2 exports the id dtype it was built with; v1.2 takes int64
+        self.idx_dtype: torch.dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+        self.buffer = self._make_buffer()
+        self._ll_dirty = False  # a normal-mode call used the buffer since the last clean
+        self._check_qp_depth()
+
+    @property
+    def _group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def _nvl_bytes(self) -> int:
+        hidden_bytes = self.shape.hidden * 2  # bf16 rows
+        cfgs = (self.ep.Buffer.get_dispatch_config, self.ep.Buffer.get_combine_config)
+        hints = [c(self.world).get_nvl_buffer_size_hint(hidden_bytes, self.world) for c in cfgs]
+        return max(NORMAL_BUFFER_FLOOR, *hints)
+
+    def _rdma_bytes(self) -> int:
+        s = self.shape
+        return self.ep.Buffer.get_low_latency_rdma_size_hint(
+            s.max_tokens_per_rank, s.hidden, self.world, s.num_experts
+        )
+
+    def _make_buffer(self) -> Any:
+        """One buffer for the modes used, as SGLang and DeepEP's own tests make it."""
+        low_latency = self.mode != "normal"
+        return self.ep.Buffer(
+            self._group,
+            num_nvl_bytes=self._nvl_bytes() if self.mode != "low_latency" else 0,
+            num_rdma_bytes=self._rdma_bytes() if low_latency else 0,
+            low_latency_mode=low_latency,
+            num_qps_per_rank=self.num_local_experts if low_latency else 1,
+        )
+
+    def _check_qp_depth(self) -> None:
+        """DeepEP's low-latency calls assert ``nvshmem_qp_depth >= 2 * (max_tokens + 1)``;
+        refuse here, at start, rather than on the first decode step."""
+        depth = getattr(self.buffer, "nvshmem_qp_depth", None)
+        need = 2 * (self.max_tokens_per_rank + 1)
+        if self.mode != "normal" and depth is not None and depth < need:
+            raise ValueError(
+                f"DeepEP low-latency mode with max_tokens_per_rank {self.max_tokens_per_rank} "
+                f"needs NVSHMEM_QP_DEPTH >= {need}, found {depth} (set the variable, or lower "
+                "the engine's batch bound: max_running_requests under deepep_mode auto, "
+                "max_num_batched_tokens under low_latency)"
+            )
+
+    def use_masked(self, decode: bool) -> bool:
+        """``low_latency``: always; ``auto``: decode batches; ``normal``: never."""
+        return self.mode == "low_latency" or (self.mode == "auto" and decode)
+
+    # -- normal mode -------------------------------------------------------------------
+
+    def _send_rows(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return quant_per_token_group(x) if self.fp8 else x
+
+    def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
+        """Normal-mode dispatch: ``x`` [T, H] bf16 -> flat rows with local ids (one host
+        sync inside DeepEP for the received count)."""
+        if self.mode == "low_latency":
+            raise RuntimeError("deepep_mode 'low_latency' sends every batch masked")
+        _check_bf16(x)
+        ids = topk_ids.to(self.idx_dtype)
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+            ids, self.shape.num_experts
+        )
+        self._ll_dirty = self.mode == "auto"
+        recv, recv_ids, recv_w, _, handle, _ = self.buffer.dispatch(
+            self._send_rows(x),
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=ids,
+            topk_weights=topk_weights.float(),
+        )
+        rows = dequant_rows(*recv, x.dtype) if isinstance(recv, tuple) else recv
+        recv_ids = recv_ids.long()
+        recv_w = torch.where(recv_ids >= 0, recv_w.float(), 0.0)
+        return Dispatched(rows, recv_ids, recv_w, state=_NormalState(handle, x.dtype))
+
+    def combine(self, y: Tensor, dispatched: Dispatched) -> Tensor:
+        """``y`` [R, H] weighted expert sums -> [T, H], summed over ranks by DeepEP."""
+        s: _NormalState = dispatched.state
+        combined, _, _ = self.buffer.combine(y.to(s.dtype).contiguous(), s.handle)
+        return combined
+
+    # -- low-latency mode --------------------------------------------------------------
+
+    def dispatch_masked(
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> MaskedDispatched:
+        """Low-latency dispatch: ``x`` [T, H] bf16, ``T <= max_tokens_per_rank`` ->
+        [E_local, max_tokens_per_rank * W, H] bf16 rows with per-expert valid counts."""
+        if self.mode == "normal":
+            raise RuntimeError("deepep_mode 'normal' has no low-latency buffer")
+        _check_bf16(x)
+        if x.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(
+                f"low-latency dispatch of {x.shape[0]} tokens: expected at most "
+                f"max_tokens_per_rank {self.max_tokens_per_rank}"
+            )
+        ids = topk_ids.to(self.idx_dtype)
+        self._clean_if_dirty()
+        recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(
+            x, ids, self.max_tokens_per_rank, self.shape.num_experts, use_fp8=self.fp8
+        )
+        rows = dequant_rows(*recv, x.dtype) if self.fp8 else recv
+        state = _MaskedState(handle, ids, topk_weights.float())
+        return MaskedDispatched(rows, counts, state=state)
+
+    def _clean_if_dirty(self) -> None:
+        """DeepEP: after normal-mode kernels, clean before any low-latency kernel."""
+        if self._ll_dirty:
+            s = self.shape
+            self.buffer.clean_low_latency_buffer(s.max_tokens_per_rank, s.hidden, s.num_experts)
+            self._ll_dirty = False
+
+    def combine_masked(self, y: Tensor, dispatched: MaskedDispatched) -> Tensor:
+        """``y`` [E_local, M, H] unweighted expert outputs -> [T, H] bf16 weighted sums."""
+        s: _MaskedState = dispatched.state
+        combined, _, _ = self.buffer.low_latency_combine(
+            y.to(torch.bfloat16).contiguous(), s.topk_ids, s.topk_weights, s.handle
+        )
+        return combined
