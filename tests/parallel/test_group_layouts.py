@@ -9,32 +9,19 @@ one-rank engine on the same checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
+from group_scenario import (
+    DP_KV_TOKENS,
+    LAYOUTS,
+    SCENARIO_ENGINE,
+    assert_no_leaks,
+    run_scenario,
+)
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.llm import LLM
-
-LAYOUTS: dict[str, dict[str, Any]] = {
-    "tp2": {"tp_size": 2},
-    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
-    "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
-    "dp2-ep2-dp-lm-head": {
-        "tp_size": 2,
-        "dp_size": 2,
-        "enable_dp_attention": True,
-        "ep_size": 2,
-        "enable_dp_lm_head": True,
-    },
-    "tp4-ep4": {"tp_size": 4, "ep_size": 4},
-    "dp4-ep4": {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True, "ep_size": 4},
-}
-# DP attention gives each rank its own pool of num_kv_tokens: smaller ones (by dp_size) so
-# the workload still preempts on a rank that holds two sequences.
-DP_KV_TOKENS = {2: 40, 4: 32}
 
 
 @pytest.fixture(scope="module")

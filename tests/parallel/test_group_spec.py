@@ -21,10 +21,15 @@ to the shorter chain (the lookahead a rank grants depends on its own pool).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
+from group_scenario import (
+    DP_KV_TOKENS,
+    LAYOUTS,
+    SCENARIO_ENGINE,
+    assert_no_leaks,
+    run_scenario,
+)
 from spec_util import make_oracle_draft_checkpoint
 
 from dsv3serve.engine.config import EngineConfig
@@ -33,21 +38,8 @@ from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.sequence import ScheduledItem
 
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
-LAYOUTS: dict[str, dict[str, Any]] = {
-    "tp2": {"tp_size": 2},
-    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
-}
-DP_LAYOUTS: dict[str, dict[str, Any]] = {
-    "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
-    "dp2-ep2-dp-lm-head": {
-        "tp_size": 2,
-        "dp_size": 2,
-        "enable_dp_attention": True,
-        "ep_size": 2,
-        "enable_dp_lm_head": True,
-    },
-}
-DP_KV_TOKENS = 40  # per rank: still preempts on a rank holding two sequences
+TP_LAYOUTS = ("tp2", "tp2-ep2")
+DP_LAYOUTS = ("dp2-ep2", "dp2-ep2-dp-lm-head")
 Drafts = list[dict[str, list[int]]]
 ByPosition = dict[tuple[str, int], list[int]]
 
@@ -105,7 +97,7 @@ def one_rank_drafts(tiny_bf16_dir: Path, reference: dict[str, list[int]]) -> Dra
     return rounds
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
 def test_tp_group_with_mtp_gives_the_single_rank_tokens_and_drafts(
     layout: str,
     tiny_bf16_dir: Path,
@@ -159,7 +151,7 @@ def test_dp_attention_group_with_mtp_gives_the_single_rank_tokens_and_drafts(
     reference: dict[str, list[int]],
     one_rank_by_position: ByPosition,
 ) -> None:
-    args = {**SCENARIO_ENGINE, **DP_LAYOUTS[layout], "num_kv_tokens": DP_KV_TOKENS, **SPEC}
+    args = {**SCENARIO_ENGINE, **LAYOUTS[layout], "num_kv_tokens": DP_KV_TOKENS[2], **SPEC}
     ranks: set[int] = set()
     with LLM(str(tiny_bf16_dir), **args) as llm:
         engine = llm.engine
@@ -187,7 +179,7 @@ def test_dp_attention_group_accepting_drafts_matches_the_one_rank_tokens(
     oracle = str(make_oracle_draft_checkpoint(oracle_dir, fp8=False))
     one = Engine(EngineConfig(model=oracle, **SCENARIO_ENGINE, **SPEC))
     one_tokens = run_scenario(one)
-    args = {**SCENARIO_ENGINE, **DP_LAYOUTS["dp2-ep2"], "num_kv_tokens": DP_KV_TOKENS, **SPEC}
+    args = {**SCENARIO_ENGINE, **LAYOUTS["dp2-ep2"], "num_kv_tokens": DP_KV_TOKENS[2], **SPEC}
     with LLM(oracle, **args) as llm:
         tokens = run_scenario(llm.engine)
         assert_no_leaks(llm.engine)

@@ -29,7 +29,25 @@ PROMPTS = {
     "hit": PREFIX + [40, 41, 42],
     "short": [5, 6, 7],
 }
-LATE = ("hit",)  # added after the first steps, when PREFIX is cached
+LATE = ("hit",)
+# the group layouts the scenario runs under (tests/parallel)
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tp_size": 2},
+    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
+    "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
+    "dp2-ep2-dp-lm-head": {
+        "tp_size": 2,
+        "dp_size": 2,
+        "enable_dp_attention": True,
+        "ep_size": 2,
+        "enable_dp_lm_head": True,
+    },
+    "tp4-ep4": {"tp_size": 4, "ep_size": 4},
+    "dp4-ep4": {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True, "ep_size": 4},
+}
+# DP attention gives each rank its own pool of num_kv_tokens: smaller ones (by dp_size) so
+# the workload still preempts on a rank that holds two sequences.
+DP_KV_TOKENS = {2: 40, 4: 32}  # added after the first steps, when PREFIX is cached
 ABORT_AT_STEP = 5
 MAX_NEW = 10
 
