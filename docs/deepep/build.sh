@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build a DeepEP wheel for dsv3serve's `moe_a2a_backend: deepep` (no official wheel exists).
 #
-# NOT RUN YET: written against DeepEP v1.2.1's setup.py (it finds NVSHMEM through the
-# `nvidia.nvshmem` package of the nvidia-nvshmem-cu13 wheel, or NVSHMEM_DIR), never executed
-# on a GPU machine. DeepEP's code is never copied into this repository.
+# Run on 2026-11-25 on one H100 (torch 2.11.0+cu130, nvcc 13.0): the wheel builds in about
+# 80 s and imports (docs/deepep.md). DeepEP v1.2.1's setup.py finds NVSHMEM through the
+# `nvidia.nvshmem` package of the nvidia-nvshmem-cu13 wheel (or NVSHMEM_DIR). DeepEP's code
+# is never copied into this repository.
 #
 # Two steps, because the GPU machine cannot reach the network:
 #
@@ -38,7 +39,7 @@ pack() {
     git clone --quiet --branch "$DEEPEP_TAG" https://github.com/deepseek-ai/DeepEP.git "$src"
   fi
   git -C "$src" archive --format=tar.gz --prefix=DeepEP/ "$DEEPEP_TAG" >"$dir/deepep-src.tar.gz"
-  python -m pip download --no-deps --only-binary=:all: --python-version "$PY_VER" \
+  "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version "$PY_VER" \
     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     -d "$dir" "$NVSHMEM_PKG"
   ls -l "$dir"
@@ -46,7 +47,7 @@ pack() {
 
 check_torch_cuda() {
   local cuda
-  cuda="$(python -c 'import torch; print(torch.version.cuda or "")')"
+  cuda="$("${PYTHON:-python3}" -c 'import torch; print(torch.version.cuda or "")')"
   if [[ "${cuda%%.*}" != "13" && -z "${ALLOW_CUDA_MISMATCH:-}" ]]; then
     echo "torch is built for CUDA '${cuda}', the NVSHMEM wheel for CUDA 13: pack with" \
       "NVSHMEM_PKG=nvidia-nvshmem-cu12 for CUDA 12 (or set ALLOW_CUDA_MISMATCH=1)" >&2
@@ -57,18 +58,24 @@ check_torch_cuda() {
 build() {
   local dir="$1" out="$2" work
   check_torch_cuda
-  python -m pip install --no-index --no-deps "$dir"/nvidia_nvshmem_cu13-*.whl
+  "${PYTHON:-python3}" -m pip install --no-index --no-deps "$dir"/nvidia_nvshmem_cu13-*.whl
   work="$(mktemp -d)"
   tar -xzf "$dir/deepep-src.tar.gz" -C "$work"
   mkdir -p "$out"
   (
     cd "$work/DeepEP"
     export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-    python setup.py bdist_wheel
+    # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which NVSHMEM's headers need
+    local cccl="${CUDA_HOME:-/usr/local/cuda}/include/cccl"
+    if [[ -d "$cccl" ]]; then
+      export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -I$cccl"
+      export CPLUS_INCLUDE_PATH="$cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+    fi
+    "${PYTHON:-python3}" setup.py bdist_wheel
     cp dist/*.whl "$out"/
   )
-  python -m pip install --no-index --no-deps "$out"/deep_ep-*.whl
-  python -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer)'
+  "${PYTHON:-python3}" -m pip install --no-index --no-deps "$out"/deep_ep-*.whl
+  "${PYTHON:-python3}" -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer)'
 }
 
 case "${1:-}" in
