@@ -36,11 +36,11 @@ def test_tp_group_with_speculation_is_accepted(role: str) -> None:
 
 
 @pytest.mark.parametrize("role", ["decode", "colocated"])
-def test_dp_attention_group_with_speculation_is_rejected_naming_both(role: str) -> None:
+def test_dp_attention_group_with_speculation_is_accepted(role: str) -> None:
+    """MTP runs under DP attention (tests/parallel/test_group_spec.py)."""
     data = {"model": "tiny", **DP_ATTENTION, **SPEC}
-    with pytest.raises(ValidationError) as err:
-        WorkerConfig.model_validate({"role": role, "engine": data})
-    assert "speculative_algorithm with enable_dp_attention is not built yet" in str(err.value)
+    worker = WorkerConfig.model_validate({"role": role, "engine": data})
+    assert worker.group_size == 2 and worker.engine.spec_num_steps > 0
 
 
 def test_prefill_with_dp_attention_is_refused_and_other_roles_accept_it() -> None:
@@ -53,11 +53,11 @@ def test_prefill_with_dp_attention_is_refused_and_other_roles_accept_it() -> Non
 
 def test_the_rules_hold_for_the_json_a_replica_is_started_with() -> None:
     data = WorkerConfig(role="decode", engine=SPEC_ENGINE).model_dump(mode="json")
-    data["engine"].update(DP_ATTENTION)
+    data["engine"].update(DP_ATTENTION | {"tp_size": 4, "ep_size": 4})  # dp_size 2 != tp_size
     with pytest.raises(ValidationError, match="enable_dp_attention"):
         WorkerConfig.model_validate_json(json.dumps(data))
-    data["engine"]["enable_dp_attention"], data["engine"]["dp_size"] = False, 1
-    assert WorkerConfig.model_validate_json(json.dumps(data)).group_size == 2
+    data["engine"]["dp_size"] = 4
+    assert WorkerConfig.model_validate_json(json.dumps(data)).group_size == 4
     dp = WorkerConfig(role="decode", engine=EngineConfig(model="tiny", **DP_ATTENTION))
     as_prefill = {**dp.model_dump(mode="json"), "role": "prefill"}
     with pytest.raises(ValidationError, match="a prefill group"):
