@@ -36,7 +36,11 @@ def _gen(offset: int = 0) -> torch.Generator:
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
-    return {"atol": 1e-5, "rtol": 1e-5} if dtype == F32 else {"atol": 1e-2, "rtol": 1e-2}
+    """bf16: each expert's output is rounded to bf16 (a 2^-8 relative half-ulp of values up to
+    ~4 here) before the weighted sum, so where the sum cancels the error follows the summands,
+    not the result (atol 1e-2 failed on one fresh seed in CI: 0.0118 at a result of 0.09).
+    A wrong or missing expert contribution is off by about |y| ~ 1."""
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == F32 else {"atol": 3e-2, "rtol": 1e-2}
 
 
 def _two_rank_cases() -> list[Case]:
