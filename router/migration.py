@@ -26,7 +26,7 @@ from contextlib import aclosing
 from dsv3serve.metrics import Metrics
 from router.seam import Seam, SeamTokenizer, continuation, unsupported
 from workers.backend import BackendError, BackendUnavailable
-from workers.protocol import GenerateRequest, TokenChunk
+from workers.protocol import GenerateRequest, TokenChunk, error_chunk
 
 Attempt = Callable[[GenerateRequest], AsyncIterator[TokenChunk]]
 WaitForDecode = Callable[[float], Awaitable[bool]]  # timeout_s -> whether one is up
@@ -53,17 +53,6 @@ class StreamLog:
     def started(self) -> bool:
         """Whether the client has had a chunk (errors must then come in-band)."""
         return self.usage is not None
-
-
-def error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
-    """The in-band end of a stream that failed after its first chunk."""
-    return TokenChunk(
-        request_id=request_id,
-        finished=True,
-        finish_reason="error",
-        error=message,
-        error_status=status,
-    )
 
 
 class Migrator:

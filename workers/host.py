@@ -39,6 +39,7 @@ from workers.protocol import (
     WorkerInfo,
     WorkerLoad,
     WorkerStats,
+    error_chunk,
 )
 from workers.reservations import reserve_for, staged_mismatch
 from workers.staging import AttemptStaging
@@ -59,16 +60,6 @@ class HandoffError(RuntimeError):
     """The decode side could not take over a prefilled request (answered with a 503)."""
 
 
-def _error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
-    return TokenChunk(
-        request_id=request_id,
-        finished=True,
-        finish_reason="error",
-        error=message,
-        error_status=status,
-    )
-
-
 async def _chunks(outputs: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenChunk]:
     async for out in outputs:
         yield chunk_from_output(out)
@@ -84,12 +75,12 @@ async def _unless_dead(
             async for chunk in it:
                 yield chunk
     except EngineDeadError as exc:
-        yield _error_chunk(request_id, f"{exc}; this replica is restarting", 503)
+        yield error_chunk(request_id, f"{exc}; this replica is restarting", 503)
 
 
 def _released_result(req: GenerateRequest, attempt: str) -> PrefillResult:
     message = f"prefill attempt {attempt!r} was released by its router; nothing staged"
-    return PrefillResult(first=_error_chunk(req.request_id, message, 503), kv=None)
+    return PrefillResult(first=error_chunk(req.request_id, message, 503), kv=None)
 
 
 def _engine_request(req: GenerateRequest, engine_id: str | None = None) -> Request:
@@ -216,7 +207,7 @@ class EngineHost:
                 async for chunk in chunks:
                     yield chunk
         except _REFUSED as exc:
-            yield _error_chunk(req.request_id, str(exc), 400)
+            yield error_chunk(req.request_id, str(exc), 400)
 
     # ---- prefill ---------------------------------------------------------------------------
     async def prefill(self, msg: PrefillRequest) -> PrefillResult:
@@ -236,12 +227,12 @@ class EngineHost:
             return _released_result(req, attempt)
         if msg.skip_pages >= pages_for_tokens(len(req.prompt_ids), self.cfg.engine.page_size):
             message = f"skip_pages {msg.skip_pages} leaves no page of the prompt to stage"
-            return PrefillResult(first=_error_chunk(req.request_id, message, 500), kv=None)
+            return PrefillResult(first=error_chunk(req.request_id, message, 500), kv=None)
         start = time.monotonic()
         try:
             first, export = await self.aengine.prefill(_engine_request(req, attempt))
         except _REFUSED as exc:
-            return PrefillResult(first=_error_chunk(req.request_id, str(exc), 400), kv=None)
+            return PrefillResult(first=error_chunk(req.request_id, str(exc), 400), kv=None)
         except PrefillReleasedError:
             return _released_result(req, attempt)
         if self.staging.is_released(attempt):  # its release is queued or done: stage nothing
@@ -314,7 +305,7 @@ class EngineHost:
         try:
             res, draft = await self._take_over(msg)
         except HandoffError as exc:
-            yield _error_chunk(rid, str(exc), 503)
+            yield error_chunk(rid, str(exc), 503)
             return
         top = dict(msg.first_top_logprobs)
         stream = self.aengine.generate_imported(
@@ -334,7 +325,7 @@ class EngineHost:
                     yield chunk
         except _REFUSED as exc:
             self._unreserve(rid, res)
-            yield _error_chunk(rid, str(exc), 400)
+            yield error_chunk(rid, str(exc), 400)
 
     async def _take_over(self, msg: DecodeRequest) -> tuple[KVReservation, DraftState | None]:
         """The reservation, its pages filled with the prefill side's KV, and the draft state.

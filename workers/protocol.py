@@ -67,6 +67,17 @@ class TokenChunk(_Msg):
     error_status: int | None = None  # the HTTP status the error maps to (400, 503, ...)
 
 
+def error_chunk(request_id: str, message: str, status: int) -> TokenChunk:
+    """The in-band end of a stream that failed (after its first chunk, or before any)."""
+    return TokenChunk(
+        request_id=request_id,
+        finished=True,
+        finish_reason="error",
+        error=message,
+        error_status=status,
+    )
+
+
 class PrefillRequest(_Msg):
     """Prefill ``prompt_ids`` (n=1), sample the first token, stage the KV for a pull.
 
