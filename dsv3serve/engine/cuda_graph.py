@@ -7,6 +7,11 @@ builds the padded batch, copies its token ids, positions and output slots into t
 static buffers, plans attention (flashinfer's CUDA-graph wrappers keep fixed buffers, so the
 captured kernels read the new plan), replays, and slices the first ``b`` logits rows.
 
+In a group every rank replays the same size: under TP all ranks hold the same batch, and
+under DP attention the leader picks the size from every rank's batch (:meth:`run_padded`; a
+rank without sequences replays dummies) and the forward runs as a uniform batch, so its
+collectives need no host-side row counts.
+
 Prefill and extend steps stay eager; speculative decoding's verify and chained draft
 steps have graphs of their own (:mod:`dsv3serve.engine.spec.graphs`), built on the same
 helpers (:mod:`dsv3serve.engine.graph_capture`) and memory pool.
@@ -29,6 +34,7 @@ from dsv3serve.engine.graph_capture import (
 )
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from dsv3serve.parallel.uniform import uniform_batch
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ class DecodeGraphs:
         self._dummy = SeqSpan([0], 0, [scratch_slot], True)
         self._inputs = StaticInputs(self.sizes[-1], scratch_slot, device)
         self._graphs: GraphCache[torch.Tensor] = GraphCache(device, mempool)
+        self.steps = 0  # decode steps run on the padded path (replayed, or eager uncaptured)
         if capture:
             for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
                 batch = self._load([], size)
@@ -91,11 +98,19 @@ class DecodeGraphs:
         return static
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.compute_logits(self.model(batch, self.attn, planned=True))
+        with uniform_batch(batch.num_tokens):
+            return self.model.compute_logits(self.model(batch, self.attn, planned=True))
 
     def run(self, spans: list[SeqSpan]) -> torch.Tensor:
         """Logits [len(spans), V] (float32) of one decode step over ``spans``."""
-        size = padded_size(self.sizes, len(spans))
+        return self.run_padded(spans, padded_size(self.sizes, len(spans)))
+
+    def run_padded(self, spans: list[SeqSpan], size: int) -> torch.Tensor:
+        """:meth:`run` on the graph of ``size`` (a captured size ``>= len(spans)``, chosen
+        by the group; ``spans`` may be empty: a rank with nothing to decode this step)."""
+        if size not in self.sizes or len(spans) > size:
+            raise ValueError(f"expected a captured size >= {len(spans)}, got {size}")
         static = self._load(spans, size)
+        self.steps += 1
         logits = self._graphs.run(size, lambda: self._forward(static))
         return logits[: len(spans)].clone()  # a graph's buffer is the next replay's

@@ -6,6 +6,11 @@ its own KV pool (a rank with none runs the model's idle step, so the MoE dispatc
 and the ``lm_head`` collectives stay in step), computes the logits of its sampled rows, and
 the rows of all ranks are gathered to the leader alone, in rank order, which samples them all.
 
+The step header also carries what the ranks must agree on (:class:`StepShape`): whether
+it is a decode step, and the CUDA-graph size every rank replays when each rank's batch is a
+decode batch that a captured graph holds (a rank with fewer sequences pads with dummies,
+one with none replays dummies only), so the graphs' collectives match.
+
 PD imports land on rank 0's pool (the KV connector's) in staging pages when the owning
 rank is another one, and :meth:`DPGroupLeader.replicate_pages` moves them to the owner
 point to point; no other rank receives them.
@@ -14,12 +19,15 @@ point to point; no other rank receives them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dsv3serve.engine.cuda_graph import DecodeGraphs
 from dsv3serve.engine.dp_scheduler import DPScheduler
+from dsv3serve.engine.graph_capture import padded_size
 from dsv3serve.engine.group import (
     OP_DIGEST,
     OP_SAMPLED,
@@ -44,22 +52,49 @@ def sampled_rows(parts: list[list[SeqSpan]]) -> list[int]:
     return [sum(span.sample for span in spans) for spans in parts]
 
 
-def encode_parts(parts: list[list[SeqSpan]]) -> torch.Tensor:
-    """Every rank's spans as one int64 tensor: ``[ranks, len_0 .. len_{n-1}, rows_0 ..
-    rows_{n-1}]`` + blobs (``rows_r``: rank r's sampled rows, so no rank asks for them)."""
+@dataclass(frozen=True)
+class StepShape:
+    """What every rank must agree on before a DP step's forward: the CUDA-graph size all
+    ranks replay (0: eager), and whether it is a decode step (one sampled token per span on
+    every rank; a masked dispatcher picks its mode by it)."""
+
+    graph_size: int = 0
+    decode: bool = False
+
+
+def step_shape(parts: list[list[SeqSpan]], graphs: DecodeGraphs | None) -> StepShape:
+    """The leader's choice for ``parts`` (every rank's spans): a graph when every rank's
+    batch is a decode batch (or empty) that the largest captured size holds."""
+    spans = [span for part in parts for span in part]
+    decode = bool(spans) and all(len(s.token_ids) == 1 and s.sample for s in spans)
+    most = max(len(part) for part in parts)
+    if graphs is None or not decode or most > graphs.max_batch_size:
+        return StepShape(0, decode)
+    return StepShape(padded_size(graphs.sizes, most), decode)
+
+
+_HEAD = 3  # [ranks, graph_size, decode]
+
+
+def encode_parts(parts: list[list[SeqSpan]], shape: StepShape = StepShape()) -> torch.Tensor:
+    """Every rank's spans as one int64 tensor: ``[ranks, graph_size, decode, len_0 ..
+    len_{n-1}, rows_0 .. rows_{n-1}]`` + blobs (``rows_r``: rank r's sampled rows, so no
+    rank asks for them)."""
     blobs = [encode_spans(spans) for spans in parts]
     sizes = [b.numel() for b in blobs]
-    head = torch.tensor([len(parts), *sizes, *sampled_rows(parts)], dtype=torch.int64)
-    return torch.cat([head, *blobs])
+    head = [len(parts), shape.graph_size, int(shape.decode), *sizes, *sampled_rows(parts)]
+    return torch.cat([torch.tensor(head, dtype=torch.int64), *blobs])
 
 
-def decode_part(data: torch.Tensor, rank: int) -> tuple[list[SeqSpan], list[int]]:
-    """Rank ``rank``'s spans out of :func:`encode_parts`'s tensor, and every rank's rows."""
-    ranks = int(data[0])
-    head = data[1 : 1 + 2 * ranks].tolist()
+def decode_part(data: torch.Tensor, rank: int) -> tuple[list[SeqSpan], list[int], StepShape]:
+    """Rank ``rank``'s spans out of :func:`encode_parts`'s tensor, every rank's rows and
+    the step's shape."""
+    ranks, graph_size, decode = data[:_HEAD].tolist()
+    head = data[_HEAD : _HEAD + 2 * ranks].tolist()
     sizes, rows = head[:ranks], head[ranks:]
-    start = 1 + 2 * ranks + sum(sizes[:rank])
-    return decode_one(data[start : start + sizes[rank]]), rows
+    start = _HEAD + 2 * ranks + sum(sizes[:rank])
+    spans = decode_one(data[start : start + sizes[rank]])
+    return spans, rows, StepShape(graph_size, bool(decode))
 
 
 def idle_logits(runner: ModelRunner) -> torch.Tensor:
@@ -69,12 +104,23 @@ def idle_logits(runner: ModelRunner) -> torch.Tensor:
     return model.compute_logits(empty)
 
 
-def forward_local(runner: ModelRunner, spans: list[SeqSpan]) -> torch.Tensor:
-    """This rank's step: logits [rows, V] of its sampled rows (an idle step when empty)."""
-    if spans:
-        return runner.run_spans(spans, None).logits
-    runner.model.forward_idle()
-    return idle_logits(runner)
+def forward_local(
+    runner: ModelRunner, spans: list[SeqSpan], shape: StepShape = StepShape()
+) -> torch.Tensor:
+    """This rank's step: logits [rows, V] of its sampled rows (an idle step when empty, or
+    dummy rows of the agreed graph size)."""
+    runner.set_step_phase(shape.decode)
+    try:
+        if shape.graph_size:
+            if runner.graphs is None:
+                raise RuntimeError("the leader chose a CUDA graph; this rank captured none")
+            return runner.graphs.run_padded(spans, shape.graph_size)
+        if spans:
+            return runner.run_spans(spans, None).logits
+        runner.model.forward_idle()
+        return idle_logits(runner)
+    finally:  # other forwards (speculative ones) set no phase: never leave decode on
+        runner.set_step_phase(False)
 
 
 def gather_rows(rows: torch.Tensor, sizes: list[int], device: torch.device) -> Tensor | None:
@@ -134,8 +180,9 @@ class DPGroupLeader:
         for item in items:
             parts[item.seq.dp_rank].append(item)
         spans = [self.runner.spans(part) for part in parts]
-        self._wire.send(OP_DP_STEP, encode_parts(spans))
-        rows = forward_local(self.runner, spans[0])
+        shape = step_shape(spans, self.runner.graphs)
+        self._wire.send(OP_DP_STEP, encode_parts(spans, shape))
+        rows = forward_local(self.runner, spans[0], shape)
         logits = gather_rows(rows, sampled_rows(spans), self._wire.device)
         assert logits is not None  # rank 0 receives every rank's rows
         sampled = [item for part in parts for item in part if item.sample]
@@ -186,8 +233,8 @@ def dp_follower_loop(
     while True:
         op, n = wire.recv_header()
         if op == OP_DP_STEP:
-            spans, sizes = decode_part(wire.recv(n).cpu(), rank)
-            gather_rows(forward_local(runner, spans), sizes, wire.device)
+            spans, sizes, shape = decode_part(wire.recv(n).cpu(), rank)
+            gather_rows(forward_local(runner, spans, shape), sizes, wire.device)
             steps += 1
         elif op == OP_DP_MOVE_PAGES:
             owner, *pages = wire.recv(n).tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
 
 logger = logging.getLogger(__name__)
+# "1": run the CUDA-graph decode path (padding, static buffers, group-agreed sizes) without
+# capture where there is no CUDA, so CPU tests cover what a GPU group replays.
+EAGER_GRAPH_PATH_ENV = "DSV3SERVE_EAGER_GRAPH_PATH"
 
 
 def resolve_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -96,29 +100,65 @@ class ModelRunner:
             self.pool,
             model_cfg.kv_lora_rank,
             MLADims.from_config(model_cfg, cfg.parallel.attn_tp_size),
-            cuda_graph=self._graph_limits() if use_graphs else None,
+            cuda_graph=self._graph_limits() if use_graphs and self._capture else None,
         )
         self.graphs: DecodeGraphs | None = None
         self.graph_pool: Any = None  # the memory pool every CUDA graph of this rank shares
         if use_graphs:
+            self.graphs = self._decode_graphs()
+
+    @property
+    def _capture(self) -> bool:
+        """Graphs are captured on CUDA; elsewhere the graph path can only run eagerly."""
+        return self.device.type == "cuda"
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """Capture the decode graphs (every rank of a group in the same order: their warm-up
+        runs the group's collectives); a decode step, for a dispatcher that picks its mode."""
+        if self._capture:
             self.graph_pool = torch.cuda.graph_pool_handle()
-            sizes = capture_sizes(self._graph_max_bs())
-            self.graphs = DecodeGraphs(
-                decode_model(self.model, cfg, sizes),
+        sizes = capture_sizes(self._graph_max_bs())
+        self.set_step_phase(decode=True)
+        try:
+            return DecodeGraphs(
+                decode_model(self.model, self.cfg, sizes),
                 self.attn,
                 self.device,
                 sizes,
                 self.scratch_slots(1)[0],
+                capture=self._capture,
                 mempool=self.graph_pool,
             )
+        finally:
+            self.set_step_phase(decode=False)
+
+    def set_step_phase(self, decode: bool) -> None:
+        """Tell the MoE dispatcher whether the group's step is a decode step (every rank of
+        a group sets the same value: it travels in the DP step header)."""
+        if self.parts.dispatcher is not None:
+            self.parts.dispatcher.step_is_decode = decode
+
+    @property
+    def graphs_by_group(self) -> bool:
+        """Under DP attention the leader decides each step whether every rank replays a graph
+        and of which size (:mod:`dsv3serve.engine.dp_group`); ``run_spans`` never does."""
+        layout = self.parts.layout
+        return layout is not None and layout.parallel.enable_dp_attention
 
     def _use_cuda_graphs(self) -> bool:
-        """Decode CUDA graphs: on CUDA with a backend that supports them, unless disabled."""
+        """Decode CUDA graphs: on CUDA with a backend that supports them, unless disabled or
+        the group's collectives cannot be captured. Without CUDA, :data:`EAGER_GRAPH_PATH_ENV`
+        runs the same padded path uncaptured (tests of the group's graph agreement)."""
         c = self.cfg
-        if self.device.type != "cuda" or c.disable_cuda_graph:
+        if c.disable_cuda_graph:
             return False
+        if self.device.type != "cuda":
+            return os.environ.get(EAGER_GRAPH_PATH_ENV) == "1" and self.parts.uniform_safe
         if not self.parts.graph_safe:
-            logger.info("CUDA graphs off: multi-rank groups run decode steps eagerly for now")
+            logger.info(
+                "CUDA graphs off: this group's collectives or MoE dispatcher cannot be "
+                "captured (NCCL and a graph-safe dispatcher are needed)"
+            )
             return False
         return attention_backend_class(c.attention_backend, self._kv_dtype()).supports_cuda_graphs
 
@@ -200,7 +240,7 @@ class ModelRunner:
     def run_spans(self, spans: list[SeqSpan], items: list[ScheduledItem] | None) -> StepResult:
         """Forward ``spans``; ``items`` (None on follower ranks) label the sampled rows."""
         sampled = [item for item in items or [] if item.sample]
-        if self.graphs is not None and self.graphs.can_run(spans):
+        if self.graphs is not None and not self.graphs_by_group and self.graphs.can_run(spans):
             return StepResult(self.graphs.run(spans), sampled)
         batch = ForwardBatch.build(spans, self.device)
         hidden = self.model(batch, self.attn)

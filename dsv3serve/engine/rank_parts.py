@@ -17,7 +17,9 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.parallel.comm import Comm, make_comm
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
+from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
 from dsv3serve.parallel.dispatch_base import Dispatcher
+from dsv3serve.parallel.dispatch_gather import UniformGatherDispatcher
 from dsv3serve.parallel.shard import RankLayout
 from dsv3serve.plan.planner import plan
 
@@ -37,9 +39,15 @@ class RankParts:
     @property
     def graph_safe(self) -> bool:
         """Whether decode steps can be captured into CUDA graphs: one rank, or collectives
-        and dispatcher that say so (the timing-only loopbacks; no real group yet)."""
+        (NCCL, the timing-only loopback) and a dispatcher that say so."""
         comm_ok = self.comm is None or self.comm.graph_safe
-        return comm_ok and (self.dispatcher is None or self.dispatcher.graph_safe)
+        return comm_ok and self.uniform_safe
+
+    @property
+    def uniform_safe(self) -> bool:
+        """Whether the MoE dispatcher has a fixed-shape path for uniform batches (what a
+        graph replays), whatever the collectives' backend."""
+        return self.dispatcher is None or self.dispatcher.graph_safe
 
     def check_layout(self, parallel: ParallelConfig) -> RankParts:
         """``self`` if its layout is ``parallel`` (the engine config's), else LayoutError."""
@@ -64,19 +72,22 @@ def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:
         )
     rank = dist.get_rank()
     layout = RankLayout(cfg.parallel, rank)
+    comm = make_comm()
     dispatcher = None
     if cfg.enable_dp_attention and cfg.ep_size > 1:
         dispatcher = create_dispatcher(
             cfg.parallel, model_cfg.n_routed_experts, rank, deepep=_deepep_options(cfg, model_cfg)
         )
-    return RankParts(layout, make_comm(), dispatcher)
+        if isinstance(dispatcher, AllToAllDispatcher):  # graphed decode steps gather instead
+            dispatcher = UniformGatherDispatcher(dispatcher, comm)
+    return RankParts(layout, comm, dispatcher)
 
 
 def _deepep_options(cfg: EngineConfig, model_cfg: ModelConfig) -> DeepEPOptions:
     """DeepEP's buffer sizes from the engine's batch bounds: ``low_latency`` sends every
-    batch masked (up to ``max_num_batched_tokens`` tokens); ``auto`` would send decode
-    batches (up to ``max_running_requests``) masked, but the model does not pass the phase
-    down yet, so its batches all take normal mode (docs/deepep.md)."""
+    batch masked (up to ``max_num_batched_tokens`` tokens); ``auto`` sends decode steps
+    masked (up to ``max_running_requests`` per rank; the DP step header tells every rank
+    the step's phase) and the others in normal mode."""
     masked_all = cfg.parallel.deepep_mode == "low_latency"
     bound = cfg.max_num_batched_tokens if masked_all else cfg.max_running_requests
     return DeepEPOptions(model_cfg.hidden_size, bound, device=torch.device(cfg.device))

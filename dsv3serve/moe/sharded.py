@@ -48,13 +48,14 @@ def run_dispatched(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: FusedExperts,
-    decode: bool = False,
+    decode: bool | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [T, H] for this rank's tokens ``x`` [T, H] (T may be 0): send
     them to their experts' ranks, run the local experts on what arrived, bring sums back.
-    A :class:`MaskedDispatcher` that wants this phase (``decode``) masked takes
-    :func:`run_masked` instead."""
-    if isinstance(dispatcher, MaskedDispatcher) and dispatcher.use_masked(decode):
+    A :class:`MaskedDispatcher` that wants this phase masked takes :func:`run_masked`
+    instead; the phase is ``decode``, or when None the group's (``step_is_decode``)."""
+    phase = dispatcher.step_is_decode if decode is None else decode
+    if isinstance(dispatcher, MaskedDispatcher) and dispatcher.use_masked(phase):
         return run_masked(dispatcher, x, weights, ids, experts)
     sent = dispatcher.dispatch(x, ids, weights)
     if sent.x.shape[0] == 0:

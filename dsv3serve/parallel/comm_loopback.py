@@ -10,8 +10,6 @@ never for outputs.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from torch import Tensor
 
@@ -23,10 +21,10 @@ class LoopbackTimingOnlyComm(Comm):
 
     ``all_reduce`` returns ``x`` unchanged; ``all_gather`` [.., n, ..] -> [.., world * n, ..]
     (``x`` repeated); ``all_gather_rows`` [n, ...] -> ([world * n, ...], [n] * world), the
-    counts known on the host without a sync.
+    counts known on the host without a sync; ``reduce_scatter_rows`` keeps the first block.
     """
 
-    graph_safe: ClassVar[bool] = True
+    graph_safe: bool = True
 
     def __init__(self, world_size: int, rank: int) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -52,3 +50,6 @@ class LoopbackTimingOnlyComm(Comm):
 
     def all_gather_rows(self, x: Tensor) -> tuple[Tensor, list[int]]:
         return self.all_gather(x, 0), [x.shape[0]] * self._world
+
+    def reduce_scatter_rows(self, x: Tensor) -> Tensor:
+        return x[: x.shape[0] // self._world]

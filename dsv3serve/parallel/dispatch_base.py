@@ -42,6 +42,11 @@ class Dispatcher(ABC):
     """``dispatch`` and ``combine`` can be captured into a CUDA graph (static shapes, no host
     sync, no process-group call)."""
 
+    step_is_decode: bool = False
+    """Whether the group's current step is a decode step on every rank. The DP group sets it
+    before each forward from the step header, so all ranks agree even where a rank has no
+    tokens; a masked dispatcher (DeepEP ``auto``) picks its mode by it."""
+
     @abstractmethod
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
         """``x`` [T, H], ``topk_ids`` [T, K] global expert ids, ``topk_weights`` [T, K]."""

@@ -29,6 +29,7 @@ on rank 0 of a TP group they are broadcast so the other ranks run them too
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
 from dsv3serve.engine.spec.forwards import SpecForwards, make_draft
 from dsv3serve.engine.spec.graphs import SpecGraphs
 from dsv3serve.forward_batch import SeqSpan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,9 @@ class SpecDecoder:
         self.forwards = SpecForwards(runner, self.draft)
         self._states: dict[str, DraftState] = {}
         self.graphs: SpecGraphs | None = None
-        if runner.graphs is not None:  # CUDA graphs where the decode steps have them
+        if runner.graphs is not None and runner.parts.in_group:
+            logger.info("speculative rounds in a group run eagerly (decode graphs are per group)")
+        elif runner.graphs is not None and runner.device.type == "cuda":  # as decode steps
             self.graphs = SpecGraphs.build(
                 self.draft,
                 runner.attn,
