@@ -418,6 +418,13 @@ class EngineHost:
         return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
 
     # ---- health and the group ---------------------------------------------------------------
+
+    async def gather_rank_metrics(self) -> None:
+        """Before a scrape: the follower ranks' dispatch meters, for this replica's
+        exposition (a group's rank 0 meters itself in this process)."""
+        if self.group is not None:
+            self.metrics.group_dispatch = await self.group.dispatch_stats()
+
     def check_health(self) -> None:
         """Raise if this replica cannot serve: its engine died (EngineDeadError) or a rank of
         its group ended. Never blocks."""
