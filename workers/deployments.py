@@ -47,8 +47,8 @@ class EngineWorker:
 
     async def metrics(self) -> bytes:
         """This replica's Prometheus exposition (merged by the router's metrics endpoint),
-        with every group rank's dispatch metrics (asked of the followers first)."""
-        await self.host.gather_rank_metrics()
+        with every group rank's dispatch metrics (the followers' as last answered)."""
+        self.host.gather_rank_metrics()
         return self.host.metrics.exposition()
 
     async def info(self) -> bytes:

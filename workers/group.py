@@ -9,8 +9,8 @@ of one GPU each spans two 8-GPU nodes.
 
 Metrics: each follower answers :meth:`RankWorker.dispatch_stats` (its dispatch meters as
 plain numbers) in a concurrency group of its own, so the call is served while ``loop`` runs;
-rank 0 asks every follower when it is scraped (:meth:`Group.dispatch_stats`). The step
-protocol between the ranks is unchanged.
+rank 0 starts asking every follower when it is scraped and exports the last answers
+(:meth:`Group.dispatch_stats`). The step protocol between the ranks is unchanged.
 
 The followers are actors the replica owns: they die with it. A follower that dies first
 ends its ``loop`` call; :meth:`Group.check` (the replica's health check) reports it, and
@@ -86,18 +86,26 @@ class Group:
         self._ends: list[Future[Any]] = [ref.future() for ref in loops]
         self.leader: Any = None
         self._stats: list[dict[str, Any]] = []
+        self._asking: asyncio.Future[None] | None = None
 
-    async def dispatch_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
-        """Every follower's dispatch meter snapshots. A follower that does not answer within
-        ``timeout_s`` (or died: :meth:`check` reports that) leaves the last answer in
-        place, so its counters neither vanish nor go back."""
+    def dispatch_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """The followers' dispatch meter snapshots as last answered, and a new ask of every
+        follower started in the background unless one is under way (call it from the
+        replica's event loop). The scrape never waits on a follower: its numbers are one
+        ask behind. A follower that does not answer within ``timeout_s`` (or died:
+        :meth:`check` reports that) leaves the last answers in place, so counters never go
+        back."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask(timeout_s))
+        return self._stats
+
+    async def _ask(self, timeout_s: float) -> None:
         refs = [f.dispatch_stats.remote() for f in self.followers]
         try:
             per_rank = await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
         except (TimeoutError, ray.exceptions.RayError):
-            return self._stats
+            return
         self._stats = [snap for snaps in per_rank for snap in snaps]
-        return self._stats
 
     def check(self) -> None:
         """Raise :class:`GroupRankDiedError` if a follower's loop has ended (its actor died,

@@ -419,11 +419,12 @@ class EngineHost:
 
     # ---- health and the group ---------------------------------------------------------------
 
-    async def gather_rank_metrics(self) -> None:
-        """Before a scrape: the follower ranks' dispatch meters, for this replica's
-        exposition (a group's rank 0 meters itself in this process)."""
+    def gather_rank_metrics(self) -> None:
+        """Before a scrape (on the event loop): the follower ranks' dispatch meters as last
+        answered, for this replica's exposition, and a new ask started (a group's rank 0
+        meters itself in this process)."""
         if self.group is not None:
-            self.metrics.group_dispatch = await self.group.dispatch_stats()
+            self.metrics.group_dispatch = self.group.dispatch_stats()
 
     def check_health(self) -> None:
         """Raise if this replica cannot serve: its engine died (EngineDeadError) or a rank of

@@ -166,6 +166,12 @@ def test_graph_style_meter_counts_only_real_rows(ranks) -> None:
         assert got["combine"]["count"] == len(STEPS)
 
 
+def test_graph_safe_exactly_in_low_latency_mode(ranks) -> None:
+    _, results = ranks
+    for rank in range(WORLD):
+        assert results[rank]["_graph_safe"] == {"normal": False, "low_latency": True, "auto": False}
+
+
 def test_host_sync_guard_catches_a_sync() -> None:
     """The guard the graph-style steps run under does see a host read (and lifts for the
     stand-in)."""

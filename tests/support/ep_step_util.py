@@ -139,6 +139,8 @@ def _rank_main(rank: int, world: int, workdir: str, steps: list[int]) -> None:
         cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
         results = {c.name: _metered(c, world, rank) for c in cases}
         results["_graph_style"] = _graph_style(cases[0], world, rank, steps)
+        modes = ("normal", "low_latency", "auto")
+        results["_graph_safe"] = {m: make_deepep(world, rank, m, 128).graph_safe for m in modes}
         torch.save(results, root / f"rank{rank}.pt")
 
 
