@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 NS = "dsv3serve:"
@@ -34,6 +34,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 MIGRATION_FAILURES = ("exhausted", "unsupported", "no_decode", "failed")
 SPEED_BUCKETS = tuple(gb * 1e9 for gb in (0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400))
+DISPATCH_LATENCY_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -236,3 +240,48 @@ class EngineStateCollector(Collector):
             metric = kind(NS + name, doc, labels=names)
             metric.add_metric(values, value)
             yield metric
+
+
+class DispatchStatsCollector(Collector):
+    """Expert-parallel dispatch / combine latency and bytes of every rank of a group.
+
+    ``read`` returns snapshots of :class:`~dsv3serve.parallel.dispatch_meter.DispatchMeter`
+    (plain data, possibly from other processes: a worker's rank 0 gathers its followers');
+    each becomes ``dsv3serve:moe_dispatch_seconds`` (histogram, one observation per call)
+    and ``dsv3serve:moe_dispatch_bytes_total`` (counter) with labels ``rank``, ``phase``
+    (``dispatch`` / ``combine``) and ``mode`` (``a2a``, ``normal``, ``low_latency``).
+    """
+
+    def __init__(self, identity: Identity, read: Any) -> None:
+        self.labels = identity.labels()
+        self.read = read  # () -> list[dict]
+
+    def collect(self) -> Iterator[Any]:
+        names = [*self.labels, "rank", "phase", "mode"]
+        seconds = HistogramMetricFamily(
+            NS + "moe_dispatch_seconds",
+            "Expert-parallel dispatch / combine time per call (CUDA events on GPU).",
+            labels=names,
+        )
+        nbytes = CounterMetricFamily(
+            NS + "moe_dispatch_bytes",
+            "Expert-side row bytes: received by dispatch, sent back by combine.",
+            labels=names,
+        )
+        for snap in self.read():
+            for p in snap["phases"]:
+                values = [*self.labels.values(), str(snap["rank"]), p["phase"], p["mode"]]
+                seconds.add_metric(values, _cumulative(p["buckets"]), p["seconds"])
+                nbytes.add_metric(values, p["bytes"])
+        yield seconds
+        yield nbytes
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (last: +Inf) -> Prometheus' cumulative ``(le, count)`` pairs."""
+    bounds = [*(str(b) for b in DISPATCH_LATENCY_BUCKETS), "+Inf"]
+    total, out = 0, []
+    for bound, count in zip(bounds, counts, strict=True):
+        total += count
+        out.append((bound, total))
+    return out

@@ -46,7 +46,9 @@ class EngineWorker:
         self.host.check_health()
 
     async def metrics(self) -> bytes:
-        """This replica's Prometheus exposition (merged by the router's metrics endpoint)."""
+        """This replica's Prometheus exposition (merged by the router's metrics endpoint),
+        with every group rank's dispatch metrics (the followers' as last answered)."""
+        self.host.gather_rank_metrics()
         return self.host.metrics.exposition()
 
     async def info(self) -> bytes:

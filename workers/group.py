@@ -7,6 +7,11 @@ rank 0 builds its own: they agree on the KV capacity) and follows rank 0's steps
 placement group packs the bundles onto as few nodes as hold them, so a group of 16 ranks
 of one GPU each spans two 8-GPU nodes.
 
+Metrics: each follower answers :meth:`RankWorker.dispatch_stats` (its dispatch meters as
+plain numbers) in a concurrency group of its own, so the call is served while ``loop`` runs;
+rank 0 starts asking every follower when it is scraped and exports the last answers
+(:meth:`Group.dispatch_stats`). The step protocol between the ranks is unchanged.
+
 The followers are actors the replica owns: they die with it. A follower that dies first
 ends its ``loop`` call; :meth:`Group.check` (the replica's health check) reports it, and
 rank 0's next collective raises (connection closed, or ``group_timeout_s``).
@@ -14,6 +19,7 @@ rank 0's next collective raises (connection closed, or ``group_timeout_s``).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from concurrent.futures import Future
 from dataclasses import replace
@@ -25,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
 from dsv3serve.engine.rank import run_follower
+from dsv3serve.parallel.dispatch_meter import process_snapshots
 from workers.config import WorkerConfig
 
 
@@ -43,7 +50,7 @@ def rank_actor_name(group_name: str, rank: int) -> str:
     return f"dsv3serve-rank{rank}:{group_name}"
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"metrics": 1})
 class RankWorker:
     """One follower rank: its shard of the model and its KV pool, driven by rank 0."""
 
@@ -63,6 +70,12 @@ class RankWorker:
         """Build this rank's shard, then follow rank 0 until it stops the group."""
         return run_follower(self.cfg.engine)
 
+    @ray.method(concurrency_group="metrics")
+    def dispatch_stats(self) -> list[dict[str, Any]]:
+        """This rank's dispatch / combine meters (``dispatch_meter`` snapshots), answered on
+        a thread of their own while ``loop`` runs; empty before the shard is built."""
+        return process_snapshots()
+
 
 class Group:
     """Rank 0's view of its group: the follower actors and (once the engine is built) the
@@ -72,6 +85,27 @@ class Group:
         self.followers, self.loops = followers, loops
         self._ends: list[Future[Any]] = [ref.future() for ref in loops]
         self.leader: Any = None
+        self._stats: list[dict[str, Any]] = []
+        self._asking: asyncio.Future[None] | None = None
+
+    def dispatch_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """The followers' dispatch meter snapshots as last answered, and a new ask of every
+        follower started in the background unless one is under way (call it from the
+        replica's event loop). The scrape never waits on a follower: its numbers are one
+        ask behind. A follower that does not answer within ``timeout_s`` (or died:
+        :meth:`check` reports that) leaves the last answers in place, so counters never go
+        back."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask(timeout_s))
+        return self._stats
+
+    async def _ask(self, timeout_s: float) -> None:
+        refs = [f.dispatch_stats.remote() for f in self.followers]
+        try:
+            per_rank = await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+        except (TimeoutError, ray.exceptions.RayError):
+            return
+        self._stats = [snap for snaps in per_rank for snap in snaps]
 
     def check(self) -> None:
         """Raise :class:`GroupRankDiedError` if a follower's loop has ended (its actor died,

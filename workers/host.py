@@ -418,6 +418,14 @@ class EngineHost:
         return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
 
     # ---- health and the group ---------------------------------------------------------------
+
+    def gather_rank_metrics(self) -> None:
+        """Before a scrape (on the event loop): the follower ranks' dispatch meters as last
+        answered, for this replica's exposition, and a new ask started (a group's rank 0
+        meters itself in this process)."""
+        if self.group is not None:
+            self.metrics.group_dispatch = self.group.dispatch_stats()
+
     def check_health(self) -> None:
         """Raise if this replica cannot serve: its engine died (EngineDeadError) or a rank of
         its group ended. Never blocks."""

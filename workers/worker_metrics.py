@@ -8,17 +8,33 @@ from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import generate_latest
 
-from dsv3serve.metrics import EngineState, EngineStateCollector, Identity, Metrics
+from dsv3serve.metrics import (
+    DispatchStatsCollector,
+    EngineState,
+    EngineStateCollector,
+    Identity,
+    Metrics,
+)
+from dsv3serve.parallel.dispatch_meter import process_snapshots
 from kv_transfer.handle import TransferStats
 from workers.protocol import TokenChunk
 
 
 class WorkerMetrics:
-    """Metrics of one replica (``role``, ``replica``, ``model`` labels)."""
+    """Metrics of one replica (``role``, ``replica``, ``model`` labels).
+
+    Expert-parallel dispatch metrics come from every rank of the replica's group: this
+    process's meters (rank 0) and ``group_dispatch``, the followers' snapshots the host
+    gathered before the scrape (``EngineHost.gather_rank_metrics``).
+    """
 
     def __init__(self, identity: Identity, engine_state: Callable[[], EngineState]) -> None:
         self.m = Metrics(identity)
         self.m.registry.register(EngineStateCollector(identity, engine_state))
+        self.group_dispatch: list[dict] = []
+        self.m.registry.register(
+            DispatchStatsCollector(identity, lambda: process_snapshots() + self.group_dispatch)
+        )
         self.pulled_pages = 0
         self.reused_pages = 0
 

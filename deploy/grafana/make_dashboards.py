@@ -103,6 +103,16 @@ ENGINE = [
         (f"{rate('spec_decode_num_accepted_tokens_total', M)} / clamp_min("
          f"{rate('spec_decode_num_draft_tokens_total', M)}, 1)", "accepted / drafted"),
     ]),
+    ("MoE dispatch / combine latency per EP rank (p50, p99)", "s", [
+        (f"histogram_quantile({q}, sum by (le, replica, rank, phase) "
+         f"(rate(dsv3serve:moe_dispatch_seconds_bucket{{{M}}}{RI})))",
+         f"{{{{replica}}}} rank {{{{rank}}}} {{{{phase}}}} p{int(q * 100)}")
+        for q in (0.5, 0.99)
+    ]),
+    ("MoE dispatch / combine bytes/s per EP rank", "Bps", [
+        (rate("moe_dispatch_bytes_total", M, "replica, rank, phase"),
+         "{{replica}} rank {{rank}} {{phase}}"),
+    ]),
 ]  # fmt: skip
 
 DASHBOARDS = {

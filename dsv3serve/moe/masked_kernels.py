@@ -48,54 +48,18 @@ def _act_tile_body(
     return a
 
 
-def _masked_gate_up_body(
+def _masked_gemm_body(
     x_ptr, w_ptr, ws_ptr, counts_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
     stride_xe, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_om,
-    W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    W_SCALED: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``out[e, m, n] = silu(x[e, m] . w[e, n]) * (x[e, m] . w[e, N + n])`` for valid rows;
-    ``w`` is ``w13`` [E, 2N, K] (gate rows then up rows), ``out`` [E, M, N]."""
-    e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid = tl.load(counts_ptr + e)
-    if pid_m * BLOCK_M >= valid:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < valid
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < K
-        a = _act_tile(x_ptr, e, rows, row_ok, k_idx, k_ok, stride_xe, stride_xm, W_SCALED)
-        wg = _weight_tile(
-            w_ptr, ws_ptr, e, cols, col_ok, k_idx, k_ok, k0, stride_we, stride_wn, stride_se,
-            stride_sn, W_SCALED,
-        )  # fmt: skip
-        wu = _weight_tile(
-            w_ptr, ws_ptr, e, cols + N, col_ok, k_idx, k_ok, k0, stride_we, stride_wn,
-            stride_se, stride_sn, W_SCALED,
-        )  # fmt: skip
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-    out_dtype = out_ptr.dtype.element_ty
-    g = acc_g.to(out_dtype).to(tl.float32)
-    u = acc_u.to(out_dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_dtype).to(tl.float32)
-    h = (act * u).to(out_dtype)
-    o_ptrs = out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :]
-    tl.store(o_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
+    """One GEMM body for both projections, over valid rows only (``out`` [E, M, N]):
 
-
-def _masked_down_body(
-    x_ptr, w_ptr, ws_ptr, counts_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
-    stride_xe, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_om,
-    W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """``out[e, m, n] = x[e, m] . w[e, n]`` for valid rows; ``w`` is ``w2`` [E, N, K]."""
+    * ``GATED`` (gate/up): ``out[e, m, n] = silu(x[e, m] . w[e, n]) * (x[e, m] . w[e, N + n])``
+      with ``w`` = ``w13`` [E, 2N, K] (gate rows then up rows), both from one activation tile;
+    * otherwise (down): ``out[e, m, n] = x[e, m] . w[e, n]`` with ``w`` = ``w2`` [E, N, K].
+    """
     e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid = tl.load(counts_ptr + e)
     if pid_m * BLOCK_M >= valid:
@@ -105,6 +69,7 @@ def _masked_down_body(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_idx < K
@@ -114,12 +79,25 @@ def _masked_down_body(
             stride_sn, W_SCALED,
         )  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if GATED:
+            wu = _weight_tile(
+                w_ptr, ws_ptr, e, cols + N, col_ok, k_idx, k_ok, k0, stride_we, stride_wn,
+                stride_se, stride_sn, W_SCALED,
+            )  # fmt: skip
+            acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+    out_dtype = out_ptr.dtype.element_ty
+    if GATED:
+        g = acc.to(out_dtype).to(tl.float32)
+        u = acc_up.to(out_dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_dtype).to(tl.float32)
+        res = (act * u).to(out_dtype)
+    else:
+        res = acc.to(out_dtype)
     o_ptrs = out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(o_ptrs, res, mask=row_ok[:, None] & col_ok[None, :])
 
 
 if HAS_TRITON:
     _weight_tile = triton.jit(_weight_tile_body)
     _act_tile = triton.jit(_act_tile_body)
-    masked_gate_up_kernel = triton.jit(_masked_gate_up_body)
-    masked_down_kernel = triton.jit(_masked_down_body)
+    masked_gemm_kernel = triton.jit(_masked_gemm_body)

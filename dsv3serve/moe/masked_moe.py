@@ -5,8 +5,9 @@ top-k weights); rows at or past ``counts[e]`` are padding holding stale data (Na
 tests) and are never read. Two implementations with one contract:
 
 * :func:`masked_moe_ref`: torch, a loop over experts reading the counts on the host.
-* :func:`masked_moe_triton`: two Triton kernels (:mod:`dsv3serve.moe.masked_kernels`), fixed
-  grid, no host sync, so it can be captured into a CUDA graph.
+* :func:`masked_moe_triton`: two launches of one Triton GEMM kernel (gate/up, then down;
+  :mod:`dsv3serve.moe.masked_kernels`), fixed grid, no host sync, so it can be captured
+  into a CUDA graph.
 
 Weights are the stack of :class:`~dsv3serve.moe.experts.ExpertStack`: e4m3 with 128x128
 block scales, or the activation dtype. Rounding: the gate and up outputs, silu and the
@@ -26,7 +27,7 @@ from dsv3serve.moe.experts import ExpertStack
 if HAS_TRITON:
     import triton
 
-    from dsv3serve.moe.masked_kernels import masked_down_kernel, masked_gate_up_kernel
+    from dsv3serve.moe.masked_kernels import masked_gemm_kernel
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -66,15 +67,15 @@ def _check(x: torch.Tensor, counts: torch.Tensor, stack: ExpertStack) -> None:
         raise ValueError(f"expected e4m3 or {x.dtype} weights, got {stack.w13.dtype}")
 
 
-def _launch(kernel, x, w, ws, counts, out, n: int, k: int) -> None:  # noqa: ANN001
+def _launch(gated: bool, x, w, ws, counts, out, n: int, k: int) -> None:  # noqa: ANN001
     scaled = ws is not None
     s = ws if scaled else w  # a dummy pointer when unscaled (never read)
     grid = (x.shape[0], triton.cdiv(x.shape[1], BLOCK_M), triton.cdiv(n, BLOCK_N))
-    kernel[grid](
+    masked_gemm_kernel[grid](
         x, w, s, counts, out, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         s.stride(0), s.stride(1), out.stride(0), out.stride(1),
-        W_SCALED=scaled, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        W_SCALED=scaled, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
 
@@ -90,9 +91,9 @@ def masked_moe_triton(
     e, m, h = x.shape
     inter = stack.w2.shape[2]
     hidden = torch.empty(e, m, inter, dtype=x.dtype, device=x.device)
-    _launch(masked_gate_up_kernel, x, stack.w13, stack.w13_scale_inv, counts, hidden, inter, h)
+    _launch(True, x, stack.w13, stack.w13_scale_inv, counts, hidden, inter, h)
     out = torch.empty_like(x) if out is None else out
-    _launch(masked_down_kernel, hidden, stack.w2, stack.w2_scale_inv, counts, out, h, inter)
+    _launch(False, hidden, stack.w2, stack.w2_scale_inv, counts, out, h, inter)
     return out
 
 

@@ -96,6 +96,7 @@ def _deepep(
     payload = FP8_DTYPE if options.fp8_dispatch else None
     d = DeepEPDispatcher(module, shape, parallel.deepep_mode, group, payload)
     self_check(d, options.device)
+    d.meter.reset()  # the self-check's round trips are not traffic
     logger.info("DeepEP (%s mode) passed its self-check; %s", d.mode, DEEPEP_FUSION_NOTE)
     return d
 

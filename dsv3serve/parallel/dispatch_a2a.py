@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dsv3serve.parallel.dispatch_base import Dispatched, Dispatcher
+from dsv3serve.parallel.dispatch_meter import DispatchMeter
 from dsv3serve.parallel.dispatch_pack import (
     WireFormat,
     check_payload_dtype,
@@ -55,6 +56,10 @@ class AllToAllDispatcher(Dispatcher):
     ``< 0`` are slots with no expert; ids are not range-checked (that would cost a sync).
     Every rank must use the same hidden size and dtype; zero tokens on a rank, and ranks that
     receive nothing, are fine.
+
+    ``meter`` (mode ``a2a``): per call, the received rows times the wire row (hidden payload,
+    FP8 scales, top-k weights and ids, padded) for dispatch, the rows sent back times ``y``'s
+    row for combine; all host ints (the split sizes).
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class AllToAllDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.payload_dtype = check_payload_dtype(payload_dtype)
+        self.meter = DispatchMeter(self.rank)
 
     def _exchange_counts(self, send_counts: Tensor) -> tuple[list[int], list[int]]:
         recv_counts = torch.empty_like(send_counts)
@@ -92,13 +98,16 @@ class AllToAllDispatcher(Dispatcher):
         [T, K] -> rows for this rank's experts: x [R, H] in ``x``'s dtype, ids [R, K] int64
         local, weights [R, K] float32."""
         check_routing(x, topk_ids, topk_weights)
+        mark = self.meter.start(x)
         mask = copy_mask(topk_ids, self.num_local_experts, self.world)
         send_counts, recv_counts = self._exchange_counts(mask.sum(0).long())
         plan = plan_routes(topk_ids, topk_weights, self.num_local_experts, mask, sum(send_counts))
         wire = WireFormat(x.shape[1], topk_ids.shape[1], x.dtype, self.payload_dtype)
         recv = self._exchange(wire.pack(x, plan), sum(recv_counts), recv_counts, send_counts)
         state = A2AState(plan.src_token, send_counts, recv_counts, x.shape[0])
-        return Dispatched(*wire.unpack(recv), state=state)
+        out = Dispatched(*wire.unpack(recv), state=state)
+        self.meter.stop(mark, "dispatch", "a2a", sum(recv_counts), wire.row_bytes)
+        return out
 
     def combine(self, y: Tensor, dispatched: Dispatched) -> Tensor:
         """``y`` [R, H]: this rank's weighted expert sum per received row -> [T, H] in ``y``'s
@@ -106,5 +115,8 @@ class AllToAllDispatcher(Dispatcher):
         s: A2AState = dispatched.state
         if y.shape[0] != sum(s.recv_counts):
             raise ValueError(f"expected y with {sum(s.recv_counts)} rows, got {y.shape[0]}")
+        mark = self.meter.start(y)
         back = self._exchange(y.contiguous(), sum(s.send_counts), s.send_counts, s.recv_counts)
-        return sum_back(back, s.src_token, s.num_tokens)
+        out = sum_back(back, s.src_token, s.num_tokens)
+        self.meter.stop(mark, "combine", "a2a", y.shape[0], y.shape[1] * y.element_size())
+        return out

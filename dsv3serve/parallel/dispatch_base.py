@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from dsv3serve.parallel.dispatch_meter import DispatchMeter
+
 
 @dataclass
 class Dispatched:
@@ -47,6 +49,10 @@ class Dispatcher(ABC):
     before each forward from the step header, so all ranks agree even where a rank has no
     tokens; a masked dispatcher (DeepEP ``auto``) picks its mode by it."""
 
+    meter: DispatchMeter | None = None
+    """This rank's dispatch / combine latency and bytes (None: the backend moves nothing
+    between ranks, or only pretends to)."""
+
     @abstractmethod
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
         """``x`` [T, H], ``topk_ids`` [T, K] global expert ids, ``topk_weights`` [T, K]."""
@@ -75,6 +81,13 @@ class MaskedDispatcher(ABC):
 
     The caller runs local expert ``e`` on ``x[e, :counts[e]]`` *unweighted*; combine applies
     the top-k weights while summing each token's parts on its own rank.
+
+    Padding (the CUDA-graph contract): a graph replays one batch size ``T``, so the caller
+    keeps static ``[T, H]`` / ``[T, K]`` input buffers, writes the step's real tokens into
+    their first rows and passes how many there are as ``num_tokens`` (a device scalar the
+    graph reads at replay). Rows at or past it are routed nowhere (their ids become ``-1``
+    on the device): they are never sent, take no room in any expert's slab, whatever they
+    hold (NaN included) reaches no result, and combine returns zeros for them.
     """
 
     max_tokens_per_rank: int
@@ -82,9 +95,11 @@ class MaskedDispatcher(ABC):
 
     @abstractmethod
     def dispatch_masked(
-        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, num_tokens: Tensor | None = None
     ) -> MaskedDispatched:
-        """``x`` [T, H] with ``T <= max_tokens_per_rank``, ``topk_ids`` [T, K] global ids."""
+        """``x`` [T, H] with ``T <= max_tokens_per_rank``, ``topk_ids`` [T, K] global ids;
+        ``num_tokens`` (0-dim integer tensor on ``x``'s device, None: ``T``): rows at or past
+        it are padding, routed nowhere."""
 
     @abstractmethod
     def combine_masked(self, y: Tensor, dispatched: MaskedDispatched) -> Tensor:

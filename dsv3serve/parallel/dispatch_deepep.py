@@ -35,6 +35,7 @@ from dsv3serve.parallel.dispatch_base import (
     MaskedDispatched,
     MaskedDispatcher,
 )
+from dsv3serve.parallel.dispatch_meter import DispatchMeter
 
 NORMAL_BUFFER_FLOOR = 1 << 28  # 256 MiB of NVLink buffer at least, as SGLang sizes it
 
@@ -83,9 +84,14 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
     process group (None: the world). One ``deep_ep.Buffer`` serves both modes (NVLink bytes
     for normal, RDMA bytes for low-latency); under ``auto`` it is cleaned with
     ``clean_low_latency_buffer`` before the first low-latency call after a normal one, as
-    DeepEP requires. That clean is decided on the host, so a CUDA graph of the masked pair
-    would not replay it: capturing that pair needs the clean run before each replay (not
-    wired; ``graph_safe`` stays False).
+    DeepEP requires.
+
+    ``meter``: per call, the rows on this rank's expert side (received by dispatch, sent
+    back by combine) times the row as DeepEP sends it (bf16 hidden, or e4m3 hidden plus one
+    float32 scale per 128 channels; DeepEP's routing metadata not counted), mode label
+    ``normal`` or ``low_latency``. Normal mode counts the received shape (a host int after
+    DeepEP's own sync); low-latency mode the per-expert counts, summed on the device and
+    read later (no host sync).
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         self.fp8 = payload_dtype == FP8_DTYPE
         # v2 exports the id dtype it was built with; v1.2 takes int64
         self.idx_dtype: torch.dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+        self.meter = DispatchMeter(self.rank)
         self.buffer = self._make_buffer()
         self._ll_dirty = False  # a normal-mode call used the buffer since the last clean
         self._check_qp_depth()
@@ -153,6 +160,22 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
                 "max_num_batched_tokens under low_latency)"
             )
 
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        """True exactly in ``low_latency`` mode, where every batch takes the masked pair:
+        ``dispatch_masked`` / ``combine_masked`` have shapes fixed by ``max_tokens_per_rank``
+        and the group size (not by the routing), read no device value on the host, leave
+        DeepEP's buffer as allocated once at start, and take padding rows through
+        ``num_tokens`` on the device (:class:`MaskedDispatcher`). ``normal`` (DeepEP waits
+        for the received count on the host) and ``auto`` (whether the low-latency buffer
+        needs a clean is decided on the host, which a replay would skip) are not."""
+        return self.mode == "low_latency"
+
+    def _row_bytes(self) -> int:
+        """Bytes of one hidden row as DeepEP sends it (bf16, or e4m3 + 1x128 scales)."""
+        h = self.shape.hidden
+        return h + 4 * -(-h // BLOCK) if self.fp8 else 2 * h
+
     def use_masked(self, decode: bool) -> bool:
         """``low_latency``: always; ``auto``: decode batches; ``normal``: never."""
         return self.mode == "low_latency" or (self.mode == "auto" and decode)
@@ -168,6 +191,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         if self.mode == "low_latency":
             raise RuntimeError("deepep_mode 'low_latency' sends every batch masked")
         _check_bf16(x)
+        mark = self.meter.start(x)
         ids = topk_ids.to(self.idx_dtype)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
             ids, self.shape.num_experts
@@ -185,21 +209,25 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         rows = dequant_rows(*recv, x.dtype) if isinstance(recv, tuple) else recv
         recv_ids = recv_ids.long()
         recv_w = torch.where(recv_ids >= 0, recv_w.float(), 0.0)
+        self.meter.stop(mark, "dispatch", "normal", rows.shape[0], self._row_bytes())
         return Dispatched(rows, recv_ids, recv_w, state=_NormalState(handle, x.dtype))
 
     def combine(self, y: Tensor, dispatched: Dispatched) -> Tensor:
         """``y`` [R, H] weighted expert sums -> [T, H], summed over ranks by DeepEP."""
         s: _NormalState = dispatched.state
+        mark = self.meter.start(y)
         combined, _, _ = self.buffer.combine(y.to(s.dtype).contiguous(), s.handle)
+        self.meter.stop(mark, "combine", "normal", y.shape[0], 2 * self.shape.hidden)
         return combined
 
     # -- low-latency mode --------------------------------------------------------------
 
     def dispatch_masked(
-        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, num_tokens: Tensor | None = None
     ) -> MaskedDispatched:
         """Low-latency dispatch: ``x`` [T, H] bf16, ``T <= max_tokens_per_rank`` ->
-        [E_local, max_tokens_per_rank * W, H] bf16 rows with per-expert valid counts."""
+        [E_local, max_tokens_per_rank * W, H] bf16 rows with per-expert valid counts.
+        Rows at or past ``num_tokens`` (a device scalar) are padding: routed nowhere."""
         if self.mode == "normal":
             raise RuntimeError("deepep_mode 'normal' has no low-latency buffer")
         _check_bf16(x)
@@ -208,13 +236,15 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
                 f"low-latency dispatch of {x.shape[0]} tokens: expected at most "
                 f"max_tokens_per_rank {self.max_tokens_per_rank}"
             )
-        ids = topk_ids.to(self.idx_dtype)
+        mark = self.meter.start(x)
+        ids = _route_padding_nowhere(topk_ids.to(self.idx_dtype), num_tokens)
         self._clean_if_dirty()
         recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(
             x, ids, self.max_tokens_per_rank, self.shape.num_experts, use_fp8=self.fp8
         )
         rows = dequant_rows(*recv, x.dtype) if self.fp8 else recv
         state = _MaskedState(handle, ids, topk_weights.float())
+        self.meter.stop(mark, "dispatch", "low_latency", counts, self._row_bytes())
         return MaskedDispatched(rows, counts, state=state)
 
     def _clean_if_dirty(self) -> None:
@@ -227,7 +257,18 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
     def combine_masked(self, y: Tensor, dispatched: MaskedDispatched) -> Tensor:
         """``y`` [E_local, M, H] unweighted expert outputs -> [T, H] bf16 weighted sums."""
         s: _MaskedState = dispatched.state
+        mark = self.meter.start(y)
         combined, _, _ = self.buffer.low_latency_combine(
             y.to(torch.bfloat16).contiguous(), s.topk_ids, s.topk_weights, s.handle
         )
+        row = 2 * self.shape.hidden
+        self.meter.stop(mark, "combine", "low_latency", dispatched.counts, row)
         return combined
+
+
+def _route_padding_nowhere(ids: Tensor, num_tokens: Tensor | None) -> Tensor:
+    """``ids`` [T, K] with rows at or past ``num_tokens`` set to ``-1`` (on the device)."""
+    if num_tokens is None:
+        return ids
+    real = torch.arange(ids.shape[0], device=ids.device) < num_tokens.to(ids.device)
+    return torch.where(real[:, None], ids, -1)

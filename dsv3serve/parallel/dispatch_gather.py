@@ -42,6 +42,7 @@ class UniformGatherDispatcher(Dispatcher):
     def __init__(self, inner: Dispatcher, comm: Comm) -> None:
         self.inner, self.comm = inner, comm
         self.num_local_experts = inner.num_local_experts
+        self.meter = inner.meter  # eager steps are the inner's; graphed ones are not metered
 
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
         if uniform_rows() is None:

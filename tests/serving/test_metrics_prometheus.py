@@ -1,6 +1,10 @@
 """Metrics end to end: the PD app on real Ray, a real Prometheus scraping it, every
 dashboard panel's query answered with data, and promtool on our exposition.
 
+Decode runs as a DP-attention group with the experts split by EP over 2 ranks (rank 1 a
+Ray actor), so the MoE dispatch panels have every rank's series; the tiny checkpoint is the
+bf16 one in float32, as in tests/serving/test_worker_group.py.
+
 Needs Debian's ``prometheus`` package (the README's install command installs it).
 """
 
@@ -17,12 +21,13 @@ import httpx
 import openai
 import pytest
 from http_util import free_socket
-from serving_util import local_serve, running_app, serving_config
+from serving_util import TINY_ENGINE, local_serve, running_app, serving_config
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 APP = "metrics"
 SUBSTITUTIONS = {"$__rate_interval": "1m", "$model": "tiny"}
 COLON_LINT = "metric names should not contain ':'"
+DP2_EP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs Debian's prometheus package"
@@ -43,11 +48,15 @@ def panel_queries() -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_bf16_dir: Path
+) -> Iterator[dict[str, str]]:
     metrics_port = free_socket().getsockname()[1]
     prom_port = free_socket().getsockname()[1]
     router = {"served_model_name": "tiny", "metrics_port": metrics_port}
-    cfg = serving_config(mode="pd", router=router)
+    engine = {**TINY_ENGINE, "model": str(tiny_bf16_dir), "dtype": "float32"}
+    decode = {"num_cpus": 0.5, "engine": DP2_EP2}
+    cfg = serving_config(mode="pd", engine=engine, decode=decode, router=router)
     work = tmp_path_factory.mktemp("prometheus")
     (work / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -149,3 +158,27 @@ def test_exposition_passes_promtool(scraped: dict[str, str]) -> None:
     # Exit 1 is a parse error; 3 is lint only. Our only lint finding may be the colon of
     # the vLLM-style "dsv3serve:" namespace, which promtool reserves for recording rules.
     assert done.returncode in (0, 3) and not problems, problems
+
+
+def _by_rank_phase(prom: str, expr: str) -> dict[tuple[str, str], float]:
+    return {
+        (r["metric"]["rank"], r["metric"]["phase"]): float(r["value"][1]) for r in query(prom, expr)
+    }
+
+
+def test_dispatch_metrics_come_from_every_decode_rank(scraped: dict[str, str]) -> None:
+    """Rank 1 is another process (a Ray actor): its meters reach the exposition through
+    rank 0's scrape-time call, labelled ``rank="1"``; both ranks ran every dispatch."""
+    text = httpx.get(scraped["metrics"], timeout=30).text
+    assert "dsv3serve:moe_dispatch_bytes_total{" in text and 'rank="1"' in text
+    prom = scraped["prom"]
+    sel = '{role="decode", mode="a2a"}'
+    by = "sum by (rank, phase)"
+    nbytes = _by_rank_phase(prom, f"{by} (dsv3serve:moe_dispatch_bytes_total{sel})")
+    assert set(nbytes) == {(r, p) for r in ("0", "1") for p in ("dispatch", "combine")}
+    assert all(v > 0 for v in nbytes.values()), nbytes
+    calls = _by_rank_phase(
+        prom, f"sum by (rank, phase) (dsv3serve:moe_dispatch_seconds_count{sel})"
+    )
+    assert calls[("0", "dispatch")] == calls[("1", "dispatch")] > 0, calls
+    assert calls[("0", "combine")] == calls[("1", "combine")] == calls[("0", "dispatch")], calls

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import fake_deep_ep
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from dispatch_util import NUM_EXPERTS, Case, experts_fn
+from dispatch_util import NUM_EXPERTS, Case, flat_round, gloo_rank
 
 from dsv3serve.moe.experts import random_experts
 from dsv3serve.moe.ref import TorchRefMoE
@@ -24,7 +23,6 @@ from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher
-from dsv3serve.parallel.dispatch_ref import local_experts, moe_reference
 
 MAX_TOKENS = 16  # low-latency max_tokens_per_rank of every case
 MOE_HIDDEN, MOE_INTER = 128, 64
@@ -53,10 +51,7 @@ def make_deepep(
 
 
 def _flat(d, case: Case, rank: int) -> torch.Tensor:  # noqa: ANN001
-    got = d.dispatch(case.xs[rank], case.ids[rank], case.weights[rank])
-    mine = local_experts(experts_fn(case.mats), rank * d.num_local_experts)
-    y = moe_reference(got.x, got.topk_ids, got.topk_weights, mine).to(got.x.dtype)
-    return d.combine(y, got)
+    return flat_round(d, case, rank)[0]
 
 
 def _masked(d: DeepEPDispatcher, case: Case, rank: int) -> torch.Tensor:
@@ -129,19 +124,12 @@ def _refusals(world: int, rank: int) -> dict[str, str]:
 
 
 def _rank_main(rank: int, world: int, workdir: str, seed: int) -> None:
-    torch.set_num_threads(1)
-    root = Path(workdir)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{root / 'pg'}", rank=rank, world_size=world
-    )
-    try:
+    with gloo_rank(rank, world, workdir) as root:
         cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
         results: dict = {c.name: _run_case(c, world, rank) for c in cases}
         results["_moe"] = _moe_round(world, rank, seed)
         results["_refusals"] = _refusals(world, rank)
         torch.save(results, root / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def run_deepep_ranks(cases: list[Case], world: int, workdir: Path, seed: int) -> list[dict]:

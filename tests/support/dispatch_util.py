@@ -8,6 +8,8 @@ test then compares with the single-rank reference over all experts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,12 +77,17 @@ def _dispatcher(case: Case, world: int, rank: int) -> Dispatcher:
     return create_dispatcher(parallel, NUM_EXPERTS, rank)
 
 
-def _run_case(case: Case, world: int, rank: int) -> tuple[torch.Tensor, int]:
-    d = _dispatcher(case, world, rank)
+def flat_round(d: Dispatcher, case: Case, rank: int) -> tuple[torch.Tensor, int]:
+    """Rank ``rank``'s round of ``case`` through ``d``'s flat pair with the toy experts:
+    what combine returned, and how many rows arrived."""
     got = d.dispatch(case.xs[rank], case.ids[rank], case.weights[rank])
     mine = local_experts(experts_fn(case.mats), rank * d.num_local_experts)
     y = moe_reference(got.x, got.topk_ids, got.topk_weights, mine).to(got.x.dtype)
     return d.combine(y, got), got.x.shape[0]
+
+
+def _run_case(case: Case, world: int, rank: int) -> tuple[torch.Tensor, int]:
+    return flat_round(_dispatcher(case, world, rank), case, rank)
 
 
 def _factory_refusal(world: int, rank: int) -> str:
@@ -93,19 +100,27 @@ def _factory_refusal(world: int, rank: int) -> str:
     return "no error"
 
 
-def _rank_main(rank: int, world: int, workdir: str) -> None:
+@contextmanager
+def gloo_rank(rank: int, world: int, workdir: str) -> Iterator[Path]:
+    """A spawned rank's life: one torch thread, the gloo group of ``world`` joined through a
+    file in ``workdir`` (yielded as a Path), destroyed on the way out."""
     torch.set_num_threads(1)
     root = Path(workdir)
     dist.init_process_group(
         "gloo", init_method=f"file://{root / 'pg'}", rank=rank, world_size=world
     )
     try:
+        yield root
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world: int, workdir: str) -> None:
+    with gloo_rank(rank, world, workdir) as root:
         cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
         results = {c.name: _run_case(c, world, rank) for c in cases}
         results["factory_refusal"] = _factory_refusal(world, rank)
         torch.save(results, root / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def run_ranks(cases: list[Case], world: int, workdir: Path) -> tuple[list[Case], list[str]]:
