@@ -114,6 +114,7 @@ def forward_local(
         if shape.graph_size:
             if runner.graphs is None:
                 raise RuntimeError("the leader chose a CUDA graph; this rank captured none")
+            runner.prepare_graph()
             return runner.graphs.run_padded(spans, shape.graph_size)
         if spans:
             return runner.run_spans(spans, None).logits

@@ -119,6 +119,7 @@ class ModelRunner:
             self.graph_pool = torch.cuda.graph_pool_handle()
         sizes = capture_sizes(self._graph_max_bs())
         self.set_step_phase(decode=True)
+        self.prepare_graph()
         try:
             return DecodeGraphs(
                 decode_model(self.model, self.cfg, sizes),
@@ -131,6 +132,12 @@ class ModelRunner:
             )
         finally:
             self.set_step_phase(decode=False)
+
+    def prepare_graph(self) -> None:
+        """What the MoE dispatcher needs done on the host before a graph is captured or
+        replayed (DeepEP ``auto``: the low-latency buffer's clean after a normal step)."""
+        if self.parts.dispatcher is not None:
+            self.parts.dispatcher.prepare_graph()
 
     def set_step_phase(self, decode: bool) -> None:
         """Tell the MoE dispatcher whether the group's step is a decode step (every rank of
@@ -241,6 +248,7 @@ class ModelRunner:
         """Forward ``spans``; ``items`` (None on follower ranks) label the sampled rows."""
         sampled = [item for item in items or [] if item.sample]
         if self.graphs is not None and not self.graphs_by_group and self.graphs.can_run(spans):
+            self.prepare_graph()
             return StepResult(self.graphs.run(spans), sampled)
         batch = ForwardBatch.build(spans, self.device)
         hidden = self.model(batch, self.attn)

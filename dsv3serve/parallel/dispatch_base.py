@@ -49,6 +49,10 @@ class Dispatcher(ABC):
     before each forward from the step header, so all ranks agree even where a rank has no
     tokens; a masked dispatcher (DeepEP ``auto``) picks its mode by it."""
 
+    def prepare_graph(self) -> None:
+        """Host-side work a captured dispatch / combine needs before it is captured or
+        replayed (none by default)."""
+
     meter: DispatchMeter | None = None
     """This rank's dispatch / combine latency and bytes (None: the backend moves nothing
     between ranks, or only pretends to)."""

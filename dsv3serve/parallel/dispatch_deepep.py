@@ -166,10 +166,17 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         ``dispatch_masked`` / ``combine_masked`` have shapes fixed by ``max_tokens_per_rank``
         and the group size (not by the routing), read no device value on the host, leave
         DeepEP's buffer as allocated once at start, and take padding rows through
-        ``num_tokens`` on the device (:class:`MaskedDispatcher`). ``normal`` (DeepEP waits
-        for the received count on the host) and ``auto`` (whether the low-latency buffer
-        needs a clean is decided on the host, which a replay would skip) are not."""
-        return self.mode == "low_latency"
+        ``num_tokens`` on the device (:class:`MaskedDispatcher`). Also in ``auto``, whose
+        graphs are decode steps (the masked pair): the clean that a normal-mode step makes
+        due is decided on the host, so the runner calls :meth:`prepare_graph` before each
+        capture and replay. Not ``normal`` (DeepEP waits for the received count on the
+        host)."""
+        return self.mode != "normal"
+
+    def prepare_graph(self) -> None:
+        """Before a captured masked pair runs (capture or replay): clean the low-latency
+        buffer now if a normal-mode call used it since the last clean."""
+        self._clean_if_dirty()
 
     def _row_bytes(self) -> int:
         """Bytes of one hidden row as DeepEP sends it (bf16, or e4m3 + 1x128 scales)."""

@@ -80,6 +80,8 @@ def test_auto_cleans_low_latency_buffer_after_normal(ranks) -> None:
     _, results = ranks
     # one clean after the self-check's normal round trip and one after the prefill batch
     assert all(int(res["uniform"]["auto_cleans"]) == 2 for res in results)
+    # prepare_graph (before a capture or replay) did the second one, outside any graph
+    assert all(int(res["uniform"]["auto_cleans_before_decode"]) == 2 for res in results)
 
 
 def test_run_dispatched_with_real_experts_both_phases(ranks) -> None:

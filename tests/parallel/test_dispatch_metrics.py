@@ -166,10 +166,10 @@ def test_graph_style_meter_counts_only_real_rows(ranks) -> None:
         assert got["combine"]["count"] == len(STEPS)
 
 
-def test_graph_safe_exactly_in_low_latency_mode(ranks) -> None:
+def test_graph_safe_where_decode_takes_the_masked_pair(ranks) -> None:
     _, results = ranks
     for rank in range(WORLD):
-        assert results[rank]["_graph_safe"] == {"normal": False, "low_latency": True, "auto": False}
+        assert results[rank]["_graph_safe"] == {"normal": False, "low_latency": True, "auto": True}
 
 
 def test_host_sync_guard_catches_a_sync() -> None:

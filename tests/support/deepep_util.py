@@ -72,6 +72,8 @@ def _run_case(case: Case, world: int, rank: int) -> dict[str, torch.Tensor]:
     out["low_latency"] = _masked(make_deepep(world, rank, "low_latency", hidden, fp8), case, rank)
     auto = make_deepep(world, rank, "auto", hidden, fp8)
     out["auto_prefill"] = _flat(auto, case, rank)
+    auto.prepare_graph()  # what the runner does before a graph replay: the clean happens here
+    out["auto_cleans_before_decode"] = torch.tensor(auto.buffer.cleans)
     out["auto_decode"] = _masked(auto, case, rank)
     out["auto_cleans"] = torch.tensor(auto.buffer.cleans)
     return out
