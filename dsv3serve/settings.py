@@ -13,6 +13,8 @@ from pathlib import Path
 
 CACHE_ENV = "DSV3SERVE_CACHE"
 API_KEY_ENV = "DSV3SERVE_API_KEY"
+FUSED_NORM_QUANT_ENV = "DSV3SERVE_FUSED_NORM_QUANT"
+_OFF = ("0", "false", "off", "no")
 
 
 @dataclass(frozen=True, repr=False)
@@ -28,6 +30,11 @@ class Settings:
     ``router.api_key_env`` names instead. Empty: unset (authentication off unless a
     variable was named, see :class:`router.auth.APIKeyAuth`)."""
 
+    fused_norm_quant: bool = True
+    """``$DSV3SERVE_FUSED_NORM_QUANT``: ``0``/``false``/``off``/``no`` turns off the fused
+    residual add + RMSNorm + FP8 quantisation kernel in the decoder layers (the default
+    :class:`dsv3serve.model.deepseek_v3.ModelOptions` reads it); on otherwise."""
+
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, api_key_env: str | None = None
@@ -42,8 +49,12 @@ class Settings:
         return cls(
             cache_dir=Path(cache) if cache is not None else Path.home() / ".cache" / "dsv3serve",
             api_key=env.get(api_key_env or API_KEY_ENV, "").strip(),
+            fused_norm_quant=env.get(FUSED_NORM_QUANT_ENV, "1").strip().lower() not in _OFF,
         )
 
     def __repr__(self) -> str:  # never print the key
         key = "set" if self.api_key else "unset"
-        return f"Settings(cache_dir={str(self.cache_dir)!r}, api_key={key})"
+        return (
+            f"Settings(cache_dir={str(self.cache_dir)!r}, api_key={key}, "
+            f"fused_norm_quant={self.fused_norm_quant})"
+        )
