@@ -10,6 +10,8 @@ import pytest
 import torch
 from norm_quant_cases import assert_matches, random_inputs
 
+from dsv3serve.kernels.fp8_gemm import fp8_block_gemm, fp8_block_gemm_quantized
+from dsv3serve.kernels.fp8_ref import quant_weight_block
 from dsv3serve.kernels.norm_quant import add_rmsnorm_quant_ref, add_rmsnorm_quant_triton
 
 pytestmark = pytest.mark.gpu
@@ -27,6 +29,21 @@ def test_kernel_equals_reference_dsv3_hidden(
     x, r, w = random_inputs(m, HIDDEN, with_residual, "cuda", g)
     out = add_rmsnorm_quant_triton(x, r, w, 1e-6, write_normed)
     assert_matches(out, add_rmsnorm_quant_ref(x, r, w, 1e-6, write_normed))
+
+
+@pytest.mark.parametrize("m", [1, 64, 256])  # Triton GEMM at decode M, cuBLAS from 128
+def test_quantized_output_feeds_the_gemm(m: int) -> None:
+    """The kernel's e4m3 values and M-major scales, given to the GEMM dispatch, give what the
+    unfused path gives (quantise the bf16 norm output, then GEMM) within 1% relative: they
+    differ only where the norm's summation order flipped a rounding (one e4m3 step)."""
+    g = torch.Generator().manual_seed(SEED)
+    x, r, w = random_inputs(m, HIDDEN, True, "cuda", g)
+    wq, ws = (t.cuda() for t in quant_weight_block(torch.randn(2112, HIDDEN, generator=g)))
+    out = add_rmsnorm_quant_triton(x, r, w, 1e-6, write_normed=True)
+    fused = fp8_block_gemm_quantized(out.q, out.scale, wq, ws).float()
+    unfused = fp8_block_gemm(out.normed, wq, ws).float()
+    rel = float((fused - unfused).norm() / unfused.norm())
+    assert rel < 1e-2, f"expected fused GEMM input == unfused within 1%, got {rel:.3e}"
 
 
 def test_kernel_bandwidth_report() -> None:
