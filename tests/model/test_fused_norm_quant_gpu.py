@@ -33,9 +33,9 @@ PAGE = 4
 
 def _logits(model_dir: Path, fused: bool, prompts: list[list[int]]) -> torch.Tensor:
     cfg = ModelConfig.from_hf(model_dir)
-    model = DeepseekV3ForCausalLM(cfg, ModelOptions(fuse_norm_quant=fused))
+    with torch.device("cuda"):  # as the model runner builds it
+        model = DeepseekV3ForCausalLM(cfg, ModelOptions(fuse_norm_quant=fused))
     load_checkpoint(model, model_dir)
-    model.to("cuda").post_load()  # re-pack the q/kv projection on the device
     pool = MLAKVPool(model.num_kv_layers, 64, PAGE, cfg.kv_cache_dim, torch.bfloat16, "cuda")
     attn = TorchRefAttention(pool, cfg.kv_lora_rank)
     spans = [SeqSpan(p, 0, scattered_slots(i, len(p))) for i, p in enumerate(prompts)]
