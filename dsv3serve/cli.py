@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ from dsv3serve.bench.serve_args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.parallel.args import add_layout_args
 from dsv3serve.plan.cli import add_plan_parser
+from dsv3serve.settings import export_compile_caches
 
 if TYPE_CHECKING:
     from dsv3serve.engine.engine import Engine
@@ -66,12 +68,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--torch-compile-max-bs", type=int, default=32, help="largest compiled decode batch"
     )
     _speculative_args(p)
+    _cache_arg(p)
     add_layout_args(p)
     p.add_argument(
         "--hf-overrides",
         type=json.loads,
         default=None,
         help="JSON, e.g. '{\"num_hidden_layers\": 4}'",
+    )
+
+
+def _cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where checkpoints made here, tuned tables and the compile caches (Triton, "
+        "flashinfer, Inductor, DeepGEMM) persist (default: $DSV3SERVE_CACHE, else "
+        "~/.cache/dsv3serve)",
     )
 
 
@@ -129,6 +143,17 @@ def _generate(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from dsv3serve.engine.warmup import run_warmup, write_record
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = EngineConfig.from_args(args, num_kv_tokens=args.num_kv_tokens or 8192)
+    result = run_warmup(cfg, args.prompt_len, args.max_new_tokens)
+    result["record"] = str(write_record(result))
+    print(json.dumps(result))
+    return 0
+
+
 def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
     from dsv3serve.bench.one_batch import run_one_batch
 
@@ -168,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split <think> reasoning into reasoning_content (sets router.reasoning_parser "
         "of every app in the file)",
     )
+    _cache_arg(serve)
     serve.set_defaults(func=_cmd_serve)
     gen = sub.add_parser("generate", help="offline generation")
     _engine_args(gen)
@@ -178,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
+    warm = sub.add_parser(
+        "warmup",
+        help="build the engine and run one request so the compile caches fill, then exit",
+    )
+    _engine_args(warm)
+    warm.add_argument("--prompt-len", type=int, default=64)
+    warm.add_argument("--max-new-tokens", type=int, default=4)
+    warm.set_defaults(func=_cmd_warmup)
     add_plan_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     one = bench.add_parser("one-batch", help="latency of one static batch (like bench_one_batch)")
@@ -195,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # before any command imports flashinfer (it reads its cache variable at import)
+    export_compile_caches(getattr(args, "cache_dir", None))
     try:
         return args.func(args)
     except ValueError as err:  # config / request validation: a clear message, no traceback

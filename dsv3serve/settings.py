@@ -1,18 +1,31 @@
 """The environment variables dsv3serve reads, in one typed place.
 
-Every lookup of the process environment goes through :meth:`Settings.from_env`; no
-other module reads ``os.environ``. Imports no torch, so the router may use it.
+Every lookup of the process environment goes through :meth:`Settings.from_env`, and the one
+write (:func:`export_compile_caches`) is here too; no other module reads ``os.environ``.
+Imports no torch, so the router may use it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_ENV = "DSV3SERVE_CACHE"
 API_KEY_ENV = "DSV3SERVE_API_KEY"
+FUSED_NORM_QUANT_ENV = "DSV3SERVE_FUSED_NORM_QUANT"
+_OFF = ("0", "false", "off", "no")
+# The compile / JIT caches that make a warm start, each in its sub-folder of the cache dir:
+# Triton's kernels (ours included), flashinfer's JIT modules (it appends .cache/flashinfer),
+# its tvm-ffi builds, torch.compile's Inductor artefacts and DeepGEMM's JIT kernels.
+COMPILE_CACHE_ENV = {
+    "TRITON_CACHE_DIR": "triton",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "TVM_FFI_CACHE_DIR": "tvm-ffi",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "DG_JIT_CACHE_DIR": "deep_gemm",
+}
 
 
 @dataclass(frozen=True, repr=False)
@@ -28,6 +41,11 @@ class Settings:
     ``router.api_key_env`` names instead. Empty: unset (authentication off unless a
     variable was named, see :class:`router.auth.APIKeyAuth`)."""
 
+    fused_norm_quant: bool = True
+    """``$DSV3SERVE_FUSED_NORM_QUANT``: ``0``/``false``/``off``/``no`` turns off the fused
+    residual add + RMSNorm + FP8 quantisation kernel in the decoder layers (the default
+    :class:`dsv3serve.model.deepseek_v3.ModelOptions` reads it); on otherwise."""
+
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, api_key_env: str | None = None
@@ -42,8 +60,35 @@ class Settings:
         return cls(
             cache_dir=Path(cache) if cache is not None else Path.home() / ".cache" / "dsv3serve",
             api_key=env.get(api_key_env or API_KEY_ENV, "").strip(),
+            fused_norm_quant=env.get(FUSED_NORM_QUANT_ENV, "1").strip().lower() not in _OFF,
         )
+
+    def compile_cache_env(self) -> dict[str, str]:
+        """The compile caches' variables, each pointing into :attr:`cache_dir`."""
+        return {name: str(self.cache_dir / sub) for name, sub in COMPILE_CACHE_ENV.items()}
 
     def __repr__(self) -> str:  # never print the key
         key = "set" if self.api_key else "unset"
-        return f"Settings(cache_dir={str(self.cache_dir)!r}, api_key={key})"
+        return (
+            f"Settings(cache_dir={str(self.cache_dir)!r}, api_key={key}, "
+            f"fused_norm_quant={self.fused_norm_quant})"
+        )
+
+
+def export_compile_caches(
+    cache_dir: Path | None = None, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """Point the compile caches into the cache dir, before anything reads them.
+
+    ``cache_dir`` (the CLI's ``--cache-dir``) becomes ``$DSV3SERVE_CACHE``; each variable of
+    :data:`COMPILE_CACHE_ENV` that is not already set gets its folder there (one set by hand
+    wins). Child processes (TP ranks, Ray workers started from here) inherit them. Call it
+    before flashinfer is first imported: it reads its variable at import. Returns the
+    variables as they now are.
+    """
+    env = os.environ if environ is None else environ
+    if cache_dir is not None:
+        env[CACHE_ENV] = str(cache_dir)
+    for name, value in Settings.from_env(env).compile_cache_env().items():
+        env.setdefault(name, value)
+    return {name: env[name] for name in COMPILE_CACHE_ENV}

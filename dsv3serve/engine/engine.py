@@ -38,6 +38,7 @@ from dsv3serve.engine.spec.loop import SpecDecoder
 from dsv3serve.engine.spec.stats import SpecStats
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 from dsv3serve.metrics import EngineState, Metrics
+from dsv3serve.settings import export_compile_caches
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class Engine:
     """Continuous-batching DeepSeek-V3 engine for one model replica."""
 
     def __init__(self, cfg: EngineConfig) -> None:
+        # an engine built without the CLI (a Ray worker, a test) gets the cache dir's
+        # compile caches too, before its attention backend first imports flashinfer
+        export_compile_caches()
         self.cfg = cfg
         model_dir = resolve_model_dir(cfg)
         self.model_cfg = ModelConfig.from_hf(model_dir)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -101,9 +102,22 @@ class GraphCache(Generic[T]):
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, T] = {}
         self.replays = 0  # forwards served by a graph
+        self.capture_s = 0.0  # seconds spent in capture() (warm-up compiles included)
 
     def capture(self, size: int, forward: Callable[[], T]) -> None:
-        """Warm ``forward`` up on a side stream (compiles, first-call set-up), then capture."""
+        """Warm ``forward`` up on a side stream (compiles, first-call set-up), then capture;
+        logs the seconds it took (a cold start's JIT compiles land in the first one)."""
+        start = time.perf_counter()
+        self._capture(size, forward)
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - start
+        self.capture_s += took
+        logger.info(
+            "CUDA graph of batch size %d captured in %.2f s (%.2f s in this cache)",
+            size, took, self.capture_s,
+        )  # fmt: skip
+
+    def _capture(self, size: int, forward: Callable[[], T]) -> None:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)

@@ -303,6 +303,25 @@ def fp8_block_gemm(
         n = w.shape[0]  # DeepGEMM is probed only where it could be picked: large M
         backend = choose_backend(m, n, k, is_large_m(m, n, k) and deepgemm.usable_on(x.device))
     xq, xs = quant_per_token_group_fp8(x, m_major_scales=backend in ("cublas", "deepgemm"))
+    return _run_backend(backend, xq, xs, w, w_scale_inv)
+
+
+@torch.compiler.disable
+def fp8_block_gemm_quantized(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """The GEMM of :func:`fp8_block_gemm` (``auto`` backend) over activations already
+    quantised on CUDA: ``xq`` [M, K] e4m3, ``xs`` [M, K/128] float32 M-major (strides
+    ``(1, M)``, the layout every backend takes). Returns bf16 [M, N]."""
+    m, k = xq.shape
+    n = w.shape[0]
+    backend = choose_backend(m, n, k, is_large_m(m, n, k) and deepgemm.usable_on(xq.device))
+    return _run_backend(backend, xq, xs, w, w_scale_inv)
+
+
+def _run_backend(
+    backend: str, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
+) -> torch.Tensor:
     if backend == "cublas":
         return fp8_block_gemm_cublas(xq, xs, w, w_scale_inv)
     if backend == "deepgemm":

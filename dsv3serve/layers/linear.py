@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3serve.config import ModelConfig
-from dsv3serve.kernels.fp8_gemm import fp8_block_gemm
+from dsv3serve.kernels.fp8_gemm import fp8_block_gemm, fp8_block_gemm_quantized
 from dsv3serve.kernels.fp8_quant import HAS_TRITON
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, dequant_weight_block, fp8_block_linear_ref
 
@@ -76,3 +76,15 @@ class Linear(nn.Module):
         if self.weight_scale_inv is None:
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.act_quant)
+
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward_quantized` may stand in for ``forward(x)``: an FP8 weight
+        and the FP8 kernels (not the reference) running for ``x``."""
+        return self.is_fp8 and fp8_kernels_apply(x, self.act_quant)
+
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """``forward`` over input already quantised per 1x128 group: ``xq`` [M, K] e4m3,
+        ``xs`` [M, K/128] float32 with strides ``(1, M)``; returns bf16 [M, N]. Only where
+        :meth:`takes_quantized` holds."""
+        assert self.weight_scale_inv is not None, "forward_quantized needs an FP8 weight"
+        return fp8_block_gemm_quantized(xq, xs, self.weight, self.weight_scale_inv)

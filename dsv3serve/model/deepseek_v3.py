@@ -8,7 +8,7 @@ so loading is a name lookup; only the stacked experts and the NextN layer map na
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.config import ModelConfig
 from dsv3serve.forward_batch import ForwardBatch
+from dsv3serve.kernels.norm_quant import NormQuantOut, add_rmsnorm_quant
 from dsv3serve.layers.fused import can_pack, pack_rows
 from dsv3serve.layers.linear import Linear
 from dsv3serve.layers.load_target import LoadTarget
@@ -45,6 +46,7 @@ from dsv3serve.moe.shared import (
 from dsv3serve.parallel.comm import Comm, SingleRank
 from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.shard import RankLayout, check_model
+from dsv3serve.settings import Settings
 
 AttnImpl = Literal["auto", "mha", "absorb"]
 
@@ -59,6 +61,9 @@ class ModelOptions:
     moe_backend: str = "torch"
     shared_experts_fusion: SharedFusion = "auto"  # see dsv3serve.moe.shared
     layout: RankLayout | None = None  # this rank's parallel layout; None: one rank, all whole
+    # fused residual add + RMSNorm + FP8 quantisation where the FP8 kernels run (see
+    # DecoderLayer); default from $DSV3SERVE_FUSED_NORM_QUANT (on unless 0/false/off/no)
+    fuse_norm_quant: bool = field(default_factory=lambda: Settings.from_env().fused_norm_quant)
 
 
 @dataclass
@@ -99,7 +104,19 @@ class DenseMLP(nn.Module):
         self.reduce = reduce and self.partial
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self._down(self.gate_proj(x), self.up_proj(x))
+
+    def forward_quantized(self, xq: NormQuantOut) -> torch.Tensor:
+        """``forward`` over input already quantised (where :meth:`takes_quantized`): gate and
+        up read the one quantised copy."""
+        gate = self.gate_proj.forward_quantized(xq.q, xq.scale)
+        return self._down(gate, self.up_proj.forward_quantized(xq.q, xq.scale))
+
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        return self.gate_proj.takes_quantized(x) and self.up_proj.takes_quantized(x)
+
+    def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(F.silu(gate) * up)
         return self.shard.comm.all_reduce(y) if self.reduce else y
 
 
@@ -261,16 +278,30 @@ class MLAttention(nn.Module):
         self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` can read its input quantised: every FP8 GEMM that reads ``x``
+        (the packed q/kv down-projection, or its parts) runs the FP8 kernels for ``x``."""
+        return all(lin.takes_quantized(x) for lin in self._x_readers())
+
+    def _x_readers(self) -> list[Linear]:
+        """The linears that read the layer input: the packed q/kv down-projection, or the
+        query's first projection and the KV down-projection."""
+        if self.qkv_a_proj is not None:
+            return [self.qkv_a_proj]
+        first = self.q_a_proj if self.cfg.q_lora_rank else self.q_proj
+        return [first, self.kv_a_proj_with_mqa]
+
+    def _project(
+        self, x: torch.Tensor, xq: NormQuantOut | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The query [T, H*192] and the compressed KV [T, 576] of the new tokens."""
         c = self.cfg
-        if self.qkv_a_proj is not None:
-            q_a, kv_a = self.qkv_a_proj(x).split([c.q_lora_rank, c.kv_cache_dim], dim=-1)
-            return self.q_b_proj(self.q_a_layernorm(q_a)), kv_a
-        kv_a = self.kv_a_proj_with_mqa(x)
-        if c.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))), kv_a
-        return self.q_proj(x), kv_a
+        outs = [
+            lin(x) if xq is None else lin.forward_quantized(xq.q, xq.scale)
+            for lin in self._x_readers()
+        ]
+        q_a, kv_a = outs if len(outs) == 2 else outs[0].split([c.q_lora_rank, c.kv_cache_dim], -1)
+        return (self.q_b_proj(self.q_a_layernorm(q_a)) if c.q_lora_rank else q_a), kv_a
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [S, 576] -> keys [S, H, 192] and values [S, H, 128]."""
@@ -281,10 +312,13 @@ class MLAttention(nn.Module):
         k_pe = latent[:, None, c.kv_lora_rank :].expand(s, heads, c.qk_rope_head_dim)
         return torch.cat([k_nope, k_pe], dim=-1), v
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, xq: NormQuantOut | None = None
+    ) -> torch.Tensor:
+        """``xq``: ``x`` already quantised (only where :meth:`takes_quantized`)."""
         c = self.cfg
         t, heads = x.shape[0], self.heads
-        q, kv_a = self._project(x)
+        q, kv_a = self._project(x, xq)
         q_nope, q_pe = q.view(t, heads, c.qk_head_dim).split(
             [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1
         )
@@ -315,6 +349,7 @@ class DecoderLayer(nn.Module):
         shard: Sharding | None = None,
     ) -> None:
         super().__init__()
+        self.fuse_norm_quant = opts.fuse_norm_quant
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
         self.self_attn = MLAttention(cfg, f"{prefix}.self_attn", layer_id, opts, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
@@ -325,8 +360,30 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg, f"{prefix}.mlp", cfg.intermediate_size, opts, shard)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.fuses_norm_quant(x):
+            return self._forward_fused(x, ctx)
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fuses_norm_quant(self, x: torch.Tensor) -> bool:
+        """Whether this step runs :meth:`_forward_fused`: switched on, ``x`` contiguous and
+        the attention's FP8 GEMM reading it quantised (CUDA, Triton, bf16, FP8 weights). The
+        CPU and float32 paths keep the reference ops."""
+        return self.fuse_norm_quant and x.is_contiguous() and self.self_attn.takes_quantized(x)
+
+    def _forward_fused(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The same block with each norm fused into one kernel: the input norm with the
+        quantisation for the q/kv down-projection; the residual add with the post-attention
+        norm, which also quantises for a dense MLP's gate and up GEMMs (a MoE reads bf16)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        attn = self.self_attn(x, ctx, add_rmsnorm_quant(x, None, n1.weight, n1.eps))
+        dense_q = isinstance(self.mlp, DenseMLP) and self.mlp.takes_quantized(x)
+        post = add_rmsnorm_quant(attn.contiguous(), x, n2.weight, n2.eps, not dense_q)
+        assert post.residual is not None
+        if dense_q:
+            return post.residual + self.mlp.forward_quantized(post)
+        assert post.normed is not None
+        return post.residual + self.mlp(post.normed)
 
 
 class NextNLayer(nn.Module):

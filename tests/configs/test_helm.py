@@ -159,6 +159,9 @@ VARIANTS = {
         "decode": {"engine": {"max_running_requests": 512}},
         "head": {"env": {"RAY_SERVE_LOG_LEVEL": "INFO"}},
     },
+    "cache-volume": {
+        "cache": {"volume": {"hostPath": {"path": "/var/cache/dsv3serve", "type": "Directory"}}}
+    },
 }
 
 
@@ -184,6 +187,28 @@ def test_switches_remove_what_they_name() -> None:
     assert "authOptions" not in service["spec"]["rayClusterConfig"]
     for template in pod_templates(service).values():
         assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "DSV3SERVE_API_KEY"}.isdisjoint(env_of(template))
+
+
+def test_cache_volume_mounts_on_workers_only() -> None:
+    """With ``cache.volume`` each worker pod mounts it read-write at ``cache.mountPath`` and
+    gets DSV3SERVE_CACHE there (the engine points the compile caches into it); the head
+    (router only) does not; without it nothing is mounted."""
+    service = rayservice(LAYOUTS["two-node-h200-pd"] | VARIANTS["cache-volume"])
+    for group, template in pod_templates(service).items():
+        (container,) = template["spec"]["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        if group == "head":
+            assert "cache" not in mounts and "DSV3SERVE_CACHE" not in env_of(template)
+            continue
+        assert mounts["cache"]["mountPath"] == "/cache/dsv3serve"
+        assert not mounts["cache"].get("readOnly", False)
+        assert volumes["cache"]["hostPath"]["path"] == "/var/cache/dsv3serve"
+        assert env_of(template)["DSV3SERVE_CACHE"]["value"] == "/cache/dsv3serve"
+    plain = rayservice(LAYOUTS["two-node-h200-pd"])
+    for template in pod_templates(plain).values():
+        assert "cache" not in {v["name"] for v in template["spec"]["volumes"]}
+        assert "DSV3SERVE_CACHE" not in env_of(template)
 
 
 def serving(layout: str) -> ServingConfig:

@@ -39,7 +39,26 @@
 {{- $ctx := index . 0 -}}
 {{- include "dsv3serve.rayAuthEnv" $ctx }}
 {{- include "dsv3serve.envList" $ctx.Values.gpuEnv }}
+{{- if $ctx.Values.cache.volume }}
+- name: DSV3SERVE_CACHE
+  value: {{ $ctx.Values.cache.mountPath | quote }}
+{{- end }}
 {{- include "dsv3serve.envList" (index . 1).env }}
+{{- end -}}
+
+{{/* The cache volume (compile caches, tuned tables): worker pods only, read-write. */}}
+{{- define "dsv3serve.cacheMount" -}}
+{{- if .Values.cache.volume }}
+- name: cache
+  mountPath: {{ .Values.cache.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{- define "dsv3serve.cacheVolume" -}}
+{{- if .Values.cache.volume }}
+- name: cache
+  {{- toYaml .Values.cache.volume | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "dsv3serve.volumeMounts" -}}
@@ -131,6 +150,12 @@ affinity:
           {{- end }}
           volumeMounts:
             {{- include "dsv3serve.volumeMounts" $ctx | trim | nindent 12 }}
+            {{- with include "dsv3serve.cacheMount" $ctx | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
       volumes:
         {{- include "dsv3serve.volumes" (list $ctx $w.shmSize) | trim | nindent 8 }}
+        {{- with include "dsv3serve.cacheVolume" $ctx | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
 {{- end -}}

@@ -1,0 +1,56 @@
+"""Shared checks for the fused add + RMSNorm + FP8 quantisation kernel against its reference
+(used by the interpreter test and the GPU test).
+
+Bounds: the residual sum is exact (both round the same float32 sum of two bf16 to bf16).
+The norm differs only in float32 summation order (and ``rsqrt``'s last bit), so the bf16
+norm output is within one bf16 ulp (relative 2**-7) and the scales (amax / 448 of it)
+within 2**-7 relative. The e4m3 values equal the reference's bit for bit on at least 99%
+of the entries; everywhere, kernel and reference dequantise to within one e4m3 step
+(relative 2**-3, or 2**-9 of the group's scale near zero) of each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv3serve.kernels.fp8_ref import dequant_per_token_group
+from dsv3serve.kernels.norm_quant import NormQuantOut
+
+BF16_ULP = 2.0**-7
+E4M3_STEP = 2.0**-3
+MIN_EXACT = 0.99
+
+
+def random_inputs(
+    m: int, h: int, with_residual: bool, device: str, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """x, residual (or None) and a norm weight near 1, bf16; the scale spread over rows
+    makes the per-row statistics differ."""
+    rows = torch.logspace(-2, 2, m, dtype=torch.float32)[:, None]
+    x = (torch.randn(m, h, generator=g) * rows).to(torch.bfloat16)
+    r = torch.randn(m, h, generator=g).to(torch.bfloat16) if with_residual else None
+    w = (1 + 0.2 * torch.randn(h, generator=g)).to(torch.bfloat16)
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(x), move(r), move(w)  # type: ignore[return-value]
+
+
+def assert_matches(out: NormQuantOut, ref: NormQuantOut) -> None:
+    """The kernel's outputs against the reference's, by the bounds of the module docstring."""
+    assert out.q.dtype == torch.float8_e4m3fn and out.q.shape == ref.q.shape
+    m = out.q.shape[0]
+    assert out.scale.shape == ref.scale.shape and out.scale.stride() == (1, m)
+    if ref.residual is not None:
+        assert out.residual is not None and torch.equal(out.residual, ref.residual)
+    if ref.normed is not None:
+        assert out.normed is not None
+        torch.testing.assert_close(
+            out.normed.float(), ref.normed.float(), rtol=BF16_ULP, atol=1e-30
+        )
+    torch.testing.assert_close(out.scale, ref.scale, rtol=BF16_ULP, atol=1e-30)
+    same = (out.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean().item()
+    assert same >= MIN_EXACT, f"expected >= {MIN_EXACT:.0%} identical e4m3 values, got {same:.2%}"
+    deq, deq_ref = (dequant_per_token_group(o.q.cpu(), o.scale.cpu()) for o in (out, ref))
+    step = ref.scale.cpu().repeat_interleave(128, 1)[:, : deq.shape[1]]
+    bound = E4M3_STEP * deq_ref.abs() + step * 2.0**-9 + 1e-30
+    worst = ((deq - deq_ref).abs() / bound).max().item()
+    assert worst <= 1.0, f"expected dequantised values within one e4m3 step, got {worst:.2f}x"
