@@ -2,9 +2,10 @@
 (used by the interpreter test and the GPU test).
 
 Bounds: the residual sum is exact (both round the same float32 sum of two bf16 to bf16).
-The norm differs only in float32 summation order (and ``rsqrt``'s last bit), so the bf16
-norm output is within one bf16 ulp (relative 2**-7) and the scales (amax / 448 of it)
-within 2**-7 relative. The e4m3 values equal the reference's bit for bit on at least 99%
+The norm differs only in float32 summation order (and ``rsqrt``'s last bit), which can move
+the bf16 ``x * rstd`` by one ulp; both then multiply by the weight (|w| up to ~1.6 here) and
+round again, so the norm output is within two bf16 ulps (relative 2**-6: one H100 run
+found 1.08 ulps' worth of 2**-7 at row 278 of 1000) and the scales (amax / 448 of it) too. The e4m3 values equal the reference's bit for bit on at least 99%
 of the entries; everywhere, kernel and reference dequantise to within one e4m3 step
 (relative 2**-3, or 2**-9 of the group's scale near zero) of each other.
 """
@@ -17,6 +18,7 @@ from dsv3serve.kernels.fp8_ref import dequant_per_token_group
 from dsv3serve.kernels.norm_quant import NormQuantOut
 
 BF16_ULP = 2.0**-7
+NORM_BOUND = 2 * BF16_ULP  # see the docstring: one ulp before the weight, rounded again
 E4M3_STEP = 2.0**-3
 MIN_EXACT = 0.99
 
@@ -44,9 +46,9 @@ def assert_matches(out: NormQuantOut, ref: NormQuantOut) -> None:
     if ref.normed is not None:
         assert out.normed is not None
         torch.testing.assert_close(
-            out.normed.float(), ref.normed.float(), rtol=BF16_ULP, atol=1e-30
+            out.normed.float(), ref.normed.float(), rtol=NORM_BOUND, atol=1e-30
         )
-    torch.testing.assert_close(out.scale, ref.scale, rtol=BF16_ULP, atol=1e-30)
+    torch.testing.assert_close(out.scale, ref.scale, rtol=NORM_BOUND, atol=1e-30)
     same = (out.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean().item()
     assert same >= MIN_EXACT, f"expected >= {MIN_EXACT:.0%} identical e4m3 values, got {same:.2%}"
     deq, deq_ref = (dequant_per_token_group(o.q.cpu(), o.scale.cpu()) for o in (out, ref))
