@@ -274,7 +274,7 @@ class EngineHost:
         """
         self._require("decode")
         self.check_health()  # a group with a dead rank takes no new work
-        res = self.aengine.call(lambda e: reserve_for(e, msg))
+        res = self.aengine.call(lambda e: reserve_for(e, msg, self.cfg.decode_prefix_reuse))
         if res is None:
             return ReserveResult(ok=False)
         self._unreserve(msg.request_id, self._reserved.take(msg.request_id))
