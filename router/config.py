@@ -119,6 +119,9 @@ class ServingConfig(BaseModel):
     )
     router: RouterSettings = RouterSettings()
     test_prefill_delay_s: float = Field(0.0, ge=0, description="fault injection, tests only")
+    test_receive_delay_s: float = Field(
+        0.0, ge=0, description="fault injection, tests only: decode holds each KV pull this long"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServingConfig:
@@ -168,6 +171,7 @@ class ServingConfig(BaseModel):
             torch_threads=self.torch_threads,
             group_timeout_s=self.group_timeout_s,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
+            test_receive_delay_s=self.test_receive_delay_s if role == "decode" else 0.0,
         )
 
 

@@ -31,6 +31,8 @@ class WorkerConfig(BaseModel):
     group_timeout_s: float = Field(60.0, gt=0)
     # Fault injection for tests only: sleep this long before each prefill.
     test_prefill_delay_s: float = Field(0.0, ge=0)
+    # Fault injection for tests only (decode): hold each KV pull this long before copying.
+    test_receive_delay_s: float = Field(0.0, ge=0)
 
     @property
     def group_size(self) -> int:
