@@ -2,12 +2,15 @@
 one prefill and one decode replica, shared-memory transfer) on a fresh loopback Ray cluster,
 once with decode-side prefix reuse and once without (``decode_prefix_reuse``), each loaded by
 ``bench serve --dataset-name generated-shared-prefix`` with ``--metrics-url`` (the decode
-replica's KV transfer counters). Writes ``bench_shared_prefix_tiny_cpu.json`` into OUT_DIR.
-Usage: ``.venv/bin/python docs/perf/run_shared_prefix_cpu.py OUT_DIR``."""
+replica's KV transfer counters). The two settings alternate for ROUNDS rounds (the 2 cores
+are shared: alternating spreads other load over both), each run on its own cluster, with the
+1-minute load average before and after. Writes ``bench_shared_prefix_tiny_cpu.json`` into
+OUT_DIR. Usage: ``.venv/bin/python docs/perf/run_shared_prefix_cpu.py OUT_DIR [ROUNDS]``."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -60,25 +63,56 @@ def one_run(reuse: bool) -> dict[str, Any]:
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
             **WORKLOAD,
         )
+        load_before = os.getloadavg()[0]
         (record,) = run_bench_serve(config)
+        load = {"loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]}
     finally:
         serve.shutdown()
         ray.shutdown()
-    return record | {"decode_prefix_reuse": reuse}
+    return record | load | {"decode_prefix_reuse": reuse}
 
 
-def main(out: Path) -> None:
-    runs = [one_run(reuse) for reuse in (True, False)]
+def _row(i: int, run: dict[str, Any]) -> str:
+    cells = [
+        str(i // 2 + 1),
+        "on" if run["decode_prefix_reuse"] else "off",
+        f"{run['kv_pages_pulled']:.0f}",
+        f"{run['kv_pages_reused']:.0f}",
+        f"{run['kv_bytes_pulled'] / 1e6:.2f}",
+        f"{run['mean_ttft_ms']:.0f}",
+        f"{run['median_ttft_ms']:.0f}",
+        f"{run['p99_ttft_ms']:.0f}",
+        f"{run['mean_tpot_ms']:.0f}",
+        f"{run['duration_s']:.2f}",
+        f"{run['loadavg_1m_before']:.1f} / {run['loadavg_1m_after']:.1f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """The markdown table of every run, in the order they ran."""
+    head = (
+        "| round | decode reuse | KV pages pulled | pages reused (not pulled) | MB pulled "
+        "| mean TTFT ms | median TTFT ms | p99 TTFT ms | mean TPOT ms | duration s "
+        "| load 1m before / after |"
+    )
+    rule = "|" + "---:|" * 11
+    return "\n".join([head, rule, *(_row(i, r) for i, r in enumerate(runs))])
+
+
+def main(out: Path, rounds: int) -> None:
+    runs = [one_run(reuse) for _ in range(rounds) for reuse in (True, False)]
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": "2-core CPU VM (24 GiB), shared with other sessions",
-        "command": "python docs/perf/run_shared_prefix_cpu.py docs/perf",
+        "command": f"python docs/perf/run_shared_prefix_cpu.py docs/perf {rounds}",
         "app": "deploy/local-pd.yaml (tiny, CPU, page_size 16, shm), decode_prefix_reuse on/off",
     }
     path = out / "bench_shared_prefix_tiny_cpu.json"
     path.write_text(json.dumps(jsonable({"meta": meta, "runs": runs}), indent=2))
     print(f"wrote {path}")
+    print(table(runs))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 3)
