@@ -1,13 +1,14 @@
 """PD between different parallel layouts, on a real local Ray cluster over real HTTP.
 
-Two apps, one after the other (a module fixture per layout): prefill TP2 -> decode DP2 +
-EP2, and prefill on one rank -> decode DP2 + EP2. The MLA latent cache is not split by
-heads, so the prefill side's pages (from one rank, or TP rank 0) land whole on the decode
-DP rank that holds the reservation. Greedy text through the official ``openai`` client,
-streamed and not, must equal the single-rank offline engine's; a client that hangs up while
-its request prefills, while its KV moves, or while it decodes must leave nothing held on
-either side (pages, reservations and their prefix locks, staged KV), long before any lease
-would have freed it.
+Two apps, one after the other (a module fixture per layout): prefill TP2 -> decode DP2
+(DP attention with ``ep_size`` 1: each rank holds every expert whole), and prefill on one
+rank -> decode DP2 + EP2 (tests/serving/test_worker_group.py has TP2 -> DP2 + EP2). The
+MLA latent cache is not split by heads, so the prefill side's pages (from one rank, or TP
+rank 0) land whole on the decode DP rank that holds the reservation. Greedy text through
+the official ``openai`` client, streamed and not, must equal the single-rank offline
+engine's; a client that hangs up while its request prefills, while its KV moves, or while
+it decodes must leave nothing held on either side (pages, reservations and their prefix
+locks, staged KV), long before any lease would have freed it.
 
 Fault injection makes the phases wide enough to hit: every prefill waits
 ``test_prefill_delay_s`` and every decode pull ``test_receive_delay_s`` before it copies.
@@ -46,9 +47,10 @@ from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
 
-DP2_EP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}
+DP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
+DP2_EP2 = DP2 | {"ep_size": 2}
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name: (prefill, decode)
-    "tp2-to-dp2ep2": ({"tp_size": 2}, DP2_EP2),
+    "tp2-to-dp2": ({"tp_size": 2}, DP2),
     "one-to-dp2ep2": ({}, DP2_EP2),
 }
 WORKERS = ("prefill-0", "decode-0")
