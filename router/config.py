@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dsv3serve.engine.config import EngineConfig
 from router.policy import Policy
 from workers.config import WorkerConfig
+from workers.pd_compat import check_pd_kv_compatible
 from workers.protocol import Role
 
 
@@ -107,12 +108,20 @@ class ServingConfig(BaseModel):
     kv_connector: Literal["shm", "torch_dist", "nixl"] = "shm"
     kv_connector_options: dict[str, Any] = {}
     kv_lease_s: float = Field(30.0, gt=0, description="staged KV is freed if not pulled")
+    decode_prefix_reuse: bool = Field(
+        True,
+        description="decode replicas lock the prompt prefix their own cache holds and pull "
+        "only the rest; False: every prompt page is pulled",
+    )
     torch_threads: int | None = Field(None, ge=1)
     group_timeout_s: float = Field(
         60.0, gt=0, description="a group collective waiting longer fails the engine's step"
     )
     router: RouterSettings = RouterSettings()
     test_prefill_delay_s: float = Field(0.0, ge=0, description="fault injection, tests only")
+    test_receive_delay_s: float = Field(
+        0.0, ge=0, description="fault injection, tests only: decode holds each KV pull this long"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServingConfig:
@@ -123,6 +132,7 @@ class ServingConfig(BaseModel):
         workers = {role: self._checked_worker_config(role) for role in roles}
         if self.mode == "pd":
             _check_same_speculation(workers["prefill"], workers["decode"])
+            check_pd_kv_compatible(workers["prefill"], workers["decode"])
         return self
 
     def _checked_worker_config(self, role: Role) -> WorkerConfig:
@@ -157,9 +167,11 @@ class ServingConfig(BaseModel):
             kv_connector=self.kv_connector,
             kv_connector_options=self.kv_connector_options,
             kv_lease_s=self.kv_lease_s,
+            decode_prefix_reuse=self.decode_prefix_reuse,
             torch_threads=self.torch_threads,
             group_timeout_s=self.group_timeout_s,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
+            test_receive_delay_s=self.test_receive_delay_s if role == "decode" else 0.0,
         )
 
 

@@ -21,6 +21,9 @@ class WorkerConfig(BaseModel):
     kv_connector_options: dict[str, Any] = {}
     # prefill: staged KV not pulled within this many seconds is freed
     kv_lease_s: float = Field(30.0, gt=0)
+    # decode: lock the prompt's prefix cached here and reserve (and pull) only the rest;
+    # False: reserve and pull every prompt page (the cache is still filled, never matched)
+    decode_prefix_reuse: bool = True
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     # rank 0 of a group: a collective that waits longer (a rank died or hung) raises, the
     # engine fails its requests and the health check has the replica replaced; it also
@@ -28,6 +31,8 @@ class WorkerConfig(BaseModel):
     group_timeout_s: float = Field(60.0, gt=0)
     # Fault injection for tests only: sleep this long before each prefill.
     test_prefill_delay_s: float = Field(0.0, ge=0)
+    # Fault injection for tests only (decode): hold each KV pull this long before copying.
+    test_receive_delay_s: float = Field(0.0, ge=0)
 
     @property
     def group_size(self) -> int:

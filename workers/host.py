@@ -27,6 +27,7 @@ from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
 from workers.draft_wire import DraftMismatchError, draft_from_wire, draft_to_wire
+from workers.fault_injection import with_receive_delay
 from workers.leases import LeaseTable
 from workers.protocol import (
     DecodeRequest,
@@ -131,8 +132,9 @@ class EngineHost:
             return None
         from kv_transfer.factory import create_kv_connector
 
-        pool = self.engine.runner.pool
-        return create_kv_connector(self.cfg.kv_connector, pool, **self.cfg.kv_connector_options)
+        pool, cfg = self.engine.runner.pool, self.cfg
+        connector = create_kv_connector(cfg.kv_connector, pool, **cfg.kv_connector_options)
+        return with_receive_delay(connector, cfg.test_receive_delay_s)
 
     def _require(self, role: str) -> None:
         if self.cfg.role != role:
@@ -274,7 +276,7 @@ class EngineHost:
         """
         self._require("decode")
         self.check_health()  # a group with a dead rank takes no new work
-        res = self.aengine.call(lambda e: reserve_for(e, msg))
+        res = self.aengine.call(lambda e: reserve_for(e, msg, self.cfg.decode_prefix_reuse))
         if res is None:
             return ReserveResult(ok=False)
         self._unreserve(msg.request_id, self._reserved.take(msg.request_id))

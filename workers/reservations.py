@@ -8,10 +8,13 @@ from kv_transfer.handle import KVHandle
 from workers.protocol import ReserveRequest
 
 
-def reserve_for(engine: Engine, msg: ReserveRequest) -> KVReservation | None:
+def reserve_for(
+    engine: Engine, msg: ReserveRequest, prefix_reuse: bool = True
+) -> KVReservation | None:
     """``msg``'s reservation (None when full): after the prompt's prefix cached here when
-    ``msg`` names the prompt, else for all ``num_tokens`` (nothing cached)."""
-    if msg.prompt_ids is not None:
+    ``msg`` names the prompt and ``prefix_reuse`` is on, else for all ``num_tokens``
+    (nothing cached: every page is pulled)."""
+    if msg.prompt_ids is not None and prefix_reuse:
         return engine.reserve_prompt_kv(msg.prompt_ids)
     pages = engine.reserve_kv(msg.num_tokens)
     return None if pages is None else KVReservation(pages)

@@ -15,7 +15,7 @@ import platform
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tqdm import tqdm
@@ -30,6 +30,7 @@ from dsv3serve.bench.serve_client import (
     send_request,
 )
 from dsv3serve.bench.serve_dataset import BenchRequest, sample_requests
+from dsv3serve.bench.serve_kv_counters import kv_moved, read_kv_counters
 from dsv3serve.bench.serve_metrics import format_table, jsonable, per_request, summarize
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
@@ -126,6 +127,8 @@ def run_record(
         "ignore_eos": config.ignore_eos,
         "seed": config.seed,
     }
+    if config.dataset_name == "generated-shared-prefix":
+        settings |= {f.name: getattr(config, f.name) for f in fields(config) if "gsp_" in f.name}
     return settings | summarize(results, duration) | per_request(results)
 
 
@@ -140,8 +143,10 @@ async def run_points(config: BenchServeConfig, tokenizer: Tokenizer) -> list[dic
             return [await run_chaos(config, target, requests)]
         records = []
         for point in config.points():
+            before = await read_kv_counters(client, config.metrics_url)
             results, duration = await run_once(point, target, requests)
-            record = run_record(point, model, results, duration)
+            after = await read_kv_counters(client, config.metrics_url)
+            record = run_record(point, model, results, duration) | kv_moved(before, after)
             print(format_table(record, run_header(point, model)), flush=True)
             records.append(record)
     return records

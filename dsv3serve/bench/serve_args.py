@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Endpoint = Literal["chat", "completions"]
-DatasetName = Literal["random", "sharegpt"]
+DatasetName = Literal["random", "sharegpt", "generated-shared-prefix"]
 
 
 class BenchServeError(Exception):
@@ -64,6 +64,11 @@ class BenchServeConfig:
     random_range_ratio: float = 0.0
     sharegpt_output_len: int | None = None
     sharegpt_context_len: int = 2048
+    gsp_num_groups: int = 4
+    gsp_prompts_per_group: int = 4
+    gsp_system_prompt_len: int = 256
+    gsp_question_len: int = 32
+    gsp_output_len: int = 16
     request_rate: float = math.inf
     max_concurrency: int | None = None
     seed: int = 1
@@ -99,6 +104,18 @@ class BenchServeConfig:
             yield f"--random-output-len >= 1, got {self.random_output_len}"
         if not 0 <= self.random_range_ratio < 1:
             yield f"0 <= --random-range-ratio < 1, got {self.random_range_ratio}"
+        yield from self._shared_prefix_problems()
+
+    def _shared_prefix_problems(self) -> Iterator[str]:
+        if self.dataset_name != "generated-shared-prefix":
+            return
+        for name in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_output_len"):
+            if getattr(self, name) < 1:
+                yield f"--{name.replace('_', '-')} >= 1, got {getattr(self, name)}"
+        if self.gsp_system_prompt_len < 2:  # BOS plus at least one token of text
+            yield f"--gsp-system-prompt-len >= 2, got {self.gsp_system_prompt_len}"
+        if self.gsp_question_len < 1:
+            yield f"--gsp-question-len >= 1, got {self.gsp_question_len}"
 
     def _load_problems(self) -> Iterator[str]:
         if self.request_rate <= 0:
@@ -165,7 +182,13 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dataset_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    p.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=["random", "sharegpt", "generated-shared-prefix"],
+        help="generated-shared-prefix: --gsp-num-groups groups of --gsp-prompts-per-group "
+        "prompts, each a group's system prompt + its own question (--num-prompts unused)",
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens, BOS included")
@@ -176,6 +199,13 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="override reply lengths")
     p.add_argument("--sharegpt-context-len", type=int, default=2048, help="skip longer pairs")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--gsp-num-groups", type=int, default=4, help="distinct system prompts")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=4, help="questions per group")
+    p.add_argument(
+        "--gsp-system-prompt-len", type=int, default=256, help="system prompt tokens, BOS included"
+    )
+    p.add_argument("--gsp-question-len", type=int, default=32, help="question tokens")
+    p.add_argument("--gsp-output-len", type=int, default=16, help="max_tokens of each request")
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
@@ -206,7 +236,8 @@ def _add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-url",
         default=None,
-        help="the router's /metrics (e.g. http://127.0.0.1:8001/metrics): counts migrations",
+        help="the router's /metrics (e.g. http://127.0.0.1:8001/metrics): counts migrations "
+        "(--chaos) and the KV pages decode pulled and reused during each run",
     )
 
 

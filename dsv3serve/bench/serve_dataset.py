@@ -129,4 +129,8 @@ def sample_requests(config: BenchServeConfig, tokenizer: Tokenizer) -> list[Benc
     """The requests of ``config.dataset_name``."""
     if config.dataset_name == "sharegpt":
         return sharegpt_requests(config, tokenizer)
+    if config.dataset_name == "generated-shared-prefix":
+        from dsv3serve.bench.serve_shared_prefix import shared_prefix_requests
+
+        return shared_prefix_requests(config, tokenizer)
     return random_requests(config, tokenizer)

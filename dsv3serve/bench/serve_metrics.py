@@ -134,6 +134,12 @@ def format_table(summary: dict[str, Any], header: dict[str, Any]) -> str:
         "concurrency": "Concurrency",
     }
     rows += [_line(label, summary[key]) for key, label in labels.items()]
+    kv = {
+        "kv_pages_pulled": "KV pages pulled by decode",
+        "kv_pages_reused": "KV pages reused by decode (not pulled)",
+        "kv_bytes_pulled": "KV bytes pulled by decode",
+    }
+    rows += [_line(label, int(summary[key])) for key, label in kv.items() if key in summary]
     rows += _latency_lines("TTFT", "ttft", summary)
     rows += _latency_lines("TPOT", "tpot", summary)
     rows += _latency_lines("ITL", "itl", summary)

@@ -281,3 +281,15 @@ def test_timings_agree_with_aiperf(url: str, tmp_path: Path) -> None:
         if not attempts[-1][2]:
             return
     pytest.fail(f"outside {MARGIN:.0%} in all {AIPERF_ATTEMPTS} pairs: {attempts}")
+
+
+def test_shared_prefix_workload_runs_every_group(url: str, tmp_path: Path) -> None:
+    """``generated-shared-prefix``: groups x prompts requests (``--num-prompts`` unused),
+    each asking ``--gsp-output-len`` tokens; no metrics URL, so no KV counters."""
+    flags = "--dataset-name generated-shared-prefix --gsp-num-groups 2 --gsp-prompts-per-group 3"
+    flags += " --gsp-system-prompt-len 48 --gsp-question-len 8 --gsp-output-len 4"
+    rec = bench(url, tmp_path / "g.json", flags + " --ignore-eos --max-concurrency 2")
+    assert (rec["completed"], rec["failed"], rec["total_output_tokens"]) == (6, 0, 6 * 4)
+    assert (rec["gsp_num_groups"], rec["gsp_prompts_per_group"]) == (2, 3)
+    assert "kv_pages_pulled" not in rec
+    check_relations(rec)

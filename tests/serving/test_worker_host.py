@@ -484,3 +484,24 @@ def test_staged_pages_that_do_not_fit_the_reservation_are_refused(
     assert len(chunks) == 1 and chunks[0].error_status == 503
     assert "holds the first 2 pages" in (chunks[0].error or "")
     assert holds_nothing(prefill.stats()) and holds_nothing(decode.stats())
+
+
+def test_decode_prefix_reuse_off_pulls_every_page_every_time(
+    hosts: dict[str, EngineHost],
+) -> None:
+    """``decode_prefix_reuse=False``: the same prompt twice, and the decode side claims no
+    cached page either time, so prefill stages and decode pulls all 5 pages both times;
+    the tokens are the ones reuse gives."""
+    prefill, decode = hosts["prefill"], host("decode", decode_prefix_reuse=False)
+    req = GenerateRequest(request_id="nr", prompt_ids=list(range(7000, 7070)), params=GREEDY)
+
+    async def run() -> list[tuple[list[TokenChunk], int]]:
+        return [await reusing_handoff(prefill, decode, req) for _ in range(2)]
+
+    (one, held_one), (two, held_two) = asyncio.run(run())
+    stats = decode.stats()
+    assert (held_one, held_two) == (0, 0)
+    assert (stats.pulled_pages, stats.reused_pages) == (2 * 5, 0)
+    colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
+    assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
+    assert holds_nothing(prefill.stats()) and holds_nothing(stats)

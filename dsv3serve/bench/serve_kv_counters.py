@@ -1,0 +1,48 @@
+"""The decode replicas' KV transfer counters, read from the router's ``/metrics`` around a run.
+
+What a run moved from prefill to decode (pages and bytes pulled) and what decode-side
+prefix reuse spared it (prompt pages the decode replica's own cache held, not pulled):
+the difference of the counters summed over decode replicas, after minus before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# record key -> the counter sample (dsv3serve/metrics.py), summed over role="decode"
+KV_COUNTERS = {
+    "kv_pages_pulled": "dsv3serve:kv_transfer_pages_total",
+    "kv_pages_reused": "dsv3serve:kv_transfer_reused_pages_total",
+    "kv_bytes_pulled": "dsv3serve:kv_transfer_bytes_total",
+}
+
+
+def parse_kv_counters(text: str) -> dict[str, float]:
+    """Each of :data:`KV_COUNTERS` summed over the decode replicas in ``text`` (0 if absent)."""
+    wanted = {sample: key for key, sample in KV_COUNTERS.items()}
+    totals = dict.fromkeys(KV_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key is not None and sample.labels.get("role") == "decode":
+                totals[key] += sample.value
+    return totals
+
+
+async def read_kv_counters(client: httpx.AsyncClient, url: str | None) -> dict[str, float] | None:
+    """The counters at ``url`` (the router's merged ``/metrics``), or None without one."""
+    if url is None:
+        return None
+    response = await client.get(url)
+    response.raise_for_status()
+    return parse_kv_counters(response.text)
+
+
+def kv_moved(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """The run's share of each counter (after - before); empty without a metrics URL."""
+    if before is None or after is None:
+        return {}
+    return {key: after[key] - before[key] for key in KV_COUNTERS}
