@@ -14,8 +14,6 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
 from dsv3serve.tokenizer.chat_template import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
@@ -23,42 +21,30 @@ from dsv3serve.tokenizer.chat_template import (
     TOOL_CALLS_END,
     TOOL_SEP,
 )
+from router.request_part import RequestPart
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
-class _ToolBody(BaseModel):
-    """Request-body parts: unknown fields ignored, explicit null means "not given"."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class FunctionDef(_ToolBody):
+class FunctionDef(RequestPart):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool = False
 
 
-class ToolDef(_ToolBody):
+class ToolDef(RequestPart):
     """One entry of ``tools``; only function tools exist in the chat API."""
 
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_ToolBody):
+class FunctionName(RequestPart):
     name: str
 
 
-class NamedToolChoice(_ToolBody):
+class NamedToolChoice(RequestPart):
     """``{"type": "function", "function": {"name": ...}}``: call exactly this function."""
 
     type: Literal["function"]
@@ -68,12 +54,12 @@ class NamedToolChoice(_ToolBody):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCall(_ToolBody):
+class FunctionCall(RequestPart):
     name: str
     arguments: str | dict[str, Any]
 
 
-class ToolCall(_ToolBody):
+class ToolCall(RequestPart):
     """An assistant turn's earlier call, sent back in ``messages``."""
 
     id: str | None = None

@@ -31,7 +31,7 @@ from router.grpc_convert import (
     whole_response,
 )
 from router.openai_api import OpenAIServer, Prepared
-from router.openai_protocol import ResponseBuilder
+from router.openai_response import ResponseBuilder
 from router.proto import generate_pb2 as pb
 from router.sse import StreamGuard
 from workers.backend import BackendError, error_from_chunk

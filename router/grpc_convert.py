@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from router.chat_output import ChatDelta, ChoiceParser
 from router.errors import bad_request
-from router.openai_protocol import ChoiceState, ResponseBuilder, ResponseMeta, TopLogprobs
+from router.openai_protocol import TopLogprobs
+from router.openai_response import ChoiceState, ResponseBuilder, ResponseMeta
 from router.proto import generate_pb2 as pb
 from workers.protocol import TokenChunk
 

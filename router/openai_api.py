@@ -39,13 +39,8 @@ from router.errors import (
     internal_error,
 )
 from router.openai_fields import refused_field
-from router.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseBuilder,
-    ResponseMeta,
-    SamplingFields,
-)
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.openai_response import ResponseBuilder, ResponseMeta
 from router.sse import SSEResponse, StreamGuard, close_quietly, stream_events
 from workers.backend import BackendError, GenerationBackend, error_from_chunk
 from workers.protocol import GenerateRequest, TokenChunk

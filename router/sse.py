@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.admission import Slot
 from router.errors import INTERNAL_ERROR, error_body
-from router.openai_protocol import ResponseBuilder
+from router.openai_response import ResponseBuilder
 from workers.backend import BackendError, error_from_chunk
 from workers.protocol import TokenChunk
 

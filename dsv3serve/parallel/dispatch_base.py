@@ -52,6 +52,7 @@ class Dispatcher(ABC):
     def prepare_graph(self) -> None:
         """Host-side work a captured dispatch / combine needs before it is captured or
         replayed (none by default)."""
+        return
 
     meter: DispatchMeter | None = None
     """This rank's dispatch / combine latency and bytes (None: the backend moves nothing

@@ -5,9 +5,10 @@ Bounds: the residual sum is exact (both round the same float32 sum of two bf16 t
 The norm differs only in float32 summation order (and ``rsqrt``'s last bit), which can move
 the bf16 ``x * rstd`` by one ulp; both then multiply by the weight (|w| up to ~1.6 here) and
 round again, so the norm output is within two bf16 ulps (relative 2**-6: one H100 run
-found 1.08 ulps' worth of 2**-7 at row 278 of 1000) and the scales (amax / 448 of it) too. The e4m3 values equal the reference's bit for bit on at least 99%
-of the entries; everywhere, kernel and reference dequantise to within one e4m3 step
-(relative 2**-3, or 2**-9 of the group's scale near zero) of each other.
+found 1.08 ulps' worth of 2**-7 at row 278 of 1000) and the scales (amax / 448 of it) too.
+The e4m3 values equal the reference's bit for bit on at least 99% of the entries; everywhere,
+kernel and reference dequantise to within one e4m3 step (relative 2**-3, or 2**-9 of the
+group's scale near zero) of each other.
 """
 
 from __future__ import annotations
