@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from prometheus_client import generate_latest
 
@@ -16,9 +16,13 @@ from workers.protocol import TokenChunk
 class WorkerMetrics:
     """Metrics of one replica (``role``, ``replica``, ``model`` labels)."""
 
-    def __init__(self, identity: Identity, engine_state: Callable[[], EngineState]) -> None:
+    def __init__(
+        self, identity: Identity, rank_states: Sequence[Callable[[], EngineState]]
+    ) -> None:
+        """``rank_states``: one engine-state reader per DP rank (``dp_rank`` label)."""
         self.m = Metrics(identity)
-        self.m.registry.register(EngineStateCollector(identity, engine_state))
+        for rank, read in enumerate(rank_states):
+            self.m.registry.register(EngineStateCollector(identity, read, rank))
         self.pulled_pages = 0
         self.reused_pages = 0
 
