@@ -140,6 +140,14 @@ def replica_targets(order: Sequence[int]) -> list[Target]:
     return [(i, None) for i in order]
 
 
+def rank_board(replicas: ReplicaSet, settings: RouterSettings, page_size: int) -> RankBoard | None:
+    """The board of ``replicas`` under ``settings`` (None unless policy ``rank_aware``)."""
+    if settings.policy != "rank_aware":
+        return None
+    weights = RoutingWeights(settings.rank_tokens_per_request, settings.rank_tokens_per_pool)
+    return RankBoard(replicas, page_size, weights, settings.rank_report_interval_s)
+
+
 class PDTargets:
     """Where a PD request goes, under the router's ``policy``: (replica, DP rank) targets
     for prefill and for decode, and the in-flight accounting of both boards."""

@@ -208,7 +208,7 @@ class EngineHost:
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         try:
-            stream = self.aengine.generate(_engine_request(req))
+            stream = self.aengine.generate(_engine_request(req, dp_rank=req.dp_rank))
             metered = self.metrics.stream(_chunks(stream), True, req.params.n)
             async with aclosing(stream), aclosing(metered) as chunks:
                 async for chunk in chunks:

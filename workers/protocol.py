@@ -39,11 +39,14 @@ def decode(cls: type[M], data: bytes) -> M:
 
 
 class GenerateRequest(_Msg):
-    """A tokenized request; ``request_id`` is assigned by the router."""
+    """A tokenized request; ``request_id`` is assigned by the router. ``dp_rank``
+    (colocated replicas): the DP-attention rank the router chose, honoured unless invalid
+    or full (PD names the rank in ``PrefillRequest`` and ``ReserveRequest`` instead)."""
 
     request_id: str
     prompt_ids: list[int] = Field(min_length=1)
     params: SamplingParams
+    dp_rank: int | None = Field(None, ge=0)
 
 
 class TokenChunk(_Msg):
@@ -171,12 +174,14 @@ class ReserveRequest(_Msg):
 
 class ReserveResult(_Msg):
     """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages (holding
-    ``cached_tokens`` tokens) this side's prefix cache holds already."""
+    ``cached_tokens`` tokens) this side's prefix cache holds already, on DP rank
+    ``dp_rank`` (0 without DP attention)."""
 
     ok: bool
     num_pages: int = 0
     cached_pages: int = 0
     cached_tokens: int = 0
+    dp_rank: int = Field(0, ge=0)
 
 
 class DecodeRequest(_Msg):
