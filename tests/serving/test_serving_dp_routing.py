@@ -209,6 +209,26 @@ def test_with_skewed_load_a_new_request_goes_to_the_idle_rank_unless_a_hit_outwe
         busy.close()
     assert worker_stats(APP, "decode-0").rank_fallbacks == 0
     assert wait_until(lambda: holds_nothing(worker_stats(APP, "decode-0")), 30)
+    assert_per_rank_metrics()
+
+
+def assert_per_rank_metrics() -> None:
+    """The decode replica's metrics: load and prefix-cache counters per DP rank."""
+    handle = serve.get_deployment_handle("decode-0", app_name=APP)
+    text = handle.metrics.remote().result().decode()
+    taken = placed()
+    for rank in (0, 1):
+        label = f'dp_rank="{rank}"'
+        lines = [line for line in text.splitlines() if label in line]
+        names = {line.split("{")[0] for line in lines}
+        assert {
+            "dsv3serve:num_requests_running",
+            "dsv3serve:kv_cache_usage_perc",
+            "dsv3serve:prefix_cache_hits_total",
+            "dsv3serve:dp_rank_fallbacks_total",
+        } <= names, names
+        requests = [ln for ln in lines if ln.startswith("dsv3serve:dp_rank_requests_total")]
+        assert requests and float(requests[0].rsplit(" ", 1)[1]) == taken[rank]
 
 
 def _complete(url: str, prompt: list[int]) -> int:
