@@ -144,8 +144,7 @@ class PDBackend:
         """One reserve / prefill / decode of ``req``; raises DecodeLost if decode fails."""
         d, rank, cached_pages = await self._reserve(req)
         tokens = _work_tokens(req)
-        self.decode.acquire(d, tokens)
-        self.decode_ranks.acquire(d, rank)
+        self.decode.acquire(d, tokens)  # the rank was acquired by _reserve_until
         try:
             try:
                 result, p, attempt = await self._prefill(req, cached_pages)
@@ -197,13 +196,17 @@ class PDBackend:
                     continue
                 asked.add(d)
                 data = encode(msg.model_copy(update={"dp_rank": rank}))
-                try:
+                self.decode_ranks.acquire(d, rank)  # counted while asked: concurrent asks
+                try:  # spread
                     raw = await self.decode.handles[d].reserve.remote(data)
                 except Exception as exc:  # a dead decode replica: try the next
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
                     continue
+                finally:
+                    self.decode_ranks.release(d, rank)
                 reserved = parse(ReserveResult, raw)
-                if reserved.ok:
+                if reserved.ok:  # the caller releases this rank when the request ends
+                    self.decode_ranks.acquire(d, reserved.dp_rank)
                     return d, reserved.dp_rank, reserved.cached_pages
             if len(failures) == len(self.decode.handles):
                 raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
