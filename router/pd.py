@@ -2,15 +2,15 @@
 
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
-1. reserve pages on a decode replica (least outstanding first); no room anywhere within
-   ``reserve_wait_s`` is a 429. The decode replica locks the prompt's prefix its own
-   cache holds and reserves pages for the rest only; the prefill side is told to stage
-   only those (``skip_pages``);
-2. prefill on a prefill replica chosen by policy; a replica that dies or times out is
-   marked down (tried last until it answers again) and the request is retried, on another
-   replica when one is up, up to ``max_prefill_attempts``, else 503; with no replica up
-   it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has its own
-   attempt id: the release of a failed try names it, and never touches a later try;
+1. reserve pages on a decode (replica, DP rank) chosen by policy (``router.rank_routing``);
+   no room anywhere within ``reserve_wait_s`` is a 429. The decode replica locks the
+   prompt's prefix its own cache holds and reserves pages for the rest only; the prefill
+   side is told to stage only those (``skip_pages``);
+2. prefill on a prefill (replica, DP rank) chosen by policy; a replica that dies or times
+   out is marked down (tried last until it answers again) and the request is retried, on
+   another replica when one is up, up to ``max_prefill_attempts``, else 503; with no
+   replica up it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has
+   its own attempt id: the release of a failed try names it, and never touches a later try;
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
