@@ -214,6 +214,8 @@ class EngineState:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+    placed: int | None = None  # DP attention: requests this rank took
+    fallbacks: int | None = None  # of those, ones a router sent to a rank that could not
 
 
 class EngineStateCollector(Collector):
@@ -235,7 +237,13 @@ class EngineStateCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              state.prefix_hits, 1),
             ("num_preemptions", "Preempted sequences.", state.preemptions, 1),
+            ("dp_rank_requests", "Requests this DP rank took (DP attention).",
+             state.placed, 1),
+            ("dp_rank_fallbacks", "Requests this DP rank took because the rank the router "
+             "chose was invalid or full.", state.fallbacks, 1),
         ):  # fmt: skip
+            if value is None:
+                continue
             kind = CounterMetricFamily if family else GaugeMetricFamily
             metric = kind(NS + name, doc, labels=names)
             metric.add_metric(values, value)

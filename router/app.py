@@ -28,6 +28,7 @@ from router.openai_api import APIConfig, OpenAIServer, new_app
 from router.pd import PDBackend
 from router.policy import ReplicaSet
 from router.proto import generate_pb2 as pb
+from router.rank_routing import rank_board
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
 
@@ -91,7 +92,9 @@ class Router:
                 sets["prefill"], sets["decode"], settings, info.page_size, tokenizer, self.metrics
             )
         else:
-            backend = ColocatedBackend(sets["colocated"])
+            colocated = sets["colocated"]
+            board = rank_board(colocated, settings, info.page_size)
+            backend = ColocatedBackend(colocated, board)
         backend = MeteredBackend(backend, self.metrics)
         api = APIConfig(
             served_model_name=settings.served_model_name,

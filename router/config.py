@@ -55,7 +55,21 @@ class RouterSettings(BaseModel):
         30.0, gt=0, description="a request body not received within it gets 408"
     )
     max_json_depth: int = Field(128, ge=8, description="deeper JSON nesting gets 400")
-    policy: Policy = "prefix_affinity"
+    policy: Policy = Field(
+        "rank_aware",
+        description="rank_aware: score (replica, DP rank) by the ranks' reported load and "
+        "prefix caches (router/rank_routing.py); prefix_affinity: a hash of the leading "
+        "pages, then load; least_outstanding: this router's own load",
+    )
+    rank_report_interval_s: float = Field(
+        0.5, gt=0, description="rank_aware: how often each replica's per-rank load is polled"
+    )
+    rank_tokens_per_request: float = Field(
+        256.0, ge=0, description="rank_aware: a running or waiting request's price in tokens"
+    )
+    rank_tokens_per_pool: float = Field(
+        1024.0, ge=0, description="rank_aware: a full KV pool's price in tokens"
+    )
     prefix_affinity_pages: int = Field(4, ge=1)
     affinity_imbalance_tokens: int = Field(32768, ge=0)
     prefill_timeout_s: float = Field(30.0, gt=0)

@@ -2,15 +2,15 @@
 
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
-1. reserve pages on a decode replica (least outstanding first); no room anywhere within
-   ``reserve_wait_s`` is a 429. The decode replica locks the prompt's prefix its own
-   cache holds and reserves pages for the rest only; the prefill side is told to stage
-   only those (``skip_pages``);
-2. prefill on a prefill replica chosen by policy; a replica that dies or times out is
-   marked down (tried last until it answers again) and the request is retried, on another
-   replica when one is up, up to ``max_prefill_attempts``, else 503; with no replica up
-   it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has its own
-   attempt id: the release of a failed try names it, and never touches a later try;
+1. reserve pages on a decode (replica, DP rank) chosen by policy (``router.rank_routing``);
+   no room anywhere within ``reserve_wait_s`` is a 429. The decode replica locks the
+   prompt's prefix its own cache holds and reserves pages for the rest only; the prefill
+   side is told to stage only those (``skip_pages``);
+2. prefill on a prefill (replica, DP rank) chosen by policy; a replica that dies or times
+   out is marked down (tried last until it answers again) and the request is retried, on
+   another replica when one is up, up to ``max_prefill_attempts``, else 503; with no
+   replica up it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has
+   its own attempt id: the release of a failed try names it, and never touches a later try;
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
@@ -36,7 +36,8 @@ from typing import Any
 from dsv3serve.metrics import Identity, Metrics
 from router.config import RouterSettings
 from router.migration import DecodeLost, Migrator
-from router.policy import ReplicaSet, prefill_order
+from router.policy import ReplicaSet
+from router.rank_routing import PDTargets, Target
 from router.relay import relay
 from router.replica_health import ReplicaHealth
 from router.seam import SeamTokenizer
@@ -104,6 +105,8 @@ class PDBackend:
         self.page_size = page_size
         self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
         self._bg = Background()
+        self.targets = PDTargets(prefill, decode, settings, page_size)
+        self.prefill_ranks, self.decode_ranks = self.targets.prefill, self.targets.decode
         self.prefill_health = ReplicaHealth(prefill, answers, PROBE_INTERVAL_S)
         self.decode_health = ReplicaHealth(decode, answers, PROBE_INTERVAL_S)
         self.migrator = Migrator(
@@ -139,9 +142,9 @@ class PDBackend:
 
     async def _attempt(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """One reserve / prefill / decode of ``req``; raises DecodeLost if decode fails."""
-        d, cached_pages = await self._reserve(req)
+        d, rank, cached_pages = await self._reserve(req)
         tokens = _work_tokens(req)
-        self.decode.acquire(d, tokens)
+        self.decode.acquire(d, tokens)  # the rank was acquired by _reserve_until
         try:
             try:
                 result, p, attempt = await self._prefill(req, cached_pages)
@@ -159,20 +162,20 @@ class PDBackend:
                     yield chunk
         finally:
             self.decode.release(d, tokens)
+            self.decode_ranks.release(d, rank)
 
     def _cancel_reservation(self, d: int, request_id: str) -> None:
         self._bg.submit(self.decode.handles[d].cancel_reservation.remote, request_id)
 
-    async def _reserve(self, req: GenerateRequest) -> tuple[int, int]:
-        """Reserve KV room on the least loaded decode replica that has it; returns the
-        replica and the prompt pages its prefix cache holds (they need no transfer)."""
-        msg = encode(
-            ReserveRequest(
-                request_id=req.request_id,
-                num_tokens=len(req.prompt_ids),
-                lease_s=self.lease_s,
-                prompt_ids=req.prompt_ids,
-            )
+    async def _reserve(self, req: GenerateRequest) -> tuple[int, int, int]:
+        """Reserve KV room on the best decode target that has it; returns the replica, its
+        DP rank holding the reservation, and the prompt pages its prefix cache holds (they
+        need no transfer)."""
+        msg = ReserveRequest(
+            request_id=req.request_id,
+            num_tokens=len(req.prompt_ids),
+            lease_s=self.lease_s,
+            prompt_ids=req.prompt_ids,
         )
         deadline = time.monotonic() + self.settings.reserve_wait_s
         self.metrics.waiting_for_kv.inc()
@@ -181,20 +184,30 @@ class PDBackend:
         finally:
             self.metrics.waiting_for_kv.dec()
 
-    async def _reserve_until(self, msg: bytes, deadline: float) -> tuple[int, int]:
+    async def _reserve_until(self, msg: ReserveRequest, deadline: float) -> tuple[int, int, int]:
         """Full replicas are retried until ``deadline`` (then 429); when every replica
-        failed (dead, or its engine died) it is a 503 at once, not a wait for room."""
+        failed (dead, or its engine died) it is a 503 at once, not a wait for room. A
+        replica is asked once per round (a full one fell back to its other ranks)."""
         while True:
             failures: list[str] = []
-            for d in self.decode.by_load():
-                try:
-                    raw = await self.decode.handles[d].reserve.remote(msg)
+            asked: set[int] = set()
+            for d, rank in self.targets.for_decode(msg.prompt_ids or []):
+                if d in asked:
+                    continue
+                asked.add(d)
+                data = encode(msg.model_copy(update={"dp_rank": rank}))
+                self.decode_ranks.acquire(d, rank)  # counted while asked: concurrent asks
+                try:  # spread
+                    raw = await self.decode.handles[d].reserve.remote(data)
                 except Exception as exc:  # a dead decode replica: try the next
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
                     continue
+                finally:
+                    self.decode_ranks.release(d, rank)
                 reserved = parse(ReserveResult, raw)
-                if reserved.ok:
-                    return d, reserved.cached_pages
+                if reserved.ok:  # the caller releases this rank when the request ends
+                    self.decode_ranks.acquire(d, reserved.dp_rank)
+                    return d, reserved.dp_rank, reserved.cached_pages
             if len(failures) == len(self.decode.handles):
                 raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
             if time.monotonic() >= deadline:
@@ -211,40 +224,38 @@ class PDBackend:
         failures: list[str] = []
         tried: list[int] = []
         for attempt in range(self.settings.max_prefill_attempts):
-            p = self._next_prefill(req, tried)
+            p, rank = self._next_prefill(req, tried)
             if not await self.prefill_health.wait_up(p, deadline - time.monotonic()):
                 failures.append(f"{self.prefill.names[p]}: not back within prefill_retry_wait_s")
                 break
             attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
-            outcome = await self._try_prefill(p, req, attempt_id, skip_pages)
+            outcome = await self._try_prefill((p, rank), req, attempt_id, skip_pages)
             if isinstance(outcome, PrefillResult):
                 return outcome, p, attempt_id
             failures.append(f"{self.prefill.names[p]}: {outcome}")
             tried.append(p)
         raise BackendUnavailable("prefill failed: " + "; ".join(failures))
 
-    def _next_prefill(self, req: GenerateRequest, tried: list[int]) -> int:
-        """The best replica not tried yet for ``req``; when all were, the best one."""
-        s = self.settings
-        order = prefill_order(
-            self.prefill,
-            req.prompt_ids,
-            s.policy,
-            s.prefix_affinity_pages * self.page_size,
-            s.affinity_imbalance_tokens,
-        )
-        fresh = [p for p in order if p not in tried]
+    def _next_prefill(self, req: GenerateRequest, tried: list[int]) -> Target:
+        """The best target whose replica was not tried yet for ``req``; when all were,
+        the best one."""
+        order = self.targets.for_prefill(req.prompt_ids)
+        fresh = [t for t in order if t[0] not in tried]
         return fresh[0] if fresh else order[0]
 
     async def _try_prefill(
-        self, p: int, req: GenerateRequest, attempt_id: str, skip_pages: int = 0
+        self, target: Target, req: GenerateRequest, attempt_id: str, skip_pages: int = 0
     ) -> PrefillResult | str:
-        """One attempt on replica ``p``: the result, or why it failed (the replica is then
-        marked down). An attempt abandoned for any reason (failure, timeout, client gone)
-        is released there by its id: a no-op if the replica never had it."""
-        msg = encode(PrefillRequest(request=req, attempt_id=attempt_id, skip_pages=skip_pages))
+        """One attempt on ``target`` (replica, DP rank): the result, or why it failed (the
+        replica is then marked down). An attempt abandoned for any reason (failure,
+        timeout, client gone) is released there by its id: a no-op if the replica never
+        had it."""
+        p, rank = target
+        msg = encode(
+            PrefillRequest(request=req, attempt_id=attempt_id, skip_pages=skip_pages, dp_rank=rank)
+        )
         try:
-            result = await self._prefill_on(p, msg, len(req.prompt_ids))
+            result = await self._prefill_on(target, msg, len(req.prompt_ids))
         except BaseException as exc:
             self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
             if isinstance(exc, BackendError) or not isinstance(exc, Exception):
@@ -254,8 +265,10 @@ class PDBackend:
         self.prefill_health.mark_up(p)
         return result
 
-    async def _prefill_on(self, p: int, msg: bytes, tokens: int) -> PrefillResult:
+    async def _prefill_on(self, target: Target, msg: bytes, tokens: int) -> PrefillResult:
+        p, rank = target
         self.prefill.acquire(p, tokens)
+        self.prefill_ranks.acquire(p, rank)
         response = self.prefill.handles[p].prefill.remote(msg)
         try:
             raw = await asyncio.wait_for(_await(response), self.settings.prefill_timeout_s)
@@ -264,6 +277,7 @@ class PDBackend:
             raise
         finally:
             self.prefill.release(p, tokens)
+            self.prefill_ranks.release(p, rank)
         return parse(PrefillResult, raw)
 
     async def _decode(

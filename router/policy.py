@@ -6,7 +6,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
-Policy = Literal["least_outstanding", "prefix_affinity"]
+# rank_aware: (replica, DP rank) by reported load and prefix cache (router.rank_routing)
+Policy = Literal["least_outstanding", "prefix_affinity", "rank_aware"]
 
 
 class ReplicaSet:

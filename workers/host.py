@@ -42,7 +42,8 @@ from workers.protocol import (
     WorkerStats,
     error_chunk,
 )
-from workers.reservations import reserve_for, staged_mismatch
+from workers.rank_report import rank_counts, rank_loads, rank_state_readers
+from workers.reservations import reservation_rank, reserve_for, staged_mismatch
 from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
 
@@ -84,9 +85,11 @@ def _released_result(req: GenerateRequest, attempt: str) -> PrefillResult:
     return PrefillResult(first=error_chunk(req.request_id, message, 503), kv=None)
 
 
-def _engine_request(req: GenerateRequest, engine_id: str | None = None) -> Request:
+def _engine_request(
+    req: GenerateRequest, engine_id: str | None = None, dp_rank: int | None = None
+) -> Request:
     rid = req.request_id if engine_id is None else engine_id
-    return Request(rid, req.params, prompt_ids=list(req.prompt_ids))
+    return Request(rid, req.params, prompt_ids=list(req.prompt_ids), dp_rank=dp_rank)
 
 
 class EngineHost:
@@ -111,7 +114,7 @@ class EngineHost:
         if self.group is not None:
             self.group.leader = attach_leader(self.engine)
         identity = Identity(cfg.role, replica or cfg.role, model or cfg.engine.model)
-        self.metrics = WorkerMetrics(identity, self.engine.engine_state)
+        self.metrics = WorkerMetrics(identity, rank_state_readers(self.engine))
         self.engine.metrics = self.metrics.m
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
@@ -173,6 +176,7 @@ class EngineHost:
                 waiting=s.num_waiting,
                 free_pages=s.kv.available_pages,
                 num_pages=s.kv.num_pages,
+                ranks=rank_loads(s),
             )
 
         return self.aengine.call(read)
@@ -180,6 +184,7 @@ class EngineHost:
     def stats(self) -> WorkerStats:
         def read(e: Engine) -> WorkerStats:
             kv = e.scheduler.kv
+            placed, fallbacks = rank_counts(e.scheduler)
             return WorkerStats(
                 role=self.cfg.role,
                 free_pages=kv.free_pages,
@@ -191,6 +196,8 @@ class EngineHost:
                 group_size=self.cfg.group_size,
                 pulled_pages=self.metrics.pulled_pages,
                 reused_pages=self.metrics.reused_pages,
+                rank_requests=placed,
+                rank_fallbacks=fallbacks,
             )
 
         return self.aengine.call(read)
@@ -203,7 +210,7 @@ class EngineHost:
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         try:
-            stream = self.aengine.generate(_engine_request(req))
+            stream = self.aengine.generate(_engine_request(req, dp_rank=req.dp_rank))
             metered = self.metrics.stream(_chunks(stream), True, req.params.n)
             async with aclosing(stream), aclosing(metered) as chunks:
                 async for chunk in chunks:
@@ -232,7 +239,8 @@ class EngineHost:
             return PrefillResult(first=error_chunk(req.request_id, message, 500), kv=None)
         start = time.monotonic()
         try:
-            first, export = await self.aengine.prefill(_engine_request(req, attempt))
+            engine_req = _engine_request(req, attempt, msg.dp_rank)
+            first, export = await self.aengine.prefill(engine_req)
         except _REFUSED as exc:
             return PrefillResult(first=error_chunk(req.request_id, str(exc), 400), kv=None)
         except PrefillReleasedError:
@@ -286,6 +294,7 @@ class EngineHost:
             num_pages=len(res.pages),
             cached_pages=res.num_cached_pages,
             cached_tokens=res.num_cached_tokens,
+            dp_rank=self.aengine.call(lambda e: reservation_rank(e, res)),
         )
 
     def cancel_reservation(self, request_id: str) -> None:

@@ -21,6 +21,7 @@ Role = Literal["prefill", "decode", "colocated"]
 M = TypeVar("M", bound=BaseModel)
 WireDType = Literal["bfloat16", "float16", "float32"]
 WIRE_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
+MAX_PREFIX_HASHES = 512  # the most prefix hashes one DP rank's report may carry
 
 
 class _Msg(BaseModel):
@@ -38,11 +39,14 @@ def decode(cls: type[M], data: bytes) -> M:
 
 
 class GenerateRequest(_Msg):
-    """A tokenized request; ``request_id`` is assigned by the router."""
+    """A tokenized request; ``request_id`` is assigned by the router. ``dp_rank``
+    (colocated replicas): the DP-attention rank the router chose, honoured unless invalid
+    or full (PD names the rank in ``PrefillRequest`` and ``ReserveRequest`` instead)."""
 
     request_id: str
     prompt_ids: list[int] = Field(min_length=1)
     params: SamplingParams
+    dp_rank: int | None = Field(None, ge=0)
 
 
 class TokenChunk(_Msg):
@@ -88,11 +92,15 @@ class PrefillRequest(_Msg):
     ``skip_pages``: leading prompt pages the decode side holds already (its prefix cache,
     see ``ReserveResult``): they are not staged. The prefill side still computes every
     prompt token its own prefix cache does not hold.
+
+    ``dp_rank``: the DP-attention rank the router chose (``router.rank_routing``); the
+    replica's DP scheduler runs the request there unless the rank is invalid or full.
     """
 
     request: GenerateRequest
     attempt_id: str = Field(min_length=1, max_length=256)
     skip_pages: int = Field(0, ge=0)
+    dp_rank: int | None = Field(None, ge=0)
 
 
 class DraftHandoff(_Msg):
@@ -144,12 +152,15 @@ class ReserveRequest(_Msg):
 
     With ``prompt_ids`` (``num_tokens`` of them) the decode side first matches the prompt
     against its prefix cache and locks the hit: only the pages after it are reserved.
+    ``dp_rank``: the DP-attention rank the router chose; the replica reserves there unless
+    the rank is invalid or full (then on the rank its DP scheduler picks).
     """
 
     request_id: str
     num_tokens: int = Field(ge=1)
     lease_s: float = Field(gt=0)
     prompt_ids: list[int] | None = None
+    dp_rank: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> ReserveRequest:
@@ -163,12 +174,14 @@ class ReserveRequest(_Msg):
 
 class ReserveResult(_Msg):
     """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages (holding
-    ``cached_tokens`` tokens) this side's prefix cache holds already."""
+    ``cached_tokens`` tokens) this side's prefix cache holds already, on DP rank
+    ``dp_rank`` (0 without DP attention)."""
 
     ok: bool
     num_pages: int = 0
     cached_pages: int = 0
     cached_tokens: int = 0
+    dp_rank: int = Field(0, ge=0)
 
 
 class DecodeRequest(_Msg):
@@ -189,14 +202,29 @@ class DecodeRequest(_Msg):
     cached_tokens: int = Field(0, ge=0)
 
 
+class RankLoad(_Msg):
+    """One DP rank's load and prefix-cache summary (a replica without DP attention has one,
+    rank 0). ``free_pages``: pages an allocation can get now (free plus evictable);
+    ``prefix_hashes``: hashes of page-aligned prefixes its prefix cache holds, most recent
+    first, at most ``MAX_PREFIX_HASHES`` (``dsv3serve.kvcache.prefix_hash``)."""
+
+    dp_rank: int = Field(ge=0)
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    free_pages: int = Field(ge=0)
+    num_pages: int = Field(ge=1)
+    prefix_hashes: list[int] = Field([], max_length=MAX_PREFIX_HASHES)
+
+
 class WorkerLoad(_Msg):
-    """What a router needs to pick a replica."""
+    """What a router needs to pick a replica, and a DP rank of it (``ranks``)."""
 
     role: Role
     running: int
     waiting: int
     free_pages: int
     num_pages: int
+    ranks: list[RankLoad] = []
 
 
 class WorkerInfo(_Msg):
@@ -219,6 +247,8 @@ class WorkerStats(_Msg):
 
     ``pulled_pages`` / ``reused_pages`` (decode side, since start): prompt pages pulled
     from prefill, and prompt pages not pulled because this side's prefix cache held them.
+    ``rank_requests``: requests placed on each DP rank since start (one entry without DP
+    attention); ``rank_fallbacks``: requests whose router-chosen rank was invalid or full.
     """
 
     role: Role
@@ -231,3 +261,5 @@ class WorkerStats(_Msg):
     group_size: int = 1
     pulled_pages: int = 0
     reused_pages: int = 0
+    rank_requests: list[int] = []
+    rank_fallbacks: int = 0

@@ -3,6 +3,7 @@ the check that a prefill's staged pages are exactly the ones a reservation misse
 
 from __future__ import annotations
 
+from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.engine import Engine, KVReservation
 from kv_transfer.handle import KVHandle
 from workers.protocol import ReserveRequest
@@ -13,11 +14,20 @@ def reserve_for(
 ) -> KVReservation | None:
     """``msg``'s reservation (None when full): after the prompt's prefix cached here when
     ``msg`` names the prompt and ``prefix_reuse`` is on, else for all ``num_tokens``
-    (nothing cached: every page is pulled)."""
+    (nothing cached: every page is pulled); on DP rank ``msg.dp_rank`` when it has room
+    (DP attention only)."""
     if msg.prompt_ids is not None and prefix_reuse:
-        return engine.reserve_prompt_kv(msg.prompt_ids)
+        return engine.reserve_prompt_kv(msg.prompt_ids, dp_rank=msg.dp_rank)
     pages = engine.reserve_kv(msg.num_tokens)
     return None if pages is None else KVReservation(pages)
+
+
+def reservation_rank(engine: Engine, res: KVReservation) -> int:
+    """The DP rank holding ``res`` (0 without DP attention)."""
+    scheduler = engine.scheduler
+    if not isinstance(scheduler, DPScheduler) or not res.pages:
+        return 0
+    return scheduler.split_pages(res.pages)[0]
 
 
 def staged_mismatch(handle: KVHandle, res: KVReservation) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from prometheus_client import generate_latest
 
@@ -28,9 +28,13 @@ class WorkerMetrics:
     gathered before the scrape (``EngineHost.gather_rank_metrics``).
     """
 
-    def __init__(self, identity: Identity, engine_state: Callable[[], EngineState]) -> None:
+    def __init__(
+        self, identity: Identity, rank_states: Sequence[Callable[[], EngineState]]
+    ) -> None:
+        """``rank_states``: one engine-state reader per DP rank (``dp_rank`` label)."""
         self.m = Metrics(identity)
-        self.m.registry.register(EngineStateCollector(identity, engine_state))
+        for rank, read in enumerate(rank_states):
+            self.m.registry.register(EngineStateCollector(identity, read, rank))
         self.group_dispatch: list[dict] = []
         self.m.registry.register(
             DispatchStatsCollector(identity, lambda: process_snapshots() + self.group_dispatch)

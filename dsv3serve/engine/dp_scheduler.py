@@ -6,6 +6,12 @@ the most available pages, then the fewest running sequences (SGLang's DP control
 the same by load). The engine sees one page space: page ``p`` of rank ``r`` is the global
 page ``r * pages_per_rank + p`` (what PD reservations hand out and take back); a
 sequence's ``page_table`` holds its rank's local pages and ``seq.dp_rank`` names the rank.
+
+A router that scores (replica, DP rank) candidates (``router.rank_routing``) names a rank:
+a new sequence's ``preferred_dp_rank``, a reservation's ``dp_rank``. It is honoured unless
+invalid (no such rank) or full (the rank cannot hold what the prompt misses there); then
+the rank is this scheduler's own choice and ``fallbacks`` counts it (per rank taken).
+``placed`` counts the sequences and reservations each rank took.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class DPScheduler:
         self.ranks = [Scheduler(config) for _ in range(dp_size)]
         self.kv = DPKVView(self.ranks)
         self._staging: dict[int, list[int]] = {}  # first global page -> rank 0 pages
+        self.placed = [0] * dp_size  # sequences and reservations each rank took
+        self.fallbacks = [0] * dp_size  # of those, the ones a router's rank could not take
 
     @property
     def dp_size(self) -> int:
@@ -73,6 +81,22 @@ class DPScheduler:
 
         return max(range(self.dp_size), key=score)
 
+    def fits(self, rank: int, tokens: list[int], salt: str) -> bool:
+        """Whether ``rank`` is valid and has room now for what ``tokens`` misses in its
+        prefix cache (the last token always computed)."""
+        if not 0 <= rank < self.dp_size:
+            return False
+        kv = self.ranks[rank].kv
+        hit = kv.peek_prefix(tokens, salt, len(tokens) - 1) // self.config.page_size
+        return kv.pages_for_tokens(len(tokens)) - hit <= kv.available_pages
+
+    def _placed(self, rank: int, preferred: int | None) -> int:
+        """Count ``rank`` taking a request the router sent to ``preferred`` (if any)."""
+        self.placed[rank] += 1
+        if preferred is not None and preferred != rank:
+            self.fallbacks[rank] += 1
+        return rank
+
     def split_pages(self, pages: list[int]) -> tuple[int, list[int]]:
         """Global pages (all on one rank) -> (rank, local pages)."""
         ranks = {page // self.pages_per_rank for page in pages}
@@ -90,7 +114,14 @@ class DPScheduler:
 
     # ---- the Scheduler interface ----------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq.dp_rank = self.choose_rank(seq.token_ids(0, seq.num_tokens), seq.salt)
+        """Queue ``seq`` on its ``preferred_dp_rank`` if that fits, else on
+        :meth:`choose_rank`'s."""
+        tokens, preferred = seq.token_ids(0, seq.num_tokens), seq.preferred_dp_rank
+        if preferred is not None and self.fits(preferred, tokens, seq.salt):
+            rank = preferred
+        else:
+            rank = self.choose_rank(tokens, seq.salt)
+        seq.dp_rank = self._placed(rank, preferred)
         self._of(seq).add(seq)
 
     def schedule(self) -> ScheduledBatch | None:
@@ -165,20 +196,28 @@ class DPScheduler:
         self._staging[global_pages[0]] = staging
         return global_pages
 
-    def reserve_prompt(self, prompt: list[int], salt: str = "") -> KVReservation | None:
-        """A :meth:`Scheduler.reserve_prompt` on the rank with the longest cached prefix of
-        ``prompt``, then the most available pages (global ``pages``, local prefix pages)."""
+    def reserve_prompt(
+        self, prompt: list[int], salt: str = "", dp_rank: int | None = None
+    ) -> KVReservation | None:
+        """A :meth:`Scheduler.reserve_prompt` on rank ``dp_rank`` (a router's choice) when
+        it has room, else on the rank with the longest cached prefix of ``prompt``, then
+        the most available pages (global ``pages``, local prefix pages)."""
 
         def score(rank: int) -> tuple[int, int]:
             kv = self.ranks[rank].kv
             return kv.peek_prefix(prompt, salt, len(prompt) - 1), kv.available_pages
 
-        for rank in sorted(range(self.dp_size), key=score, reverse=True):
+        order = sorted(range(self.dp_size), key=score, reverse=True)
+        if dp_rank is not None and 0 <= dp_rank < self.dp_size:
+            order.remove(dp_rank)
+            order.insert(0, dp_rank)
+        for rank in order:
             reservation = self.ranks[rank].reserve_prompt(prompt, salt)
             if reservation is None:
                 continue
             pages = self._with_staging(rank, reservation.pages)
             if pages is not None:
+                self._placed(rank, dp_rank)
                 return replace(reservation, pages=pages)
             self.ranks[rank].release_prompt(reservation)
         return None

@@ -217,10 +217,13 @@ class Engine:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
         return self._pd.reserve_kv(num_tokens)
 
-    def reserve_prompt_kv(self, prompt_ids: list[int], salt: str = "") -> KVReservation | None:
+    def reserve_prompt_kv(
+        self, prompt_ids: list[int], salt: str = "", dp_rank: int | None = None
+    ) -> KVReservation | None:
         """Decode side: reserve pages for the part of ``prompt_ids`` whose KV is not cached
-        here; the cached prefix is locked for the request (None when full)."""
-        return self._pd.reserve_prompt(prompt_ids, salt)
+        here; the cached prefix is locked for the request (None when full). ``dp_rank``:
+        the DP-attention rank a router chose (a DP scheduler's; ignored without one)."""
+        return self._pd.reserve_prompt(prompt_ids, salt, dp_rank)
 
     def release_reservation(self, pages: list[int]) -> None:
         """Decode side: give back reserved pages that will not be used."""

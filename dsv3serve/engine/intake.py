@@ -48,5 +48,6 @@ def new_sequence(req: Request, index: int, prompt: list[int], **extra: Any) -> S
         max_new_tokens=req.params.max_new_tokens,
         request_id=req.request_id,
         salt=req.salt,
+        preferred_dp_rank=req.dp_rank,
         **extra,
     )

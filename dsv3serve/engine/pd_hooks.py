@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv3serve.engine.core import EngineCore
+from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.intake import new_sequence
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation
@@ -102,10 +103,15 @@ class PDHooks:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
         return self.core.scheduler.reserve(num_tokens)
 
-    def reserve_prompt(self, prompt: list[int], salt: str) -> KVReservation | None:
+    def reserve_prompt(
+        self, prompt: list[int], salt: str, dp_rank: int | None = None
+    ) -> KVReservation | None:
         """Decode side: lock ``prompt``'s prefix cached here and reserve pages for the rest
-        of its KV (None when full)."""
-        return self.core.scheduler.reserve_prompt(prompt, salt)
+        of its KV (None when full); on DP rank ``dp_rank`` when a DP scheduler can."""
+        scheduler = self.core.scheduler
+        if dp_rank is None or not isinstance(scheduler, DPScheduler):
+            return scheduler.reserve_prompt(prompt, salt)
+        return scheduler.reserve_prompt(prompt, salt, dp_rank)
 
     def release_reservation(self, pages: list[int]) -> None:
         """Decode side: give back reserved pages that will not be used."""

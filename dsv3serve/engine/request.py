@@ -12,7 +12,8 @@ class Request:
     """One generation request; the server assigns ``request_id``.
 
     Give either ``prompt`` (text, tokenized as-is with a BOS) or ``prompt_ids``.
-    ``salt`` isolates prefix-cache sharing between tenants.
+    ``salt`` isolates prefix-cache sharing between tenants. ``dp_rank``: the DP-attention
+    rank a router chose for it; a DP scheduler honours it unless invalid or full.
     """
 
     request_id: str
@@ -20,6 +21,7 @@ class Request:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     salt: str = ""
+    dp_rank: int | None = None
 
 
 @dataclass

@@ -98,6 +98,7 @@ class Sequence:
     cache_handle: RadixNode | None = None
     num_admissions: int = 0
     dp_rank: int = 0  # the DP-attention rank whose KV pool holds it (DPScheduler)
+    preferred_dp_rank: int | None = None  # the router's choice (DPScheduler.add honours it)
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

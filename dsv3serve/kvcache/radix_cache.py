@@ -34,6 +34,7 @@ class RadixNode:
     children: dict[PageKey, RadixNode] = field(default_factory=dict)
     ref_count: int = 0
     last_access: int = 0
+    prefix_hash: int | None = None  # memo of prefix_hashes (a node's path never changes)
 
     @property
     def is_root(self) -> bool:
@@ -197,11 +198,13 @@ class RadixCache:
             stack = [(child, 1, salt_hash(salt)) for child in root.children.values()]
             while stack:
                 node, depth, parent_hash = stack.pop()
-                h = next_hash(parent_hash, node.key)
+                h = node.prefix_hash
+                if h is None:
+                    h = node.prefix_hash = next_hash(parent_hash, node.key)
                 entries.append((node.last_access, depth, h))
                 stack.extend((child, depth + 1, h) for child in node.children.values())
-        entries.sort(reverse=True)  # a path shares its access time: deepest first
-        return [h for *_, h in entries[:max_entries]]
+        # a path shares its access time: deepest first
+        return [h for *_, h in heapq.nlargest(max_entries, entries)]
 
     def check_invariants(self) -> set[int]:
         """Check counters, ref counts and page ownership; return the set of tree pages."""

@@ -122,3 +122,45 @@ def test_a_prompt_reservation_goes_to_the_rank_holding_its_prefix() -> None:
     s.ranks[1].release_reservation(filler)
     s.check_invariants()
     assert s.kv.used_pages == 0
+
+
+def test_a_routers_rank_is_honoured_for_new_sequences_unless_invalid_or_full() -> None:
+    """``preferred_dp_rank`` beats the scheduler's own choice (rank 0 on a tie); a rank
+    that does not exist, or cannot hold the prompt, falls back and is counted."""
+    s = _sched(pages=4)
+    chosen = Sequence("r1#0", list(range(1, 9)), 2, preferred_dp_rank=1)
+    s.add(chosen)
+    assert chosen.dp_rank == 1 and s.placed == [0, 1] and s.fallbacks == [0, 0]
+    invalid = Sequence("r7#0", list(range(20, 28)), 2, preferred_dp_rank=7)
+    s.add(invalid)
+    assert invalid.dp_rank == 0 and s.fallbacks == [1, 0]
+    full = s.ranks[1].reserve(4 * PAGE)  # rank 1 has no page left
+    assert full is not None
+    too_big = Sequence("f#0", list(range(40, 46)), 2, preferred_dp_rank=1)
+    s.add(too_big)
+    assert too_big.dp_rank == 0 and s.placed == [2, 1] and s.fallbacks == [2, 0]
+    s.ranks[1].release_reservation(full)
+    _run_to_end(s)
+    assert s.kv.used_pages == 0
+
+
+def test_a_prompt_reservation_honours_the_routers_rank_over_the_prefix() -> None:
+    """Rank 0 caches the prompt, but the router named rank 1 (its own trade-off): the
+    reservation lands on rank 1 (nothing cached there); a full rank falls back."""
+    s = _sched(pages=8)
+    prompt = list(range(1, 15))
+    s.add(_seq("warm", prompt))
+    _run_to_end(s)
+    res = s.reserve_prompt(prompt, dp_rank=1)
+    assert res is not None and s.split_pages(res.pages)[0] == 1
+    assert res.num_cached_pages == 0 and s.fallbacks == [0, 0]
+    s.release_prompt(res)
+    hold = s.ranks[1].reserve(8 * PAGE)
+    assert hold is not None
+    back = s.reserve_prompt(prompt, dp_rank=1)
+    assert back is not None and s.split_pages(back.pages)[0] == 0
+    assert back.num_cached_pages == 3 and s.fallbacks == [1, 0]
+    s.release_prompt(back)
+    s.ranks[1].release_reservation(hold)
+    s.check_invariants()
+    assert s.kv.used_pages == 0

@@ -1,0 +1,70 @@
+"""What a replica reports per DP rank: load and prefix-cache summary (for the router's
+``load`` poll, ``router.rank_routing``), and the per-rank metrics and counters.
+
+A replica without DP attention is one rank (0): its engine's scheduler. With DP attention
+the leader's :class:`~dsv3serve.engine.dp_scheduler.DPScheduler` holds one scheduler per
+rank. Read on the engine's step thread (``AsyncEngine.call``) for the load, at scrape time
+for the metrics (as the engine-wide gauges are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dsv3serve.engine.dp_scheduler import DPScheduler
+from dsv3serve.metrics import EngineState
+from workers.protocol import MAX_PREFIX_HASHES, RankLoad
+
+
+def rank_schedulers(scheduler: Any) -> list[Any]:
+    """The per-rank schedulers of ``scheduler``, in rank order (itself without DP)."""
+    return list(scheduler.ranks) if isinstance(scheduler, DPScheduler) else [scheduler]
+
+
+def rank_loads(scheduler: Any, max_hashes: int = MAX_PREFIX_HASHES) -> list[RankLoad]:
+    """Every rank's load and at most ``max_hashes`` of its cached prefixes' hashes."""
+    return [
+        RankLoad(
+            dp_rank=rank,
+            running=s.num_running,
+            waiting=s.num_waiting,
+            free_pages=s.kv.available_pages,
+            num_pages=s.kv.num_pages,
+            prefix_hashes=s.kv.prefix_hashes(min(max_hashes, MAX_PREFIX_HASHES)),
+        )
+        for rank, s in enumerate(rank_schedulers(scheduler))
+    ]
+
+
+def rank_counts(scheduler: Any) -> tuple[list[int], int]:
+    """Requests each DP rank took, and how many of those a router's rank could not take
+    (empty and 0 without DP attention: the router's rank is the only one)."""
+    if not isinstance(scheduler, DPScheduler):
+        return [], 0
+    return list(scheduler.placed), sum(scheduler.fallbacks)
+
+
+def rank_state_readers(engine: Any) -> list[Callable[[], EngineState]]:
+    """One scrape-time reader per DP rank (the engine's own without DP attention)."""
+    scheduler = engine.scheduler
+    if not isinstance(scheduler, DPScheduler):
+        return [engine.engine_state]
+
+    def reader(rank: int) -> Callable[[], EngineState]:
+        def read() -> EngineState:
+            s = scheduler.ranks[rank]
+            return EngineState(
+                running=s.num_running,
+                waiting=s.num_waiting,
+                kv_usage=s.kv.usage,
+                prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
+                prefix_hits=s.prefix_hit_tokens,
+                preemptions=s.num_preemptions,
+                placed=scheduler.placed[rank],
+                fallbacks=scheduler.fallbacks[rank],
+            )
+
+        return read
+
+    return [reader(rank) for rank in range(scheduler.dp_size)]
