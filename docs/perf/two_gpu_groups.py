@@ -1,0 +1,142 @@
+"""Two GPUs: a sharded group's greedy tokens against one GPU's, over NCCL, with CUDA graphs
+and the overlap scheduler on (issue 16, item 1).
+
+    python docs/perf/two_gpu_groups.py OUT_DIR [--layouts tp2 tp2-ep2 ...] [--budget-s 360]
+
+Each layout runs the scripted workload of ``tests/support/group_scenario.py`` (chunked
+prefill, prefix hits, preemption, an abort) on the tiny checkpoint with DeepSeek-V3's
+attention shapes and 16 routed experts, through ``LLM`` (which spawns one process per GPU
+and joins them over NCCL). The reference is the one-GPU engine with the same settings
+(dtype, backends, graphs, overlap). float32 layouts use the all-to-all dispatcher; DeepEP
+needs bf16 rows, so its layouts compare with a bf16 one-GPU reference. Prints a table and
+writes ``two_gpu_groups.json``; a layout that raises is recorded with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
+from attention_cases import DEEPSEEK_ATTENTION  # noqa: E402
+from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, run_scenario  # noqa: E402
+
+from dsv3serve.engine.config import EngineConfig  # noqa: E402
+from dsv3serve.engine.engine import Engine  # noqa: E402
+from dsv3serve.engine.llm import LLM  # noqa: E402
+from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
+
+DP2 = LAYOUTS["dp2-ep2"]
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (dtype, layout args)
+    "tp2": ("float32", LAYOUTS["tp2"]),
+    "tp2-ep2": ("float32", LAYOUTS["tp2-ep2"]),
+    "dp2-ep2": ("float32", DP2),
+    "dp2-ep2-dp-lm-head": ("float32", LAYOUTS["dp2-ep2-dp-lm-head"]),
+    "dp2-ep2-deepep-auto": ("bfloat16", {**DP2, "moe_a2a_backend": "deepep"}),
+    "dp2-ep2-deepep-low-latency": (
+        "bfloat16",
+        {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "low_latency"},
+    ),
+    "dp2-ep2-deepep-normal": (
+        "bfloat16",
+        {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "normal"},
+    ),
+}
+GPU_ENGINE = {  # triton attention + MoE: both capture CUDA graphs without flashinfer
+    "device": "cuda",
+    "attention_backend": "triton",
+    "moe_backend": "triton",
+    "cuda_graph_max_bs": 4,
+}
+
+
+def engine_args(dtype: str, layout: dict[str, Any]) -> dict[str, Any]:
+    args = {**SCENARIO_ENGINE, **GPU_ENGINE, "dtype": dtype, **layout}
+    if layout.get("enable_dp_attention"):
+        args["num_kv_tokens"] = DP_KV_TOKENS[layout["dp_size"]]
+    return args
+
+
+def reference(ckpt: Path, dtype: str) -> dict[str, Any]:
+    engine = Engine(EngineConfig(model=str(ckpt), **engine_args(dtype, {})))
+    tokens = run_scenario(engine)
+    graphs = engine.runner.graphs
+    return {"tokens": tokens, "graph_steps": 0 if graphs is None else graphs.replays}
+
+
+def run_layout(ckpt: Path, dtype: str, layout: dict[str, Any]) -> dict[str, Any]:
+    with LLM(str(ckpt), **engine_args(dtype, layout)) as llm:
+        tokens = run_scenario(llm.engine)
+        runner = llm.engine.runner
+        graphs = runner.graphs
+        return {
+            "tokens": tokens,
+            "overlap": llm.engine.overlap,
+            "graphs": graphs is not None,
+            "graph_replays_rank0": 0 if graphs is None else graphs.replays,
+            "graph_steps_rank0": 0 if graphs is None else graphs.steps,
+        }
+
+
+def compare(got: dict[str, list[int]], want: dict[str, list[int]]) -> dict[str, Any]:
+    same = sum(
+        1 for rid in want for a, b in zip(got.get(rid, []), want[rid], strict=False) if a == b
+    )
+    total = sum(len(v) for v in want.values())
+    return {"equal": got == want, "matching_tokens": same, "reference_tokens": total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--layouts", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--budget-s", type=float, default=360.0)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    ckpt = make_tiny_checkpoint(
+        Path(tempfile.mkdtemp()) / "tiny", fp8=False, overrides=DEEPSEEK_ATTENTION
+    )
+    result: dict[str, Any] = {
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "engine": GPU_ENGINE | {k: v for k, v in SCENARIO_ENGINE.items() if k != "dtype"},
+        "checkpoint": "tiny, DeepSeek-V3 attention shapes, 16 routed experts, bf16 weights",
+        "references": {},
+        "layouts": {},
+    }
+    refs: dict[str, Any] = {}
+    for name in args.layouts:
+        dtype, layout = RUNS[name]
+        if time.monotonic() - start > args.budget_s:
+            result["layouts"][name] = {"skipped": "time budget spent"}
+            continue
+        t0 = time.monotonic()
+        try:
+            if dtype not in refs:
+                refs[dtype] = reference(ckpt, dtype)
+                result["references"][dtype] = {"graph_replays": refs[dtype]["graph_steps"]}
+            row = run_layout(ckpt, dtype, layout)
+            row |= compare(row.pop("tokens"), refs[dtype]["tokens"])
+        except Exception as exc:  # recorded: the next layout still runs
+            row = {
+                "error": f"{type(exc).__name__}: {exc}"[:600],
+                "trace": traceback.format_exc()[-1500:],
+            }
+        row |= {"dtype": dtype, "layout": layout, "seconds": round(time.monotonic() - t0, 1)}
+        result["layouts"][name] = row
+        print(name, {k: v for k, v in row.items() if k not in ("trace", "layout")}, flush=True)
+        (args.out / "two_gpu_groups.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
