@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from router.config import ConfigError, ServingConfig
+from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 APP_NAME = "dsv3serve"
 GRPC_SERVICER = "router.proto.generate_pb2_grpc.add_GenerationServicer_to_server"
@@ -45,6 +46,7 @@ def local_pd_config() -> dict[str, Any]:
                     "torch_threads": 1,
                     "router": {
                         "served_model_name": "deepseek-v3-tiny",
+                        "num_replicas": 2,
                         "max_in_flight": 256,
                         "policy": "prefix_affinity",
                     },
@@ -104,6 +106,13 @@ def use_loopback_ray() -> None:
     os.environ.update(LOOPBACK_RAY_ENV)
 
 
+def use_proxy_middleware() -> None:
+    """Have Serve's HTTP proxy end cut event streams with an error event
+    (``router/proxy_middleware.py``). Call before ``ray.init`` starts the local cluster:
+    the raylet inherits this process's environment, and the proxy actor the raylet's."""
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+
+
 def _check_loopback_node() -> None:
     import ray
 
@@ -128,8 +137,10 @@ def http_options(data: dict[str, Any], port: int | None = None) -> dict[str, Any
 
 def init_local_ray() -> None:
     """Start a local Ray cluster with every Ray port (GCS, raylet, workers, agents) on
-    loopback and no dashboard; raises RuntimeError when it could not be kept there."""
+    loopback, no dashboard, and our proxy middleware (``use_proxy_middleware``); raises
+    RuntimeError when it could not be kept on loopback."""
     use_loopback_ray()
+    use_proxy_middleware()
     import ray
 
     ray.init(
