@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import ray
-from serving_util import local_serve, running_app, serving_config, wait_until
+from serving_util import free_port_pair, local_serve, running_app, serving_config, wait_until
 
 from router.proxy_middleware import STREAM_CUT_CODE
 
@@ -20,26 +20,9 @@ APP = "router-loss"
 STREAM_TOKENS = 4000  # long enough to be mid-stream when its router is killed
 
 
-def two_free_ports() -> int:
-    """A port p with p and p + 1 free on loopback now."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, int]]:
-    metrics_port = two_free_ports()
+    metrics_port = free_port_pair()
     router = {"num_replicas": 2, "metrics_port": metrics_port, "max_decode_migrations": 0}
     cfg = serving_config(mode="pd", router=router)
     with local_serve() as base, running_app(base, APP, cfg) as url:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,6 +49,20 @@ def free_port() -> int:
     """A TCP port free on loopback now (closed again: a tiny race, fine for tests)."""
     with free_socket() as sock:
         return sock.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free on loopback now (router replicas 0 and 1 bind
+    ``metrics_port`` + their rank)."""
+    for _ in range(100):
+        with free_socket() as first:
+            port = first.getsockname()[1]
+            try:
+                with socket.create_server(("127.0.0.1", port + 1)):
+                    return port
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports on loopback")
 
 
 @contextmanager
