@@ -53,6 +53,7 @@ class _EventStream:
         self.is_sse = False
         self.complete = False  # the final body message went out
         self.tail = b""  # the last bytes of the body
+        self.client_gone = False  # the client disconnected: nothing more reaches it
 
     def saw(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -69,8 +70,10 @@ class _EventStream:
 
     def cut(self, final: bool) -> bool:
         """Whether an event stream is ending (``final``: with this body message) without
-        its ``[DONE]``; a stream whose head never went out is not ours to end."""
-        return self.is_sse and (final or not self.complete) and not self.done_sent
+        its ``[DONE]``, to a client still there; a stream whose head never went out is
+        not ours to end."""
+        ending = final or not self.complete
+        return self.is_sse and ending and not self.done_sent and not self.client_gone
 
     def closing_events(self) -> bytes:
         """The error event and ``[DONE]``, after a blank line if an event is unfinished."""
@@ -94,6 +97,11 @@ class StreamEndGuard:
         stream = _EventStream()
         started = False
 
+        async def watched_receive() -> Message:
+            message = await receive()
+            stream.client_gone = stream.client_gone or message["type"] == "http.disconnect"
+            return message
+
         async def watched_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
@@ -109,7 +117,7 @@ class StreamEndGuard:
             await send(message)
 
         try:
-            await self.app(scope, receive, watched_send)
+            await self.app(scope, watched_receive, watched_send)
         except Exception:
             if not (started and stream.cut(final=False)):
                 raise

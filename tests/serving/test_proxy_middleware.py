@@ -28,13 +28,19 @@ EVENT = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
 
 
 class FakeProxyApp:
-    """Sends ``messages`` in order, then raises ``error`` if one is given."""
+    """Sends ``messages`` in order (first reading one client message when ``reads``), then
+    raises ``error`` if one is given."""
 
-    def __init__(self, messages: Sequence[Message], error: Exception | None = None) -> None:
+    def __init__(
+        self, messages: Sequence[Message], error: Exception | None = None, reads: bool = False
+    ) -> None:
         self.messages = list(messages)
         self.error = error
+        self.reads = reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.reads:
+            await receive()
         for message in self.messages:
             await send(message)
         if self.error is not None:
@@ -99,6 +105,12 @@ def test_an_unfinished_event_is_terminated_before_the_error_event() -> None:
     sent = run_guarded(FakeProxyApp([SSE_START, body(b'data: {"choi')]))
     assert events(sent)[0] == '{"choi'
     assert_ends_with_error(sent)
+
+
+def test_a_stream_whose_client_left_gets_nothing_more() -> None:
+    # The fake client's only message is http.disconnect, which the proxy reads.
+    messages = [SSE_START, body(EVENT)]
+    assert run_guarded(FakeProxyApp(messages, reads=True)) == messages
 
 
 def test_other_responses_and_errors_before_the_head_pass_through() -> None:
