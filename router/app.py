@@ -52,10 +52,12 @@ class RouterRank:
 
 def router_rank() -> RouterRank:
     """This router replica's rank (Serve reuses a lost replica's rank for its replacement,
-    so ranks stay below num_replicas); rank 0 outside a Serve replica."""
+    so ranks stay below num_replicas); rank 0 outside a Serve replica or without one."""
     try:
         rank = serve.get_replica_context().rank
     except RayServeException:
+        return RouterRank(0, 0)
+    if rank is None:  # Serve gives every new replica one; never seen without
         return RouterRank(0, 0)
     return RouterRank(rank.rank, rank.local_rank)
 
