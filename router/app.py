@@ -9,11 +9,13 @@ The router answers OpenAI HTTP and, through Serve's gRPC proxy, ``dsv3serve.v1.G
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
@@ -36,6 +38,31 @@ ROUTER_NAME = "router"
 ingress = new_app()
 
 
+@dataclass(frozen=True)
+class RouterRank:
+    """Which router replica this is: Serve's replica rank, over all nodes and on its node."""
+
+    rank: int
+    local_rank: int
+
+    @property
+    def name(self) -> str:
+        """The ``replica`` label of its metrics, e.g. ``router-1``."""
+        return f"{ROUTER_NAME}-{self.rank}"
+
+
+def router_rank() -> RouterRank:
+    """This router replica's rank (Serve reuses a lost replica's rank for its replacement,
+    so ranks stay below num_replicas); rank 0 outside a Serve replica or without one."""
+    try:
+        rank = serve.get_replica_context().rank
+    except RayServeException:
+        return RouterRank(0, 0)
+    if rank is None:  # Serve gives every new replica one; never seen without
+        return RouterRank(0, 0)
+    return RouterRank(rank.rank, rank.local_rank)
+
+
 def replica_name(role: Role, index: int) -> str:
     """The deployment name of one worker replica, e.g. ``prefill-0``."""
     return f"{role}-{index}"
@@ -52,13 +79,19 @@ class Router:
         self._server: OpenAIServer | None = None
         self._init_lock = asyncio.Lock()
         settings = self.cfg.router
-        self.metrics = Metrics(Identity("router", ROUTER_NAME, settings.served_model_name))
+        rank = router_rank()
+        self.metrics = Metrics(Identity("router", rank.name, settings.served_model_name))
         self.auth = APIKeyAuth.from_env(settings.api_key_env)
         self.grpc = GenerationService(self.server, self.auth, self.metrics)
         if settings.metrics_port is not None:
+            # Every replica exposes its own counters; the first also merges the workers'
+            # (once, so a sum over scrape targets counts each worker series once).
             handles = [h for role in self.cfg.roles() for h in workers[role]]
             serve_metrics(
-                self.metrics.registry, handles, settings.metrics_host, settings.metrics_port
+                self.metrics.registry,
+                handles if rank.rank == 0 else [],
+                settings.metrics_host,
+                settings.metrics_port + rank.local_rank,
             )
 
     async def server(self) -> OpenAIServer:
@@ -203,12 +236,13 @@ def build_app(args: dict[str, Any]) -> Any:
 
 
 def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None) -> Any:
-    """The app of ``cfg``; ``router_options`` are Serve deployment options of the router,
-    as a deploy file's ``deployments: [{name: router, ...}]`` entry would set them (e.g.
-    ``{"ray_actor_options": {"runtime_env": {"env_vars": {...}}}}``)."""
+    """The app of ``cfg`` with ``cfg.router.num_replicas`` routers; ``router_options`` are
+    Serve deployment options of the router, as a deploy file's ``deployments: [{name:
+    router, ...}]`` entry would set them (e.g. ``{"ray_actor_options": {"runtime_env":
+    {"env_vars": {...}}}}``)."""
     workers = {
         role: [_worker_app(cfg, role, i) for i in range(getattr(cfg, role).num_replicas)]
         for role in cfg.roles()
     }
-    router = Router.options(**router_options) if router_options else Router
-    return router.bind(cfg.model_dump_json(), workers)
+    options = {"num_replicas": cfg.router.num_replicas} | dict(router_options or {})
+    return Router.options(**options).bind(cfg.model_dump_json(), workers)

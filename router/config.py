@@ -94,8 +94,20 @@ class RouterSettings(BaseModel):
         description="with every decode replica down (e.g. the only one, while Serve "
         "restarts it), a migrating stream waits this long for one to come back",
     )
+    num_replicas: int = Field(
+        2,
+        ge=1,
+        description="router replicas (Serve deployment 'router'); with two, losing one "
+        "leaves the other serving, and the streams it was serving end with an error event",
+    )
     metrics_host: str = Field("127.0.0.1", description="internal metrics endpoint address")
-    metrics_port: int | None = Field(8001, ge=0, le=65535, description="None: no endpoint")
+    metrics_port: int | None = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="router replica k (its rank on its node) binds metrics_port + k; "
+        "None: no endpoint",
+    )
     reasoning_parser: Literal["deepseek-r1", "deepseek-v3"] | None = Field(
         None,
         description="split <think> reasoning into reasoning_content (SGLang's "

@@ -6,12 +6,14 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
 from router.config import ConfigError, ServingConfig
+from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 APP_NAME = "dsv3serve"
 GRPC_SERVICER = "router.proto.generate_pb2_grpc.add_GenerationServicer_to_server"
@@ -45,6 +47,7 @@ def local_pd_config() -> dict[str, Any]:
                     "torch_threads": 1,
                     "router": {
                         "served_model_name": "deepseek-v3-tiny",
+                        "num_replicas": 2,
                         "max_in_flight": 256,
                         "policy": "prefix_affinity",
                     },
@@ -104,6 +107,13 @@ def use_loopback_ray() -> None:
     os.environ.update(LOOPBACK_RAY_ENV)
 
 
+def use_proxy_middleware() -> None:
+    """Have Serve's HTTP proxy end cut event streams with an error event
+    (``router/proxy_middleware.py``). Call before ``ray.init`` starts the local cluster:
+    the raylet inherits this process's environment, and the proxy actor the raylet's."""
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+
+
 def _check_loopback_node() -> None:
     import ray
 
@@ -128,8 +138,10 @@ def http_options(data: dict[str, Any], port: int | None = None) -> dict[str, Any
 
 def init_local_ray() -> None:
     """Start a local Ray cluster with every Ray port (GCS, raylet, workers, agents) on
-    loopback and no dashboard; raises RuntimeError when it could not be kept there."""
+    loopback, no dashboard, and our proxy middleware (``use_proxy_middleware``); raises
+    RuntimeError when it could not be kept on loopback."""
     use_loopback_ray()
+    use_proxy_middleware()
     import ray
 
     ray.init(
@@ -252,29 +264,69 @@ def run(
     check_only: bool,
     grpc_port: int | None = None,
     reasoning_parser: str | None = None,
-) -> int:
-    """Serve until interrupted (or, with ``check_only``, answer one request and stop)."""
-    use_loopback_ray()  # before anything imports ray
-    import ray
-    from ray import serve
+) -> NoReturn:
+    """Serve until Ctrl-C or SIGTERM (or, with ``check_only``, answer one request), then
+    stop the local cluster and exit the process (``stop_and_exit``): 0, or 1 after an error.
 
-    data = load_deploy_file(path)
-    data = with_reasoning_parser(data, reasoning_parser)
+    Raises ConfigError, before anything starts, for an invalid deploy file.
+    """
+    use_loopback_ray()  # before anything imports ray
+    data = with_reasoning_parser(load_deploy_file(path), reasoning_parser)
     first = data["applications"][0]
     model = ServingConfig.parse(first["args"]).router.served_model_name
     grpc = grpc_options(data, grpc_port)
-    url = start(data, port, grpc_port)
+    code = 1
     try:
+        url = start(data, port, grpc_port)
+        # SIGTERM stops it as Ctrl-C does; set after ray.init, which installs a handler
+        # of its own that aborts the process.
+        signal.signal(signal.SIGTERM, _interrupt)
         if check_only:
             print(check_line(url, data, grpc_port))
-            return 0
-        app = first.get("name", APP_NAME)
-        print(usage_text(url, model, grpc["port"] if grpc else None, app), flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        while True:
-            time.sleep(3600)
+        else:
+            app = first.get("name", APP_NAME)
+            print(usage_text(url, model, grpc["port"] if grpc else None, app), flush=True)
+            while True:
+                time.sleep(3600)
+        code = 0
     except KeyboardInterrupt:
-        return 0
-    finally:
+        code = 0
+    except Exception:
+        traceback.print_exc()
+    stop_and_exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_local_cluster() -> None:
+    """Stop Serve (it gives in-flight requests its graceful period, at most
+    ``serve.shutdown``'s 30 s), then the local Ray cluster. A second Ctrl-C or SIGTERM
+    skips the rest of the graceful part."""
+    import ray
+    from ray import serve
+
+    print("dsv3serve: stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+    try:
         serve.shutdown()
+    except KeyboardInterrupt:
+        print("dsv3serve: stopping at once", file=sys.stderr, flush=True)
+    finally:
         ray.shutdown()
+
+
+def stop_and_exit(code: int) -> NoReturn:
+    """``stop_local_cluster``, then exit the process with ``code`` (1 if stopping failed)
+    without the interpreter's own finalization: after Ray's driver shut down, that was
+    seen to spin in garbage collection without end (once a router replica had been killed
+    mid-stream), so ``dsv3serve serve`` never exited on Ctrl-C or SIGTERM."""
+    try:
+        stop_local_cluster()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,9 +1,11 @@
 """The internal ``/metrics`` endpoint: the router's metrics merged with its workers'.
 
-Prometheus scrapes one target, the router replica's metrics port (never published:
-bind it to loopback locally, to the pod network in Kubernetes). At each scrape the
-router asks every worker replica for its exposition and merges families by name, so
-each metric appears once with one HELP/TYPE and samples labelled by role and replica.
+Prometheus scrapes one target per router replica: replica k (its rank on its node)
+binds ``router.metrics_port + k`` (never published: loopback locally, the pod network in
+Kubernetes), labelled ``replica="router-<rank>"``. At each scrape, router rank 0 also asks
+every worker replica for its exposition and merges families by name, so each metric
+appears once with one HELP/TYPE and samples labelled by role and replica; the other
+routers expose only their own series, so no worker series is scraped twice.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def serve_metrics(
 ) -> ThreadingHTTPServer | None:
     """Start the endpoint in a background thread; returns the HTTP server.
 
-    A port already taken (a second router replica on the node) is logged and skipped:
-    serving must not fail for want of a metrics port.
+    A port already taken (e.g. by another process) is logged and skipped: serving must
+    not fail for want of a metrics port.
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MergedCollector(own, workers))

@@ -47,7 +47,10 @@ def main(out: Path) -> None:
             disable_tqdm=True,
             chaos=parse_chaos("decode-0@10,prefill-0@25"),
             chaos_app=APP,
-            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            metrics_urls=tuple(
+                f"http://127.0.0.1:{metrics_port + k}/metrics"
+                for k in range(cfg.router.num_replicas)  # router replica k: metrics_port + k
+            ),
             output_file=out / "chaos_tiny_cpu.json",
             plot=out / "chaos_tiny_cpu.png",
         )

@@ -60,7 +60,7 @@ def one_run(reuse: bool) -> dict[str, Any]:
         serve.run(bind_app(cfg), name=APP, route_prefix="/")
         config = BenchServeConfig(
             base_url=f"http://127.0.0.1:{http_port}",
-            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            metrics_urls=(f"http://127.0.0.1:{metrics_port}/metrics",),
             **WORKLOAD,
         )
         load_before = os.getloadavg()[0]

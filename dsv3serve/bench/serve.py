@@ -143,9 +143,9 @@ async def run_points(config: BenchServeConfig, tokenizer: Tokenizer) -> list[dic
             return [await run_chaos(config, target, requests)]
         records = []
         for point in config.points():
-            before = await read_kv_counters(client, config.metrics_url)
+            before = await read_kv_counters(client, config.metrics_urls)
             results, duration = await run_once(point, target, requests)
-            after = await read_kv_counters(client, config.metrics_url)
+            after = await read_kv_counters(client, config.metrics_urls)
             record = run_record(point, model, results, duration) | kv_moved(before, after)
             print(format_table(record, run_header(point, model)), flush=True)
             records.append(record)
@@ -157,12 +157,12 @@ async def run_chaos(
 ) -> dict[str, Any]:
     """One run with the ``--chaos`` kills injected; its record has a ``chaos`` part."""
     await asyncio.to_thread(serve_chaos.connect, config.ray_address)
-    before = await serve_chaos.migrations(target.client, config.metrics_url)
+    before = await serve_chaos.migrations(target.client, config.metrics_urls)
     start = time.perf_counter()
     injecting = asyncio.create_task(serve_chaos.inject(config.chaos, config.chaos_app, start))
     results, duration = await run_once(config, target, requests, start)
     kills = await injecting  # a kill planned after the last request still happens
-    after = await serve_chaos.migrations(target.client, config.metrics_url)
+    after = await serve_chaos.migrations(target.client, config.metrics_urls)
     migrated = None if before is None or after is None else after - before
     report = serve_chaos.chaos_report(results, duration, kills, migrated)
     record = run_record(config, target.model, results, duration) | {

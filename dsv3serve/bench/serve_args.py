@@ -84,7 +84,7 @@ class BenchServeConfig:
     chaos: tuple[ChaosEvent, ...] = ()
     chaos_app: str = "dsv3serve"
     ray_address: str = "auto"
-    metrics_url: str | None = None
+    metrics_urls: tuple[str, ...] = ()  # every router replica's /metrics
 
     def __post_init__(self) -> None:
         problems = [*self._dataset_problems(), *self._load_problems()]
@@ -160,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
     for name in ("dataset_path", "tokenizer", "output_file", "plot"):
         values[name] = _path(values[name])
     values["base_url"] = values["base_url"].rstrip("/")
+    values["metrics_urls"] = tuple(values["metrics_urls"])
     return BenchServeConfig(**values)
 
 
@@ -235,9 +236,12 @@ def _add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default="auto", help="the app's Ray cluster (GCS address)")
     p.add_argument(
         "--metrics-url",
-        default=None,
-        help="the router's /metrics (e.g. http://127.0.0.1:8001/metrics): counts migrations "
-        "(--chaos) and the KV pages decode pulled and reused during each run",
+        dest="metrics_urls",
+        action="append",
+        default=[],
+        help="a router replica's /metrics (e.g. http://127.0.0.1:8001/metrics; replica k is "
+        "on port 8001 + k): counts migrations (--chaos) and the KV pages decode pulled and "
+        "reused during each run; repeat it for each router replica",
     )
 
 

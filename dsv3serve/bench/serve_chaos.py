@@ -4,8 +4,8 @@ throughput over time, failed and migrated requests, and the time to recover from
 SPEC is a comma-separated list of ``DEPLOYMENT@SECONDS`` (e.g. ``decode-0@10,prefill-0@20``):
 at that many seconds after the run starts (after the warm-up), the replica actor of that
 deployment of Serve app ``--chaos-app`` is killed (``ray.kill``, ``no_restart``: Serve starts
-a new one), through the Ray cluster at ``--ray-address``. Migrations are read from the
-router's ``/metrics`` (``--metrics-url``) before and after the run.
+a new one), through the Ray cluster at ``--ray-address``. Migrations are read from each
+router replica's ``/metrics`` (``--metrics-url``, repeated) before and after the run.
 
 Per kill, the report gives ``first_success_s`` (from the kill to the first successful
 completion of a request sent after it) and ``output_back_s``: from the kill to the start
@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,16 +73,17 @@ async def inject(events: tuple[ChaosEvent, ...], app: str, start: float) -> list
     return kills
 
 
-async def migrations(client: httpx.AsyncClient, url: str | None) -> float | None:
-    """The router's ``decode_migrations_total`` (summed over router replicas), or None."""
-    if url is None:
-        return None
-    text = (await client.get(url)).text
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(MIGRATIONS + "{") and 'role="router"' in line
-    ]
+async def migrations(client: httpx.AsyncClient, urls: Sequence[str]) -> float | None:
+    """``decode_migrations_total`` summed over the router replicas' ``/metrics`` at
+    ``urls`` (each replica has its own), or None without any."""
+    values = []
+    for url in urls:
+        text = (await client.get(url)).text
+        values += [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(MIGRATIONS + "{") and 'role="router"' in line
+        ]
     return sum(values) if values else None
 
 

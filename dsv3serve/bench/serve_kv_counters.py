@@ -32,13 +32,20 @@ def parse_kv_counters(text: str) -> dict[str, float]:
     return totals
 
 
-async def read_kv_counters(client: httpx.AsyncClient, url: str | None) -> dict[str, float] | None:
-    """The counters at ``url`` (the router's merged ``/metrics``), or None without one."""
-    if url is None:
+async def read_kv_counters(
+    client: httpx.AsyncClient, urls: tuple[str, ...]
+) -> dict[str, float] | None:
+    """The counters summed over ``urls`` (every router replica's ``/metrics``; only router-0
+    merges the workers' series, so each worker counts once), or None without any."""
+    if not urls:
         return None
-    response = await client.get(url)
-    response.raise_for_status()
-    return parse_kv_counters(response.text)
+    totals = dict.fromkeys(KV_COUNTERS, 0.0)
+    for url in urls:
+        response = await client.get(url)
+        response.raise_for_status()
+        for key, value in parse_kv_counters(response.text).items():
+            totals[key] += value
+    return totals
 
 
 def kv_moved(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:

@@ -339,6 +339,11 @@ def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, message
         ),
         ("rayVersion", "2.50.0", r"rayVersion: found 2\.50\.0, expected >= 2\.52\.0"),
         ("metrics.rayPort", 8001, r"metrics\.routerPort: found 8001, the same as metrics\.rayPort"),
+        (
+            "metrics.rayPort",
+            8002,
+            r"metrics\.rayPort: found 8002, one of the router metrics ports 8001\.\.8002",
+        ),
     ],
 )
 def test_layouts_ray_cannot_place_fail_naming_the_field(

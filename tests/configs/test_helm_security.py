@@ -19,8 +19,10 @@ from helm_util import (
     render,
 )
 
+from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
 INTERNAL_PORTS = {6379, 8265, 10001, 52365}  # GCS, dashboard, Ray client, dashboard agent
-METRICS_PORTS = {8001, 8080}  # the router's merged /metrics, Ray's exporter
+METRICS_PORTS = {8001, 8002, 8080}  # router replicas 0 and 1 (8001 + rank), Ray's exporter
 
 
 # --- secure defaults ------------------------------------------------------------------
@@ -145,3 +147,20 @@ def test_given_api_key_is_stored() -> None:
         s for s in of_kind(render(values), "Secret") if s["metadata"]["name"].endswith("-api-key")
     ]
     assert secret["data"]["api-key"] == "c2stdGVzdC0xMjM="  # base64 of sk-test-123
+
+
+def test_each_router_replica_gets_a_scraped_metrics_port_and_the_proxy_middleware() -> None:
+    values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
+    values["router"] = {**values.get("router", {}), "num_replicas": 3}
+    docs = render(values)
+    head = pod_templates(of_kind(docs, "RayService")[0])["head"]
+    router_ports = {
+        p["name"]: p["containerPort"]
+        for p in head["spec"]["containers"][0]["ports"]
+        if p["name"].startswith("rtr-metrics-")
+    }
+    assert router_ports == {"rtr-metrics-0": 8001, "rtr-metrics-1": 8002, "rtr-metrics-2": 8003}
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {*router_ports, "ray-metrics"}
+    env = env_of(head)
+    assert env[PROXY_CALLBACK_ENV]["value"] == PROXY_CALLBACK

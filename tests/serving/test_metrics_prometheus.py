@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from http_util import free_socket
-from serving_util import TINY_ENGINE, local_serve, running_app, serving_config
+from serving_util import TINY_ENGINE, free_port_pair, local_serve, running_app, serving_config
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 APP = "metrics"
@@ -51,9 +51,9 @@ def panel_queries() -> list[tuple[str, str, str]]:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_bf16_dir: Path
 ) -> Iterator[dict[str, str]]:
-    metrics_port = free_socket().getsockname()[1]
+    metrics_port = free_port_pair()  # router replica k binds metrics_port + k
     prom_port = free_socket().getsockname()[1]
-    router = {"served_model_name": "tiny", "metrics_port": metrics_port}
+    router = {"served_model_name": "tiny", "metrics_port": metrics_port, "num_replicas": 2}
     engine = {**TINY_ENGINE, "model": str(tiny_bf16_dir), "dtype": "float32"}
     decode = {"num_cpus": 0.5, "engine": DP2_EP2}
     cfg = serving_config(mode="pd", engine=engine, decode=decode, router=router)
@@ -62,7 +62,8 @@ def stack(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: dsv3serve\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}', "
+        f"'127.0.0.1:{metrics_port + 1}']}}]\n"
     )
     with local_serve() as base, running_app(base, APP, cfg) as url:
         prom = subprocess.Popen(
@@ -96,12 +97,12 @@ def wait_for_target(prom: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if any(r["value"][1] == "1" for r in query(prom, 'up{job="dsv3serve"}')):
-                return
+            if sum(r["value"][1] == "1" for r in query(prom, 'up{job="dsv3serve"}')) == 2:
+                return  # both router replicas
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError("Prometheus never scraped the app's metrics endpoint")
+    raise AssertionError("Prometheus never scraped both router replicas' metrics endpoints")
 
 
 def send_traffic(url: str) -> None:
@@ -142,10 +143,14 @@ def test_traffic_is_counted_by_role(scraped: dict[str, str]) -> None:
         r["metric"]["role"]: float(r["value"][1])
         for r in query(prom, "sum by (role) (dsv3serve:generation_tokens_total)")
     }
+    # Both router replicas' counters add up; the workers' series come from router-0 only,
+    # so they are not counted twice.
     assert by_role["router"] == by_role["decode"] == 6 * 8
     assert by_role["prefill"] == 0  # the prefill side samples one token, decode emits all
-    ok = query(prom, 'dsv3serve:requests_total{role="router", status="200"}')
+    ok = query(prom, 'sum(dsv3serve:requests_total{role="router", status="200"})')
     assert float(ok[0]["value"][1]) == 6
+    replicas = query(prom, 'count by (replica) ({__name__=~"dsv3serve:.+", role="router"})')
+    assert {r["metric"]["replica"] for r in replicas} == {"router-0", "router-1"}
 
 
 def test_exposition_passes_promtool(scraped: dict[str, str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from ray import serve
 
 from router.app import bind_app
 from router.config import ServingConfig
-from router.launch import GRPC_SERVICER
+from router.launch import GRPC_SERVICER, use_proxy_middleware
 from workers.protocol import WorkerStats, decode
 
 TINY_ENGINE = {
@@ -25,8 +26,13 @@ TINY_ENGINE = {
 }
 
 
+TEST_ROUTER = {"served_model_name": "tiny", "metrics_port": None, "num_replicas": 1}
+
+
 def serving_config(**fields: Any) -> ServingConfig:
-    """The tiny CPU config of the tests, with ``fields`` replacing top-level entries."""
+    """The tiny CPU config of the tests, with ``fields`` replacing top-level entries, except
+    ``router``, whose keys replace those of :data:`TEST_ROUTER` (one router replica, no
+    metrics port: on two shared cores, a test that needs more asks for them)."""
     base: dict[str, Any] = {
         "mode": "pd",
         "engine": TINY_ENGINE,
@@ -34,15 +40,29 @@ def serving_config(**fields: Any) -> ServingConfig:
         "decode": {"num_cpus": 0.5},
         "colocated": {"num_cpus": 0.5},
         "torch_threads": 1,
-        "router": {"served_model_name": "tiny", "metrics_port": None},
     }
-    return ServingConfig.parse(base | fields)
+    router = TEST_ROUTER | dict(fields.pop("router", {}))
+    return ServingConfig.parse(base | fields | {"router": router})
 
 
 def free_port() -> int:
     """A TCP port free on loopback now (closed again: a tiny race, fine for tests)."""
     with free_socket() as sock:
         return sock.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free on loopback now (router replicas 0 and 1 bind
+    ``metrics_port`` + their rank)."""
+    for _ in range(100):
+        with free_socket() as first:
+            port = first.getsockname()[1]
+            try:
+                with socket.create_server(("127.0.0.1", port + 1)):
+                    return port
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports on loopback")
 
 
 @contextmanager
@@ -55,6 +75,7 @@ def local_serve(grpc_port: int | None = None) -> Iterator[str]:
     grpc = None
     if grpc_port is not None:
         grpc = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
+    use_proxy_middleware()  # as `dsv3serve serve` does: the proxy ends cut streams
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc)

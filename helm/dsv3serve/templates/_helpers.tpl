@@ -65,6 +65,19 @@ upgrades keep it), else a new random one. Args: (list ctx secretName key given).
 {{- end -}}
 
 {{/* The Ray custom resource that pins a role's ranks to its worker pods. */}}
+{{/* Router replicas (router.num_replicas, RouterSettings' default 2), all on the head pod. */}}
+{{- define "dsv3serve.routerReplicas" -}}{{ int (dig "num_replicas" 2 .Values.router) }}{{- end -}}
+
+{{/* The router metrics ports as "name=port" words: router replica k binds
+metrics.routerPort + k (router/metrics_server.py). */}}
+{{- define "dsv3serve.routerMetricsPorts" -}}
+{{- $ports := list -}}
+{{- range $k := until (int (include "dsv3serve.routerReplicas" .)) -}}
+{{- $ports = append $ports (printf "rtr-metrics-%d=%d" $k (add (int $.Values.metrics.routerPort) $k)) -}}
+{{- end -}}
+{{- join " " $ports -}}
+{{- end -}}
+
 {{- define "dsv3serve.nodeResource" -}}{{ . }}_node{{- end -}}
 
 {{/* The worker roles of the mode, space-separated: "prefill decode" or "colocated". */}}
@@ -119,6 +132,10 @@ next), so only the role's GPUs in total bound them. Args: (list ctx role).
 {{- end -}}
 {{- if eq (int .Values.metrics.routerPort) (int .Values.metrics.rayPort) -}}
 {{- fail (printf "metrics.routerPort: found %d, the same as metrics.rayPort" (int .Values.metrics.routerPort)) -}}
+{{- end -}}
+{{- $lastRouterPort := add (int .Values.metrics.routerPort) (int (include "dsv3serve.routerReplicas" .)) -1 -}}
+{{- if and (gt (int .Values.metrics.rayPort) (int .Values.metrics.routerPort)) (le (int .Values.metrics.rayPort) (int $lastRouterPort)) -}}
+{{- fail (printf "metrics.rayPort: found %d, one of the router metrics ports %d..%d (metrics.routerPort + the router replica's rank, router.num_replicas replicas)" (int .Values.metrics.rayPort) (int .Values.metrics.routerPort) (int $lastRouterPort)) -}}
 {{- end -}}
 {{- if and .Values.rayAuth.enabled (not (semverCompare ">=2.52.0-0" .Values.rayVersion)) -}}
 {{- fail (printf "rayVersion: found %s, expected >= 2.52.0 for rayAuth.enabled (Ray token authentication)" .Values.rayVersion) -}}

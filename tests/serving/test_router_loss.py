@@ -1,0 +1,93 @@
+"""Two router replicas on real local Ray: each has its own metrics port, and killing the
+one serving a stream ends that stream with an error event (Serve's proxy runs
+router/proxy_middleware.py, as `dsv3serve serve` sets it up) while the other router
+keeps serving."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import ray
+from serving_util import free_port_pair, local_serve, running_app, serving_config, wait_until
+
+from router.proxy_middleware import STREAM_CUT_CODE
+
+APP = "router-loss"
+STREAM_TOKENS = 4000  # long enough to be mid-stream when its router is killed
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, int]]:
+    metrics_port = free_port_pair()
+    router = {"num_replicas": 2, "metrics_port": metrics_port, "max_decode_migrations": 0}
+    cfg = serving_config(mode="pd", router=router)
+    with local_serve() as base, running_app(base, APP, cfg) as url:
+        yield url, metrics_port
+
+
+def router_actors() -> list[ray.actor.ActorHandle]:
+    return [
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if f"{APP}#router#" in a["name"]
+    ]
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def chat(url: str) -> str:
+    reply = client(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_each_router_replica_serves_its_own_metrics_port(served: tuple[str, int]) -> None:
+    url, port = served
+    chat(url)
+    texts = [httpx.get(f"http://127.0.0.1:{port + k}/metrics", timeout=30).text for k in (0, 1)]
+    for k, text in enumerate(texts):
+        assert f'replica="router-{k}"' in text, f"port {port + k} is not router-{k}"
+    # router-0 merges the workers' series once; router-1 exposes only its own
+    assert 'role="decode"' in texts[0] and 'role="decode"' not in texts[1]
+
+
+def test_killed_router_ends_its_stream_with_an_error_and_the_other_serves(
+    served: tuple[str, int],
+) -> None:
+    url, _ = served
+    routers = router_actors()
+    assert len(routers) == 2
+    stream = client(url).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Count forever."}],
+        max_tokens=STREAM_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = 0
+    with pytest.raises(openai.APIError) as raised:
+        for _ in stream:
+            chunks += 1
+            if chunks == 3:
+                busy = [r for r in routers if ray.get(r.get_num_ongoing_requests.remote()) > 0]
+                assert len(busy) == 1, "exactly one router serves the stream"
+                ray.kill(busy[0], no_restart=True)
+                killed_at = time.monotonic()
+    error = raised.value  # without the proxy middleware: a body-less connection error
+    assert isinstance(error.body, dict), f"no error event: {type(error).__name__}: {error}"
+    assert error.body["code"] == STREAM_CUT_CODE
+    assert chunks < STREAM_TOKENS / 2
+    cut_after = time.monotonic() - killed_at
+    assert cut_after < 10, f"the cut stream took {cut_after:.1f} s to end"
+    # The other router answers at once; Serve restarts the killed one meanwhile.
+    answers = [chat(url) for _ in range(5)]
+    assert all(isinstance(a, str) for a in answers)
+    assert wait_until(lambda: len(router_actors()) == 2, timeout_s=60)
