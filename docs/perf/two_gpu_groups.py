@@ -8,7 +8,9 @@ prefill, prefix hits, preemption, an abort) on the tiny checkpoint with DeepSeek
 attention shapes and 16 routed experts, through ``LLM`` (which spawns one process per GPU
 and joins them over NCCL). The reference is the one-GPU engine with the same settings
 (dtype, backends, graphs, overlap). float32 layouts use the all-to-all dispatcher; DeepEP
-needs bf16 rows, so its layouts compare with a bf16 one-GPU reference. Prints a table and
+needs bf16 rows and a hidden size its kernels are built for (2048, ..., 7168), so its layouts
+run a second checkpoint of hidden size 2048 and compare with a bf16 one-GPU reference on it.
+Prints a table and
 writes ``two_gpu_groups.json``; a layout that raises is recorded with its error.
 """
 
@@ -41,6 +43,7 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (dtype, layout args)
     "dp2-ep2": ("float32", DP2),
     "dp2-ep2-dp-lm-head": ("float32", LAYOUTS["dp2-ep2-dp-lm-head"]),
     "dp2-ep2-deepep-auto": ("bfloat16", {**DP2, "moe_a2a_backend": "deepep"}),
+    "dp2-ep2-bf16-h2048": ("bfloat16", DP2),  # the DeepEP runs' checkpoint, all-to-all
     "dp2-ep2-deepep-low-latency": (
         "bfloat16",
         {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "low_latency"},
@@ -50,6 +53,7 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (dtype, layout args)
         {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "normal"},
     ),
 }
+DEVICE_ENGINE: dict[str, Any] = {}  # GPU_ENGINE, or CPU_SMOKE with --device cpu
 GPU_ENGINE = {  # triton attention + MoE: both capture CUDA graphs without flashinfer
     "device": "cuda",
     "attention_backend": "triton",
@@ -58,11 +62,23 @@ GPU_ENGINE = {  # triton attention + MoE: both capture CUDA graphs without flash
 }
 
 
+CPU_SMOKE = {"device": "cpu"}  # --device cpu: the script's plumbing over gloo, not a result
+
+
 def engine_args(dtype: str, layout: dict[str, Any]) -> dict[str, Any]:
-    args = {**SCENARIO_ENGINE, **GPU_ENGINE, "dtype": dtype, **layout}
+    args = {**SCENARIO_ENGINE, **DEVICE_ENGINE, "dtype": dtype, **layout}
     if layout.get("enable_dp_attention"):
         args["num_kv_tokens"] = DP_KV_TOKENS[layout["dp_size"]]
     return args
+
+
+def checkpoint_for(dtype: str, root: Path) -> Path:
+    """The tiny checkpoint a run of ``dtype`` uses (made once per dtype)."""
+    path = root / dtype
+    if not path.exists():
+        extra = {} if dtype == "float32" else {"hidden_size": 2048}
+        make_tiny_checkpoint(path, fp8=False, overrides=DEEPSEEK_ATTENTION | extra)
+    return path
 
 
 def reference(ckpt: Path, dtype: str) -> dict[str, Any]:
@@ -99,17 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--layouts", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--budget-s", type=float, default=360.0)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
+    DEVICE_ENGINE.update(GPU_ENGINE if args.device == "cuda" else CPU_SMOKE)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    ckpt = make_tiny_checkpoint(
-        Path(tempfile.mkdtemp()) / "tiny", fp8=False, overrides=DEEPSEEK_ATTENTION
-    )
+    root = Path(tempfile.mkdtemp())
     result: dict[str, Any] = {
+        "device": args.device,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "torch": torch.__version__,
-        "engine": GPU_ENGINE | {k: v for k, v in SCENARIO_ENGINE.items() if k != "dtype"},
-        "checkpoint": "tiny, DeepSeek-V3 attention shapes, 16 routed experts, bf16 weights",
+        "engine": DEVICE_ENGINE | {k: v for k, v in SCENARIO_ENGINE.items() if k != "dtype"},
+        "checkpoint": "tiny, DeepSeek-V3 attention shapes, 16 routed experts, bf16 weights; "
+        "hidden 256 (float32 runs) or 2048 (bfloat16 runs)",
         "references": {},
         "layouts": {},
     }
@@ -121,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.monotonic()
         try:
+            ckpt = checkpoint_for(dtype, root)
             if dtype not in refs:
                 refs[dtype] = reference(ckpt, dtype)
                 result["references"][dtype] = {"graph_replays": refs[dtype]["graph_steps"]}
