@@ -84,6 +84,26 @@ PD = [
         (f"sum by (role, replica) (dsv3serve:num_requests_running{{{M}}})",
          "{{role}} {{replica}}"),
     ]),
+    ("Decode load by DP rank", "short", [
+        (f"sum by (replica, dp_rank) (dsv3serve:num_requests_running{{{DECODE}}})",
+         "{{replica}} rank {{dp_rank}} running"),
+        (f"sum by (replica, dp_rank) (dsv3serve:num_requests_waiting{{{DECODE}}})",
+         "{{replica}} rank {{dp_rank}} waiting"),
+    ]),
+    ("Decode prefix-cache hit rate by DP rank", "percentunit", [
+        (f"{rate('prefix_cache_hits_total', DECODE, 'replica, dp_rank')} / clamp_min("
+         f"{rate('prefix_cache_queries_total', DECODE, 'replica, dp_rank')}, 1)",
+         "{{replica}} rank {{dp_rank}}"),
+    ]),
+    ("KV pages pulled vs reused by decode (pages/s)", "short", [
+        (rate("kv_transfer_pages_total", DECODE), "pulled"),
+        (rate("kv_transfer_reused_pages_total", DECODE), "reused (decode-side prefix hit)"),
+    ]),
+    ("Requests placed per DP rank/s", "reqps", [
+        (rate("dp_rank_requests_total", M, "role, dp_rank"), "{{role}} rank {{dp_rank}}"),
+        (rate("dp_rank_fallbacks_total", M, "role, dp_rank"),
+         "{{role}} rank {{dp_rank}} fallback"),
+    ]),
 ]  # fmt: skip
 
 ENGINE = [
