@@ -164,7 +164,15 @@ def _deepep_rows(
     deep_ep, why = load_deep_ep(args.deep_ep_module)
     if deep_ep is None:
         return [_skip(backend, payload, t, why) for t in args.tokens]
-    d = make_deepep(deep_ep, backend, PAYLOADS[payload], args)
+    try:
+        d, why = make_deepep(deep_ep, backend, PAYLOADS[payload], args), ""
+    except Exception as e:  # e.g. the QP-depth refusal, NVSHMEM start-up; the run goes on
+        d, why = None, f"buffer not built ({type(e).__name__}: {str(e)[:300]})"
+    if max_over_ranks(float(d is None), device):  # every rank skips if one could not build
+        return [
+            _skip(backend, payload, t, why or "buffer not built on another rank")
+            for t in args.tokens
+        ]
     limit, limit_why = ll_token_limit()
     rows = []
     for t in args.tokens:
@@ -179,8 +187,14 @@ def _deepep_rows(
     return rows
 
 
+def _write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps({"meta": _meta(args, device), "rows": rows}, indent=1))
+
+
 def all_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """Every (backend, payload, tokens) row, backends in the order given."""
+    """Every (backend, payload, tokens) row, backends in the order given; ``--out`` is
+    rewritten after each (backend, payload), so a later hang keeps the earlier rows."""
     rows: list[dict] = []
     for backend in args.backend:
         for p in args.payload:
@@ -188,6 +202,7 @@ def all_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
                 rows += [measure(args, p, t, device) for t in args.tokens]
             else:
                 rows += _deepep_rows(args, backend, p, device)
+            _write(args, device, rows)
     return rows
 
 
@@ -206,7 +221,6 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
         rows = all_rows(args, device)
         if rank == 0:
             print_table(rows)
-            args.out.write_text(json.dumps({"meta": _meta(args, device), "rows": rows}, indent=1))
             print(f"wrote {args.out}")
     finally:
         dist.destroy_process_group()
