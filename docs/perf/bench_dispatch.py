@@ -118,6 +118,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict:
             "deepep_ll": "DeepEPDispatcher low_latency: dispatch_masked / combine_masked",
         },
         "deep_ep_module": args.deep_ep_module,
+        "ll_max_tokens_per_rank": ll_token_limit()[0],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "ranks": args.ranks,
         "hidden": args.hidden,
