@@ -1,4 +1,4 @@
-"""Time expert-parallel dispatch + combine of the torch.distributed all-to-all backend.
+"""Time expert-parallel dispatch + combine: torch.distributed all-to-all vs DeepEP.
 
 Not a test: prints a table and writes JSON (``--out``). Spawns ``--ranks`` processes itself
 (no torchrun): NCCL on one GPU each (``--device cuda``), or gloo on CPU (``--device cpu``,
@@ -6,22 +6,31 @@ for a smoke run at small sizes). Each rank routes its tokens to top-k of E exper
 (uniform), so every rank sends and receives about the same; the experts are the identity,
 so only the movement (and, for fp8, the quantisation) is timed.
 
+Backends (``--backend``, default all): ``a2a`` (:class:`AllToAllDispatcher`),
+``deepep_normal`` and ``deepep_ll`` (dsv3serve's :class:`DeepEPDispatcher` in normal and
+low-latency mode; see ``dispatch_bench_lib.py``). A DeepEP backend whose ``deep_ep`` does
+not import gives rows marked skipped, with the reason. Low-latency rows above
+``NVSHMEM_QP_DEPTH / 2 - 1`` tokens (511 at DeepEP's default depth 1024) are skipped too:
+DeepEP asserts the depth covers ``2 * (tokens + 1)`` (set the variable to go higher).
+
 Ceiling: a plain point-to-point send of the same bytes from rank 0 to rank 1. ``bytes`` is
 the busiest rank's traffic to other ranks (dispatch rows out + combine rows back, excluding
-its copies to itself); ``ratio`` is the all-to-all's bandwidth over that ceiling's.
+its copies to itself); ``ratio`` is the backend's bandwidth over that ceiling's.
 
     python docs/perf/bench_dispatch.py --device cuda --ranks 8 --out docs/perf/dispatch.json
     python docs/perf/bench_dispatch.py --device cpu --ranks 2 --tokens 1 8 --hidden 256 \\
         --out /tmp/dispatch_cpu.json
+
+CPU smoke of the DeepEP rows over the fake (``tests/support`` on ``PYTHONPATH``): add
+``--deep-ep-module fake_deep_ep``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +41,22 @@ from dsv3serve.kernels.fp8_ref import FP8_DTYPE
 from dsv3serve.parallel.dispatch_a2a import A2AState, AllToAllDispatcher
 from dsv3serve.parallel.dispatch_pack import WireFormat
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dispatch_bench_lib import (  # noqa: E402  (a sibling script module, not a package)
+    DEEPEP_MODES,
+    inputs,
+    ll_token_limit,
+    load_deep_ep,
+    make_deepep,
+    max_over_ranks,
+    measure_deepep,
+    p2p_seconds,
+    timed,
+    with_ceiling,
+)
+
 PAYLOADS = {"bf16": None, "fp8": FP8_DTYPE}
+BACKENDS = ["a2a", *DEEPEP_MODES]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--payload", nargs="+", choices=list(PAYLOADS), default=list(PAYLOADS))
+    p.add_argument("--backend", nargs="+", choices=BACKENDS, default=BACKENDS)
+    p.add_argument("--deep-ep-module", default="deep_ep", help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -57,36 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-
-
-def _timed(fn: Callable[[], object], args: argparse.Namespace, device: torch.device) -> float:
-    """Seconds per call of ``fn`` on the slowest rank (after ``--warmup`` calls)."""
-    for _ in range(args.warmup):
-        fn()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(args.iters):
-        fn()
-    _sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / args.iters], dtype=torch.float64)
-    elapsed = elapsed.to(device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
-def _inputs(
-    args: argparse.Namespace, tokens: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = torch.randn(tokens, args.hidden, device=device).to(torch.bfloat16)
-    ids = torch.rand(tokens, args.experts, device=device).topk(args.topk, dim=1).indices
-    weights = torch.rand(tokens, args.topk, device=device)
-    return x, ids, weights
-
-
 def _off_rank_bytes(state: A2AState, row_bytes: int, hidden_bytes: int, rank: int) -> int:
     """This rank's bytes to other ranks: dispatch rows out plus combine rows back."""
     sent = sum(n for r, n in enumerate(state.send_counts) if r != rank)
@@ -94,58 +90,35 @@ def _off_rank_bytes(state: A2AState, row_bytes: int, hidden_bytes: int, rank: in
     return sent * row_bytes + returned * hidden_bytes
 
 
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _p2p_seconds(nbytes: int, args: argparse.Namespace, device: torch.device) -> float:
-    """Seconds per send of ``nbytes`` from rank 0 to rank 1 (the other ranks wait)."""
-    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-    rank = dist.get_rank()
-
-    def copy() -> None:
-        if rank == 0:
-            dist.send(buf, dst=1)
-        elif rank == 1:
-            dist.recv(buf, src=0)
-
-    return _timed(copy, args, device)
-
-
 def measure(args: argparse.Namespace, payload: str, tokens: int, device: torch.device) -> dict:
     """One row of the table: dispatch, combine and round-trip times, bytes, the p2p ceiling."""
     d = AllToAllDispatcher(args.experts, payload_dtype=PAYLOADS[payload])
-    x, ids, weights = _inputs(args, tokens, device)
+    x, ids, weights = inputs(args, tokens, device)
     got = d.dispatch(x, ids, weights)  # combine is timed on this one (it reads only splits)
     times = {
-        "dispatch": _timed(lambda: d.dispatch(x, ids, weights), args, device),
-        "combine": _timed(lambda: d.combine(got.x, got), args, device),
-        "total": _timed(lambda: d.combine(got.x, d.dispatch(x, ids, weights)), args, device),
+        "dispatch": timed(lambda: d.dispatch(x, ids, weights), args, device),
+        "combine": timed(lambda: d.combine(got.x, got), args, device),
+        "total": timed(lambda: d.combine(got.x, d.dispatch(x, ids, weights)), args, device),
     }
     wire = WireFormat(args.hidden, args.topk, x.dtype, d.payload_dtype)
     mine = _off_rank_bytes(got.state, wire.row_bytes, args.hidden * 2, d.rank)
-    nbytes = int(_max_over_ranks(mine, device))
-    row = {"payload": payload, "tokens_per_rank": tokens}
-    row["max_copies_sent"] = int(_max_over_ranks(len(got.state.src_token), device))
+    nbytes = int(max_over_ranks(mine, device))
+    row = {"backend": "a2a", "payload": payload, "tokens_per_rank": tokens}
+    row["max_copies_sent"] = int(max_over_ranks(len(got.state.src_token), device))
     row["bytes_off_rank"] = nbytes
     row.update({f"{k}_us": seconds * 1e6 for k, seconds in times.items()})
-    return _with_ceiling(row, nbytes / times["total"], _p2p_seconds(nbytes, args, device))
-
-
-def _with_ceiling(row: dict, bytes_per_s: float, p2p_s: float) -> dict:
-    p2p_bytes_per_s = row["bytes_off_rank"] / p2p_s
-    row["GBps"] = bytes_per_s / 1e9
-    row["p2p_us"] = p2p_s * 1e6
-    row["p2p_GBps"] = p2p_bytes_per_s / 1e9
-    row["ratio_to_p2p"] = bytes_per_s / p2p_bytes_per_s if p2p_bytes_per_s else 0.0
-    return row
+    return with_ceiling(row, nbytes / times["total"], p2p_seconds(nbytes, args, device))
 
 
 def _meta(args: argparse.Namespace, device: torch.device) -> dict:
     meta = {
-        "backend": "torch all_to_all_single",
+        "backends": {
+            "a2a": "torch all_to_all_single (AllToAllDispatcher)",
+            "deepep_normal": "DeepEPDispatcher normal: dispatch / combine",
+            "deepep_ll": "DeepEPDispatcher low_latency: dispatch_masked / combine_masked",
+        },
+        "deep_ep_module": args.deep_ep_module,
+        "ll_max_tokens_per_rank": ll_token_limit()[0],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "ranks": args.ranks,
         "hidden": args.hidden,
@@ -161,15 +134,77 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    """The rows as a fixed-width table (bytes in kB, times in microseconds)."""
-    print("payload tokens copies        kB  disp_us  comb_us total_us      GB/s  p2p GB/s  ratio")
+    """The rows as a fixed-width table (bytes in kB, times in microseconds); skipped rows
+    say why. ``*`` after combine: derived as total - dispatch."""
+    print(
+        "backend       payload tokens copies        kB  disp_us  comb_us total_us"
+        "      GB/s  p2p GB/s  ratio"
+    )
     for r in rows:
+        head = f"{r['backend']:<13} {r['payload']:>7} {r['tokens_per_rank']:>6}"
+        if "skipped" in r:
+            print(f"{head} skipped: {r['skipped']}")
+            continue
+        star = "*" if r.get("combine_derived") else " "
         print(
-            f"{r['payload']:>7} {r['tokens_per_rank']:>6} {r['max_copies_sent']:>6} "
-            f"{r['bytes_off_rank'] / 1e3:>9.1f} {r['dispatch_us']:>8.1f} {r['combine_us']:>8.1f} "
-            f"{r['total_us']:>8.1f} {r['GBps']:>9.4g} {r['p2p_GBps']:>9.4g} "
+            f"{head} {r['max_copies_sent']:>6} "
+            f"{r['bytes_off_rank'] / 1e3:>9.1f} {r['dispatch_us']:>8.1f} {r['combine_us']:>7.1f}"
+            f"{star}{r['total_us']:>8.1f} {r['GBps']:>9.4g} {r['p2p_GBps']:>9.4g} "
             f"{r['ratio_to_p2p']:>6.3f}"
         )
+
+
+def _skip(backend: str, payload: str, tokens: int, why: str) -> dict:
+    return {"backend": backend, "payload": payload, "tokens_per_rank": tokens, "skipped": why}
+
+
+def _deepep_rows(
+    args: argparse.Namespace, backend: str, payload: str, device: torch.device
+) -> list[dict]:
+    """One dispatcher for (backend, payload), reused over the token counts."""
+    deep_ep, why = load_deep_ep(args.deep_ep_module)
+    if deep_ep is None:
+        return [_skip(backend, payload, t, why) for t in args.tokens]
+    try:
+        d, why = make_deepep(deep_ep, backend, PAYLOADS[payload], args), ""
+    except Exception as e:  # e.g. the QP-depth refusal, NVSHMEM start-up; the run goes on
+        d, why = None, f"buffer not built ({type(e).__name__}: {str(e)[:300]})"
+    if max_over_ranks(float(d is None), device):  # every rank skips if one could not build
+        return [
+            _skip(backend, payload, t, why or "buffer not built on another rank")
+            for t in args.tokens
+        ]
+    limit, limit_why = ll_token_limit()
+    rows = []
+    for t in args.tokens:
+        if backend == "deepep_ll" and t > limit:
+            rows.append(_skip(backend, payload, t, limit_why))
+            continue
+        row = {"backend": backend, "payload": payload, "tokens_per_rank": t}
+        row.update(measure_deepep(d, args, t, device))
+        nbytes = row["bytes_off_rank"]
+        p2p = p2p_seconds(nbytes, args, device)
+        rows.append(with_ceiling(row, nbytes / (row["total_us"] / 1e6), p2p))
+    return rows
+
+
+def _write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps({"meta": _meta(args, device), "rows": rows}, indent=1))
+
+
+def all_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Every (backend, payload, tokens) row, backends in the order given; ``--out`` is
+    rewritten after each (backend, payload), so a later hang keeps the earlier rows."""
+    rows: list[dict] = []
+    for backend in args.backend:
+        for p in args.payload:
+            if backend == "a2a":
+                rows += [measure(args, p, t, device) for t in args.tokens]
+            else:
+                rows += _deepep_rows(args, backend, p, device)
+            _write(args, device, rows)
+    return rows
 
 
 def _rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
@@ -184,10 +219,9 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
     )
     try:
         torch.manual_seed(1234 + rank)
-        rows = [measure(args, p, t, device) for p in args.payload for t in args.tokens]
+        rows = all_rows(args, device)
         if rank == 0:
             print_table(rows)
-            args.out.write_text(json.dumps({"meta": _meta(args, device), "rows": rows}, indent=1))
             print(f"wrote {args.out}")
     finally:
         dist.destroy_process_group()
