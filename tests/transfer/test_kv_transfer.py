@@ -1,4 +1,7 @@
-"""KV transfer connectors on CPU: shm and torch_dist (gloo), across processes and in one.
+"""KV transfer connectors on CPU: shm, torch_dist (gloo) and nixl, across processes and in one.
+
+nixl runs only where its package imports (it is not in the test extra, so CI skips it):
+its UCX backend then moves host memory over TCP (``UCX_TLS=tcp``, set for this module).
 
 The prefill side of the cross-process tests is one spawned process (``_prefill_peer``)
 driven by JSON strings over a Pipe; handles cross back as JSON, as they do through the
@@ -42,7 +45,13 @@ DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float32": torch.float32,
 }
-NAMES = ["shm", "torch_dist"]
+HAVE_NIXL = importlib.util.find_spec("nixl") is not None
+NIXL_SKIP = "nixl is not installed (optional: pip install nixl); CI skips it"
+NAMES = [
+    "shm",
+    "torch_dist",
+    pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason=NIXL_SKIP)),
+]
 LAYERS, PAGES, PAGE_SIZE = 3, 24, 4
 POISON = 0xFF  # NaN in bf16, fp8 e4m3fn and float32 alike
 FAST_S = 5.0  # an error must surface well before any timeout_s used here
@@ -50,7 +59,17 @@ FAST_S = 5.0  # an error must surface well before any timeout_s used here
 
 def _options(name: str, chunk_mib: float = 0.001) -> dict[str, Any]:
     """torch_dist: a bounded wait, and (by default) one chunk per layer on the wire."""
+    if name == "nixl":
+        return {"timeout_s": 10.0}
     return {"timeout_s": 10.0, "chunk_mib": chunk_mib} if name == "torch_dist" else {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ucx_over_tcp() -> Iterator[None]:
+    """nixl's UCX backend on TCP here (set before the prefill peer is spawned)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "tcp"))
+        yield
 
 
 def _fill(pool: MLAKVPool, make: Any) -> None:
@@ -200,6 +219,9 @@ def test_unknown_request_and_mismatches_raise(peer: Peer, receivers, name) -> No
     }
     if name == "shm":
         forged["missing segment"] = fields | {"source": {"segment": "dsv3kv_nope_000000000000"}}
+    if name == "nixl":
+        forged["no lease server"] = fields | {"source": handle.source | {"lease": ["127.0.0.1", 1]}}
+        forged["other pages"] = fields | {"source": handle.source | {"pages": [0, 8]}}
     for what, bad in forged.items():
         start = time.monotonic()
         with pytest.raises(TransferError):
@@ -341,7 +363,7 @@ def test_factory_rejects_unknown_names_and_options() -> None:
     assert CONNECTORS == ("shm", "torch_dist", "nixl")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is not None, reason="nixl is installed")
+@pytest.mark.skipif(HAVE_NIXL, reason="nixl is installed")
 def test_nixl_without_the_package_says_so() -> None:
     with pytest.raises(ImportError, match=r"not installed.*shm, torch_dist"):
         create_kv_connector("nixl", random_pool("bfloat16", 18))
@@ -354,7 +376,14 @@ def engines() -> dict[str, Engine]:
     return {role: make_engine(kv_cache_dtype="fp8_e4m3") for role in ("p", "d", "c")}
 
 
-@pytest.mark.parametrize(("name", "seed"), [("shm", 41), ("torch_dist", 42)])
+@pytest.mark.parametrize(
+    ("name", "seed"),
+    [
+        ("shm", 41),
+        ("torch_dist", 42),
+        pytest.param("nixl", 43, marks=pytest.mark.skipif(not HAVE_NIXL, reason=NIXL_SKIP)),
+    ],
+)
 def test_engine_disaggregated_equals_colocated(engines: dict[str, Engine], name, seed) -> None:
     prefill, decode = engines["p"], engines["d"]
     sender = create_kv_connector(name, prefill.runner.pool, **_options(name))
