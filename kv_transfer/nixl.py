@@ -18,6 +18,7 @@ descriptor per (layer, page) and READs them straight into its own pages, then un
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import secrets
 import threading
@@ -212,8 +213,6 @@ class NixlConnector(KVConnector):
             server.close()
         self._staging.clear()
         for name in remotes:
-            try:
+            with contextlib.suppress(Exception):  # the remote agent may be gone already
                 self._agent.remove_remote_agent(name)
-            except Exception:  # the remote agent may be gone already
-                pass
         self._agent.deregister_memory(self._registered)

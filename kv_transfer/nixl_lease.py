@@ -23,8 +23,8 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer.handle import TransferError
@@ -52,7 +52,6 @@ def check_host(host: str, connector: str) -> None:
 class _Staged:
     pages: list[int]
     pins: int = 0
-    gone: threading.Event = field(default_factory=threading.Event)
 
 
 class Staging:
@@ -188,10 +187,8 @@ class LeaseServer:
 
 
 def _try_send(conn: socket.socket, message: dict[str, Any]) -> None:
-    try:
+    with suppress(OSError):
         _send(conn, message)
-    except OSError:
-        pass
 
 
 @contextmanager
