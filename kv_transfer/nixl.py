@@ -7,7 +7,7 @@ have not run.
 Design: each connector registers its whole pool (every layer's KV buffer and fp8 scale
 buffer) with its agent once. ``publish`` records the pages; the handle carries the agent's
 metadata (base64), the base address of each layer's buffers and the address of the
-connector's lease server (:mod:`kv_transfer.nixl_lease`). The receiver first pins the
+connector's lease server (:mod:`kv_transfer.lease`). The receiver first pins the
 request at that server, which refuses a released or unknown request (so a pull after
 ``release`` fails with TransferError instead of reading reused pages), then builds one
 descriptor per (layer, page) and READs them straight into its own pages, then unpins.
@@ -29,7 +29,14 @@ from typing import Any
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import KVConnector, parse_options
 from kv_transfer.handle import KVHandle, TransferError, TransferStats
-from kv_transfer.nixl_lease import LeaseServer, Staging, check_host, pinned
+from kv_transfer.lease import (
+    LeaseServer,
+    Staging,
+    check_host,
+    int_list,
+    pinned,
+    pool_regions,
+)
 from kv_transfer.pages import check_dst_pages, check_publish, make_handle
 
 __all__ = ["NixlConnector", "NixlOptions"]
@@ -59,19 +66,6 @@ class NixlOptions:
                 f"nixl: expected 0 <= port < 65536, timeout_s > 0 and some backends, got "
                 f"port={self.port}, timeout_s={self.timeout_s}, backends={self.backends}"
             )
-
-
-def _regions(pool: MLAKVPool) -> tuple[list[int], list[int]]:
-    """Base addresses of each layer's KV buffer and (fp8) scale buffer."""
-    kv = [pool.kv_buffer(layer).data_ptr() for layer in range(pool.num_layers)]
-    scales = [pool.scale_buffer(layer) for layer in range(pool.num_layers)]
-    return kv, [s.data_ptr() for s in scales if s is not None]
-
-
-def _int_list(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise ValueError(f"expected a list of integers, got {value!r}")
-    return value
 
 
 class NixlConnector(KVConnector):
@@ -114,7 +108,7 @@ class NixlConnector(KVConnector):
         check_publish(self.pool, pages, num_tokens)
         server = self._ensure_server()
         self._staging.add(request_id, pages)
-        kv_base, scale_base = _regions(self.pool)
+        kv_base, scale_base = pool_regions(self.pool)
         source = {
             "agent": self._agent_name,
             "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
@@ -164,13 +158,13 @@ class NixlConnector(KVConnector):
             raise TransferError(f"receive {rid!r}: nixl connector is closed")
         try:
             src = handle.source
-            src_pages = _int_list(src["pages"])
-            kv_base, scale_base = _int_list(src["kv_base"]), _int_list(src["scale_base"])
+            src_pages = int_list(src["pages"])
+            kv_base, scale_base = int_list(src["kv_base"]), int_list(src["scale_base"])
             host, port = str(src["lease"][0]), int(src["lease"][1])
             if len(src_pages) != handle.num_pages:
                 raise ValueError("source pages != num_pages")
             if len(kv_base) != self.pool.num_layers or len(scale_base) != len(
-                _regions(self.pool)[1]
+                pool_regions(self.pool)[1]
             ):
                 raise ValueError("source buffers do not match this pool's layers")
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -179,7 +173,7 @@ class NixlConnector(KVConnector):
             try:
                 remote = self._remote(src)
                 remote_descs = self._descs(kv_base, scale_base, src_pages, int(src["device_id"]))
-                local_descs = self._descs(*_regions(self.pool), dst_pages, self._device_id)
+                local_descs = self._descs(*pool_regions(self.pool), dst_pages, self._device_id)
                 self._read(local_descs, remote_descs, remote, rid)
             except TransferError:
                 raise

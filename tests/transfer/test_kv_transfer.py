@@ -1,7 +1,8 @@
-"""KV transfer connectors on CPU: shm, torch_dist (gloo) and nixl, across processes and in one.
+"""KV transfer connectors on CPU: shm, torch_dist (gloo), nixl, mooncake; across processes.
 
-nixl runs only where its package imports (it is not in the test extra, so CI skips it):
-its UCX backend then moves host memory over TCP (``UCX_TLS=tcp``, set for this module).
+nixl and mooncake run only where their packages import (they are not in the test extra,
+so CI skips them): nixl's UCX backend then moves host memory over TCP (``UCX_TLS=tcp``,
+set for this module), mooncake uses its ``tcp`` protocol.
 
 The prefill side of the cross-process tests is one spawned process (``_prefill_peer``)
 driven by JSON strings over a Pipe; handles cross back as JSON, as they do through the
@@ -11,7 +12,6 @@ compared as bytes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -38,6 +38,7 @@ from kv_transfer import (
     TransferError,
     create_kv_connector,
 )
+from kv_transfer.factory import OPTIONAL, installed
 from kv_transfer.pages import gather_pages
 
 DTYPES = {
@@ -45,13 +46,16 @@ DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float32": torch.float32,
 }
-HAVE_NIXL = importlib.util.find_spec("nixl") is not None
-NIXL_SKIP = "nixl is not installed (optional: pip install nixl); CI skips it"
-NAMES = [
-    "shm",
-    "torch_dist",
-    pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason=NIXL_SKIP)),
-]
+ONE_SIDED = ("nixl", "mooncake")  # optional packages; a lease server guards their READs
+
+
+def _optional(name: str, *values: Any) -> Any:
+    """A parametrization of optional connector ``name`` that skips where it is not installed."""
+    reason = f"{name} is not installed (optional: pip install {OPTIONAL[name][1]}); CI skips it"
+    return pytest.param(name, *values, marks=pytest.mark.skipif(not installed(name), reason=reason))
+
+
+NAMES = ["shm", "torch_dist", *(_optional(name) for name in ONE_SIDED)]
 LAYERS, PAGES, PAGE_SIZE = 3, 24, 4
 POISON = 0xFF  # NaN in bf16, fp8 e4m3fn and float32 alike
 FAST_S = 5.0  # an error must surface well before any timeout_s used here
@@ -59,7 +63,7 @@ FAST_S = 5.0  # an error must surface well before any timeout_s used here
 
 def _options(name: str, chunk_mib: float = 0.001) -> dict[str, Any]:
     """torch_dist: a bounded wait, and (by default) one chunk per layer on the wire."""
-    if name == "nixl":
+    if name in ONE_SIDED:
         return {"timeout_s": 10.0}
     return {"timeout_s": 10.0, "chunk_mib": chunk_mib} if name == "torch_dist" else {}
 
@@ -219,7 +223,7 @@ def test_unknown_request_and_mismatches_raise(peer: Peer, receivers, name) -> No
     }
     if name == "shm":
         forged["missing segment"] = fields | {"source": {"segment": "dsv3kv_nope_000000000000"}}
-    if name == "nixl":
+    if name in ONE_SIDED:
         forged["no lease server"] = fields | {"source": handle.source | {"lease": ["127.0.0.1", 1]}}
         forged["other pages"] = fields | {"source": handle.source | {"pages": [0, 8]}}
     for what, bad in forged.items():
@@ -354,19 +358,21 @@ def _listen_addresses(port: int) -> list[str]:
 
 def test_factory_rejects_unknown_names_and_options() -> None:
     pool = random_pool("bfloat16", 17)
-    with pytest.raises(ValueError, match="shm, torch_dist, nixl"):
+    with pytest.raises(ValueError, match="shm, torch_dist, nixl, mooncake"):
         create_kv_connector("rdma", pool)
     with pytest.raises(ValueError, match="unknown options"):
         create_kv_connector("shm", pool, timeout_s=3)
     with pytest.raises(ValueError, match="expose"):
         create_kv_connector("torch_dist", pool, host="0.0.0.0")
-    assert CONNECTORS == ("shm", "torch_dist", "nixl")
+    assert CONNECTORS == ("shm", "torch_dist", "nixl", "mooncake")
 
 
-@pytest.mark.skipif(HAVE_NIXL, reason="nixl is installed")
-def test_nixl_without_the_package_says_so() -> None:
-    with pytest.raises(ImportError, match=r"not installed.*shm, torch_dist"):
-        create_kv_connector("nixl", random_pool("bfloat16", 18))
+@pytest.mark.parametrize("name", ONE_SIDED)
+def test_optional_connector_without_its_package_says_so(name: str) -> None:
+    if installed(name):
+        pytest.skip(f"{name} is installed")
+    with pytest.raises(ImportError, match=r"not installed.*shm, torch_dist$"):
+        create_kv_connector(name, random_pool("bfloat16", 18))
 
 
 # ---- end to end with real engines ------------------------------------------------------
@@ -381,7 +387,8 @@ def engines() -> dict[str, Engine]:
     [
         ("shm", 41),
         ("torch_dist", 42),
-        pytest.param("nixl", 43, marks=pytest.mark.skipif(not HAVE_NIXL, reason=NIXL_SKIP)),
+        _optional("nixl", 43),
+        _optional("mooncake", 44),
     ],
 )
 def test_engine_disaggregated_equals_colocated(engines: dict[str, Engine], name, seed) -> None:

@@ -1,8 +1,9 @@
-"""The nixl connector's control plane: a pin held by the receiver for the length of its READ.
+"""The one-sided connectors' control plane: a pin held by the receiver for its whole READ.
 
-A NIXL READ is one-sided: the prefill side is not asked, so by itself it cannot refuse a
-pull of a released request, nor know when the pages it staged are no longer read. This
-module closes that gap with one small TCP exchange per pull, JSON lines, nothing pickled:
+A NIXL or Mooncake READ is one-sided: the prefill side is not asked, so by itself it cannot
+refuse a pull of a released request, nor know when the pages it staged are no longer read.
+This module closes that gap with one small TCP exchange per pull, JSON lines, nothing
+pickled:
 
 1. the receiver connects to the prefill side's :class:`LeaseServer` and sends
    ``{"rid": ..., "pages": [...]}``;
@@ -27,9 +28,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.handle import TransferError
 
-__all__ = ["LeaseServer", "Staging", "check_host", "pinned"]
+__all__ = ["LeaseServer", "Staging", "check_host", "int_list", "pinned", "pool_regions"]
 
 _MAX_LINE = 1 << 20  # a request line: a request id and its page list
 _ACCEPT_POLL_S = 0.2
@@ -46,6 +48,20 @@ def check_host(host: str, connector: str) -> None:
             f"{connector} host: {host!r} would expose the control port on every interface; "
             "give this node's internal address"
         )
+
+
+def pool_regions(pool: MLAKVPool) -> tuple[list[int], list[int]]:
+    """Base addresses of each layer's KV buffer and (fp8 pools only) scale buffer."""
+    kv = [pool.kv_buffer(layer).data_ptr() for layer in range(pool.num_layers)]
+    scales = [pool.scale_buffer(layer) for layer in range(pool.num_layers)]
+    return kv, [s.data_ptr() for s in scales if s is not None]
+
+
+def int_list(value: Any) -> list[int]:
+    """``value`` if it is a list of ints (a handle field that crossed the wire), else ValueError."""
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise ValueError(f"expected a list of integers, got {value!r}")
+    return value
 
 
 @dataclass
@@ -149,7 +165,7 @@ class LeaseServer:
             raise
         self.host, self.port = host, int(self._sock.getsockname()[1])
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="nixl-lease", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-lease", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:

@@ -1,4 +1,4 @@
-"""The nixl connector's lease server (kv_transfer.nixl_lease): real sockets, no nixl needed."""
+"""The nixl connector's lease server (kv_transfer.lease): real sockets, no nixl needed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kv_transfer.handle import TransferError
-from kv_transfer.nixl_lease import LeaseServer, Staging, check_host, pinned
+from kv_transfer.lease import LeaseServer, Staging, check_host, pinned
 
 TIMEOUT_S = 5.0
 
