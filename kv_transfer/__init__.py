@@ -3,7 +3,8 @@
 The prefill side ``publish``-es a prompt's pages and gets a JSON-safe :class:`KVHandle`;
 the router carries it to the decode side, which ``receive``-s into reserved pages; the
 prefill side then ``release``-s. Connectors: ``shm`` (same host), ``torch_dist`` (gloo /
-NCCL point-to-point), ``nixl`` (optional, untested). Depends on ``dsv3serve.kvcache`` only.
+NCCL point-to-point), ``nixl`` and ``mooncake`` (optional one-sided READs, tested on CPU
+only). Depends on ``dsv3serve.kvcache`` only.
 
 Names are resolved lazily, so importing ``kv_transfer.handle`` (as the router does) loads
 no torch.

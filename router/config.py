@@ -131,7 +131,7 @@ class ServingConfig(BaseModel):
     prefill: RoleGroup = RoleGroup()
     decode: RoleGroup = RoleGroup()
     colocated: RoleGroup = RoleGroup()
-    kv_connector: Literal["shm", "torch_dist", "nixl"] = "shm"
+    kv_connector: Literal["shm", "torch_dist", "nixl", "mooncake"] = "shm"
     kv_connector_options: dict[str, Any] = {}
     kv_lease_s: float = Field(30.0, gt=0, description="staged KV is freed if not pulled")
     decode_prefix_reuse: bool = Field(

@@ -17,7 +17,7 @@ class WorkerConfig(BaseModel):
 
     role: Role
     engine: EngineConfig
-    kv_connector: Literal["shm", "torch_dist", "nixl"] = "shm"
+    kv_connector: Literal["shm", "torch_dist", "nixl", "mooncake"] = "shm"
     kv_connector_options: dict[str, Any] = {}
     # prefill: staged KV not pulled within this many seconds is freed
     kv_lease_s: float = Field(30.0, gt=0)

@@ -1,4 +1,8 @@
-"""KV transfer connectors on CPU: shm and torch_dist (gloo), across processes and in one.
+"""KV transfer connectors on CPU: shm, torch_dist (gloo), nixl, mooncake; across processes.
+
+nixl and mooncake run only where their packages import (they are not in the test extra,
+so CI skips them): nixl's UCX backend then moves host memory over TCP (``UCX_TLS=tcp``,
+set for this module), mooncake uses its ``tcp`` protocol.
 
 The prefill side of the cross-process tests is one spawned process (``_prefill_peer``)
 driven by JSON strings over a Pipe; handles cross back as JSON, as they do through the
@@ -8,7 +12,6 @@ compared as bytes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -35,6 +38,7 @@ from kv_transfer import (
     TransferError,
     create_kv_connector,
 )
+from kv_transfer.factory import OPTIONAL, installed
 from kv_transfer.pages import gather_pages
 
 DTYPES = {
@@ -42,7 +46,16 @@ DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float32": torch.float32,
 }
-NAMES = ["shm", "torch_dist"]
+ONE_SIDED = ("nixl", "mooncake")  # optional packages; a lease server guards their READs
+
+
+def _optional(name: str, *values: Any) -> Any:
+    """A parametrization of optional connector ``name`` that skips where it is not installed."""
+    reason = f"{name} is not installed (optional: pip install {OPTIONAL[name][1]}); CI skips it"
+    return pytest.param(name, *values, marks=pytest.mark.skipif(not installed(name), reason=reason))
+
+
+NAMES = ["shm", "torch_dist", *(_optional(name) for name in ONE_SIDED)]
 LAYERS, PAGES, PAGE_SIZE = 3, 24, 4
 POISON = 0xFF  # NaN in bf16, fp8 e4m3fn and float32 alike
 FAST_S = 5.0  # an error must surface well before any timeout_s used here
@@ -50,7 +63,17 @@ FAST_S = 5.0  # an error must surface well before any timeout_s used here
 
 def _options(name: str, chunk_mib: float = 0.001) -> dict[str, Any]:
     """torch_dist: a bounded wait, and (by default) one chunk per layer on the wire."""
+    if name in ONE_SIDED:
+        return {"timeout_s": 10.0}
     return {"timeout_s": 10.0, "chunk_mib": chunk_mib} if name == "torch_dist" else {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ucx_over_tcp() -> Iterator[None]:
+    """nixl's UCX backend on TCP here (set before the prefill peer is spawned)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "tcp"))
+        yield
 
 
 def _fill(pool: MLAKVPool, make: Any) -> None:
@@ -200,6 +223,9 @@ def test_unknown_request_and_mismatches_raise(peer: Peer, receivers, name) -> No
     }
     if name == "shm":
         forged["missing segment"] = fields | {"source": {"segment": "dsv3kv_nope_000000000000"}}
+    if name in ONE_SIDED:
+        forged["no lease server"] = fields | {"source": handle.source | {"lease": ["127.0.0.1", 1]}}
+        forged["other pages"] = fields | {"source": handle.source | {"pages": [0, 8]}}
     for what, bad in forged.items():
         start = time.monotonic()
         with pytest.raises(TransferError):
@@ -332,19 +358,21 @@ def _listen_addresses(port: int) -> list[str]:
 
 def test_factory_rejects_unknown_names_and_options() -> None:
     pool = random_pool("bfloat16", 17)
-    with pytest.raises(ValueError, match="shm, torch_dist, nixl"):
+    with pytest.raises(ValueError, match="shm, torch_dist, nixl, mooncake"):
         create_kv_connector("rdma", pool)
     with pytest.raises(ValueError, match="unknown options"):
         create_kv_connector("shm", pool, timeout_s=3)
     with pytest.raises(ValueError, match="expose"):
         create_kv_connector("torch_dist", pool, host="0.0.0.0")
-    assert CONNECTORS == ("shm", "torch_dist", "nixl")
+    assert CONNECTORS == ("shm", "torch_dist", "nixl", "mooncake")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is not None, reason="nixl is installed")
-def test_nixl_without_the_package_says_so() -> None:
-    with pytest.raises(ImportError, match=r"not installed.*shm, torch_dist"):
-        create_kv_connector("nixl", random_pool("bfloat16", 18))
+@pytest.mark.parametrize("name", ONE_SIDED)
+def test_optional_connector_without_its_package_says_so(name: str) -> None:
+    if installed(name):
+        pytest.skip(f"{name} is installed")
+    with pytest.raises(ImportError, match=r"not installed.*shm, torch_dist$"):
+        create_kv_connector(name, random_pool("bfloat16", 18))
 
 
 # ---- end to end with real engines ------------------------------------------------------
@@ -354,7 +382,15 @@ def engines() -> dict[str, Engine]:
     return {role: make_engine(kv_cache_dtype="fp8_e4m3") for role in ("p", "d", "c")}
 
 
-@pytest.mark.parametrize(("name", "seed"), [("shm", 41), ("torch_dist", 42)])
+@pytest.mark.parametrize(
+    ("name", "seed"),
+    [
+        ("shm", 41),
+        ("torch_dist", 42),
+        _optional("nixl", 43),
+        _optional("mooncake", 44),
+    ],
+)
 def test_engine_disaggregated_equals_colocated(engines: dict[str, Engine], name, seed) -> None:
     prefill, decode = engines["p"], engines["d"]
     sender = create_kv_connector(name, prefill.runner.pool, **_options(name))
