@@ -37,17 +37,17 @@ from dsv3serve.engine.llm import LLM  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 DP2 = LAYOUTS["dp2-ep2"]
-RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (dtype, layout args)
-    "tp2": ("float32", LAYOUTS["tp2"]),
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (dtype, layout args), run in order
     "tp2-ep2": ("float32", LAYOUTS["tp2-ep2"]),
     "dp2-ep2": ("float32", DP2),
-    "dp2-ep2-dp-lm-head": ("float32", LAYOUTS["dp2-ep2-dp-lm-head"]),
     "dp2-ep2-deepep-auto": ("bfloat16", {**DP2, "moe_a2a_backend": "deepep"}),
-    "dp2-ep2-bf16-h2048": ("bfloat16", DP2),  # the DeepEP runs' checkpoint, all-to-all
     "dp2-ep2-deepep-low-latency": (
         "bfloat16",
         {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "low_latency"},
     ),
+    "dp2-ep2-bf16-h2048": ("bfloat16", DP2),  # the DeepEP runs' checkpoint, all-to-all
+    "tp2": ("float32", LAYOUTS["tp2"]),
+    "dp2-ep2-dp-lm-head": ("float32", LAYOUTS["dp2-ep2-dp-lm-head"]),
     "dp2-ep2-deepep-normal": (
         "bfloat16",
         {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "normal"},
