@@ -9,9 +9,10 @@ attention shapes and 16 routed experts, through ``LLM`` (which spawns one proces
 and joins them over NCCL). The reference is the one-GPU engine with the same settings
 (dtype, backends, graphs, overlap). float32 layouts use the all-to-all dispatcher; DeepEP
 needs bf16 rows and a hidden size its kernels are built for (2048, ..., 7168), so its layouts
-run a second checkpoint of hidden size 2048 and compare with a bf16 one-GPU reference on it.
-Prints a table and
-writes ``two_gpu_groups.json``; a layout that raises is recorded with its error.
+run (as every bf16 run) a checkpoint of hidden size 2048 and compare with a bf16 one-GPU
+reference on it. flashinfer runs capture CUDA graphs (bf16 only); torch-attention runs are
+eager (float32 possible). Prints a table and writes ``two_gpu_groups.json``; a layout that
+raises is recorded with its error.
 """
 
 from __future__ import annotations
@@ -37,36 +38,30 @@ from dsv3serve.engine.llm import LLM  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 DP2 = LAYOUTS["dp2-ep2"]
-RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (dtype, layout args), run in order
-    "tp2-ep2": ("float32", LAYOUTS["tp2-ep2"]),
-    "dp2-ep2": ("float32", DP2),
-    "dp2-ep2-deepep-auto": ("bfloat16", {**DP2, "moe_a2a_backend": "deepep"}),
-    "dp2-ep2-deepep-low-latency": (
-        "bfloat16",
-        {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "low_latency"},
-    ),
-    "dp2-ep2-bf16-h2048": ("bfloat16", DP2),  # the DeepEP runs' checkpoint, all-to-all
-    "tp2": ("float32", LAYOUTS["tp2"]),
-    "dp2-ep2-dp-lm-head": ("float32", LAYOUTS["dp2-ep2-dp-lm-head"]),
-    "dp2-ep2-deepep-normal": (
-        "bfloat16",
-        {**DP2, "moe_a2a_backend": "deepep", "deepep_mode": "normal"},
-    ),
+DEEPEP = {**DP2, "moe_a2a_backend": "deepep"}
+# name -> (dtype, attention backend, layout args), run in this order. flashinfer: CUDA graphs
+# (bf16 only); torch: eager, float32 possible (exact comparisons).
+RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "tp2-ep2-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2-ep2"]),
+    "dp2-ep2-graphs": ("bfloat16", "flashinfer", DP2),
+    "tp2-ep2-fp32": ("float32", "torch", LAYOUTS["tp2-ep2"]),
+    "dp2-ep2-fp32": ("float32", "torch", DP2),
+    "dp2-ep2-dp-lm-head-graphs": ("bfloat16", "flashinfer", LAYOUTS["dp2-ep2-dp-lm-head"]),
+    "tp2-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2"]),
+    "dp2-ep2-deepep-auto": ("bfloat16", "torch", DEEPEP),
+    "dp2-ep2-deepep-low-latency": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "low_latency"}),
+    "dp2-ep2-deepep-normal": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "normal"}),
+    "dp2-ep2-a2a-bf16": ("bfloat16", "torch", DP2),  # the DeepEP runs' baseline
 }
 DEVICE_ENGINE: dict[str, Any] = {}  # GPU_ENGINE, or CPU_SMOKE with --device cpu
-GPU_ENGINE = {  # triton attention + MoE: both capture CUDA graphs without flashinfer
-    "device": "cuda",
-    "attention_backend": "triton",
-    "moe_backend": "triton",
-    "cuda_graph_max_bs": 4,
-}
-
-
+GPU_ENGINE = {"device": "cuda", "moe_backend": "triton", "cuda_graph_max_bs": 4}
 CPU_SMOKE = {"device": "cpu"}  # --device cpu: the script's plumbing over gloo, not a result
 
 
-def engine_args(dtype: str, layout: dict[str, Any]) -> dict[str, Any]:
+def engine_args(dtype: str, backend: str, layout: dict[str, Any]) -> dict[str, Any]:
     args = {**SCENARIO_ENGINE, **DEVICE_ENGINE, "dtype": dtype, **layout}
+    if DEVICE_ENGINE.get("device") == "cuda":
+        args["attention_backend"] = backend
     if layout.get("enable_dp_attention"):
         args["num_kv_tokens"] = DP_KV_TOKENS[layout["dp_size"]]
     return args
@@ -81,15 +76,15 @@ def checkpoint_for(dtype: str, root: Path) -> Path:
     return path
 
 
-def reference(ckpt: Path, dtype: str) -> dict[str, Any]:
-    engine = Engine(EngineConfig(model=str(ckpt), **engine_args(dtype, {})))
+def reference(ckpt: Path, dtype: str, backend: str) -> dict[str, Any]:
+    engine = Engine(EngineConfig(model=str(ckpt), **engine_args(dtype, backend, {})))
     tokens = run_scenario(engine)
     graphs = engine.runner.graphs
     return {"tokens": tokens, "graph_steps": 0 if graphs is None else graphs.replays}
 
 
-def run_layout(ckpt: Path, dtype: str, layout: dict[str, Any]) -> dict[str, Any]:
-    with LLM(str(ckpt), **engine_args(dtype, layout)) as llm:
+def run_layout(ckpt: Path, dtype: str, backend: str, layout: dict[str, Any]) -> dict[str, Any]:
+    with LLM(str(ckpt), **engine_args(dtype, backend, layout)) as llm:
         tokens = run_scenario(llm.engine)
         runner = llm.engine.runner
         graphs = runner.graphs
@@ -133,24 +128,26 @@ def main(argv: list[str] | None = None) -> int:
     }
     refs: dict[str, Any] = {}
     for name in args.layouts:
-        dtype, layout = RUNS[name]
+        dtype, backend, layout = RUNS[name]
+        key = f"{dtype}/{backend}"
         if time.monotonic() - start > args.budget_s:
             result["layouts"][name] = {"skipped": "time budget spent"}
             continue
         t0 = time.monotonic()
         try:
             ckpt = checkpoint_for(dtype, root)
-            if dtype not in refs:
-                refs[dtype] = reference(ckpt, dtype)
-                result["references"][dtype] = {"graph_replays": refs[dtype]["graph_steps"]}
-            row = run_layout(ckpt, dtype, layout)
-            row |= compare(row.pop("tokens"), refs[dtype]["tokens"])
+            if key not in refs:
+                refs[key] = reference(ckpt, dtype, backend)
+                result["references"][key] = {"graph_replays": refs[key]["graph_steps"]}
+            row = run_layout(ckpt, dtype, backend, layout)
+            row |= compare(row.pop("tokens"), refs[key]["tokens"])
         except Exception as exc:  # recorded: the next layout still runs
             row = {
                 "error": f"{type(exc).__name__}: {exc}"[:600],
                 "trace": traceback.format_exc()[-1500:],
             }
-        row |= {"dtype": dtype, "layout": layout, "seconds": round(time.monotonic() - t0, 1)}
+        seconds = round(time.monotonic() - t0, 1)
+        row |= {"dtype": dtype, "attention_backend": backend, "layout": layout, "seconds": seconds}
         result["layouts"][name] = row
         print(name, {k: v for k, v in row.items() if k not in ("trace", "layout")}, flush=True)
         (args.out / "two_gpu_groups.json").write_text(json.dumps(result, indent=1))
