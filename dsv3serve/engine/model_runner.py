@@ -71,6 +71,10 @@ class ModelRunner:
     ):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # a group rank's process drives cuda:r: streams, graph capture and cuBLAS follow
+            # the current device, not the tensors'
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg)
         check_fits(cfg, model_cfg, self.device)
         given = parts is not None
