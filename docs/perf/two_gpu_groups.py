@@ -18,6 +18,7 @@ raises is recorded with its error.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import tempfile
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     DEVICE_ENGINE.update(GPU_ENGINE if args.device == "cuda" else CPU_SMOKE)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    # a hang (a rank stuck in a collective or a capture) still leaves the leader's stacks
+    faulthandler.dump_traceback_later(max(args.budget_s - 10, 10), repeat=True)
     root = Path(tempfile.mkdtemp())
     result: dict[str, Any] = {
         "device": args.device,
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             result["layouts"][name] = {"skipped": "time budget spent"}
             continue
         t0 = time.monotonic()
+        print(f"{name}: starting ({dtype}, {backend})", flush=True)
         try:
             ckpt = checkpoint_for(dtype, root)
             if key not in refs:
