@@ -68,7 +68,7 @@ def test_bad_shared_prefix_settings_are_refused(field: str, value: int, message:
 def exposition(role: str, pulled: int, reused: int) -> str:
     """A real worker's metrics text after one transfer of ``pulled`` pages."""
     idle = EngineState(0, 0, 0.0, 0, 0, 0)
-    metrics = WorkerMetrics(Identity(role, f"{role}-0", "tiny"), lambda: idle)
+    metrics = WorkerMetrics(Identity(role, f"{role}-0", "tiny"), [lambda: idle])
     metrics.transferred(TransferStats(request_id="r", nbytes=1000, seconds=0.1), pulled, reused)
     return generate_latest(metrics.m.registry).decode()
 
