@@ -43,16 +43,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 class NormQuantOut(NamedTuple):
     """What :func:`add_rmsnorm_quant` returns (see the module docstring for the layouts)."""
 
-    q: torch.Tensor  # [M, H] float8_e4m3fn
-    scale: torch.Tensor  # [M, ceil(H/128)] float32, strides (1, M)
+    q: torch.Tensor  # [M, H] float8_e4m3fn ([M, 0] with quantize=False)
+    scale: torch.Tensor  # [M, ceil(H/128)] float32, strides (1, M) ([M, 0] unquantised)
     residual: torch.Tensor | None  # [M, H] bf16 x + residual; None without a residual
     normed: torch.Tensor | None  # [M, H] bf16 norm output; None unless asked
 
 
 def _norm_quant_body(
     x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, M, H, eps,
-    HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-    QMAX: tl.constexpr, SEPS: tl.constexpr,
+    HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
+    GROUP: tl.constexpr, QMAX: tl.constexpr, SEPS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, GROUPS)
@@ -71,11 +71,12 @@ def _norm_quant_body(
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(w_ptr.dtype.element_ty)
     if WRITE_Y:
         tl.store(y_ptr + offs, y, mask=mask)
-    yf = y.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(yf), axis=1), SEPS) * (1.0 / QMAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(yf, scale[:, None]), -QMAX), QMAX)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row + groups * M, scale, mask=groups < tl.cdiv(H, GROUP))
+    if QUANT:
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), axis=1), SEPS) * (1.0 / QMAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(yf, scale[:, None]), -QMAX), QMAX)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row + groups * M, scale, mask=groups < tl.cdiv(H, GROUP))
 
 
 _norm_quant_kernel = triton.jit(_norm_quant_body) if HAS_TRITON else None
@@ -98,13 +99,13 @@ def add_rmsnorm_quant_triton(
     weight: torch.Tensor,
     eps: float,
     write_normed: bool = False,
+    quantize: bool = True,
 ) -> NormQuantOut:
     """The Triton kernel (any device Triton runs on, the CPU interpreter included)."""
     _check(x, residual, weight)
     m, h = x.shape
     n_groups = -(-h // BLOCK)
-    q = torch.empty((m, h), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((n_groups, m), dtype=torch.float32, device=x.device).t()
+    q, s = _quant_outputs(m, h if quantize else 0, n_groups if quantize else 0, x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     y = torch.empty_like(x) if write_normed else None
     if m > 0:
@@ -112,10 +113,19 @@ def add_rmsnorm_quant_triton(
         _norm_quant_kernel[(m,)](
             x, residual if residual is not None else x, weight,
             res_out if res_out is not None else x, y if y is not None else x, q, s, m, h, eps,
-            HAS_RES=residual is not None, WRITE_Y=write_normed, GROUPS=groups, GROUP=BLOCK,
+            HAS_RES=residual is not None, WRITE_Y=write_normed, QUANT=quantize,
+            GROUPS=groups, GROUP=BLOCK,
             QMAX=FP8_MAX, SEPS=SCALE_EPS, num_warps=min(16, max(4, groups // 4)),
         )  # fmt: skip
     return NormQuantOut(q, s, res_out, y)
+
+
+def _quant_outputs(
+    m: int, h: int, n_groups: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 values [m, h] and M-major scales [m, n_groups] (h = n_groups = 0: none)."""
+    q = torch.empty((m, h), dtype=FP8_DTYPE, device=device)
+    return q, torch.empty((n_groups, m), dtype=torch.float32, device=device).t()
 
 
 def add_rmsnorm_quant_ref(
@@ -124,19 +134,19 @@ def add_rmsnorm_quant_ref(
     weight: torch.Tensor,
     eps: float,
     write_normed: bool = False,
+    quantize: bool = True,
 ) -> NormQuantOut:
     """The same outputs composed of the reference ops: the add, :func:`rms_norm_ref` (the
     model's RMSNorm) and :func:`~dsv3serve.kernels.fp8_ref.quant_per_token_group`."""
     _check(x, residual, weight)
     s = x + residual if residual is not None else x
     y = rms_norm_ref(s, weight, eps)
-    q, scale = quant_per_token_group(y)
-    return NormQuantOut(
-        q,
-        scale.t().contiguous().t(),
-        s if residual is not None else None,
-        y if write_normed else None,
-    )
+    if quantize:
+        q, scale = quant_per_token_group(y)
+        scale = scale.t().contiguous().t()  # M-major, as the kernel writes it
+    else:
+        q, scale = _quant_outputs(x.shape[0], 0, 0, x.device)
+    return NormQuantOut(q, scale, s if residual is not None else None, y if write_normed else None)
 
 
 @torch.compiler.disable  # opaque to torch.compile, as the other Triton kernels
@@ -146,13 +156,16 @@ def add_rmsnorm_quant(
     weight: torch.Tensor,
     eps: float,
     write_normed: bool = False,
+    quantize: bool = True,
 ) -> NormQuantOut:
     """Residual add + RMSNorm + 1x128 FP8 quantisation of ``x`` [M, H] (bf16, contiguous).
 
     The kernel on CUDA with Triton, else the torch reference. ``residual`` [M, H] bf16 or
     None; ``weight`` [H] the norm's weight (bf16); ``write_normed`` also returns the bf16
-    norm output. Layouts and rounding: see the module docstring.
+    norm output; ``quantize=False`` skips the FP8 values and scales (a consumer that reads
+    the bf16 output only, e.g. a MoE layer, which quantises per expert itself). Layouts and
+    rounding: see the module docstring.
     """
     if HAS_TRITON and x.is_cuda:
-        return add_rmsnorm_quant_triton(x, residual, weight, eps, write_normed)
-    return add_rmsnorm_quant_ref(x, residual, weight, eps, write_normed)
+        return add_rmsnorm_quant_triton(x, residual, weight, eps, write_normed, quantize)
+    return add_rmsnorm_quant_ref(x, residual, weight, eps, write_normed, quantize)

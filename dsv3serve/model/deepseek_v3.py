@@ -374,11 +374,12 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The same block with each norm fused into one kernel: the input norm with the
         quantisation for the q/kv down-projection; the residual add with the post-attention
-        norm, which also quantises for a dense MLP's gate and up GEMMs (a MoE reads bf16)."""
+        norm, which also quantises for a dense MLP's gate and up GEMMs (a MoE reads bf16, so
+        for it the kernel writes no FP8)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         attn = self.self_attn(x, ctx, add_rmsnorm_quant(x, None, n1.weight, n1.eps))
         dense_q = isinstance(self.mlp, DenseMLP) and self.mlp.takes_quantized(x)
-        post = add_rmsnorm_quant(attn.contiguous(), x, n2.weight, n2.eps, not dense_q)
+        post = add_rmsnorm_quant(attn.contiguous(), x, n2.weight, n2.eps, not dense_q, dense_q)
         assert post.residual is not None
         if dense_q:
             return post.residual + self.mlp.forward_quantized(post)

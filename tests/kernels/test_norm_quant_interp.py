@@ -60,3 +60,18 @@ def test_reference_is_the_models_norm() -> None:
     norm.weight.data.copy_(w)
     ref = add_rmsnorm_quant_ref(x, r, w, 1e-6, write_normed=True)
     assert torch.equal(ref.normed, norm(x + r))
+
+
+@pytest.mark.parametrize("seed", [SEED])
+def test_unquantised_output_skips_the_fp8(seed: int) -> None:
+    """``quantize=False`` (a MoE layer's post-attention norm): the residual and the bf16
+    norm output are the reference's, and no FP8 values or scales are written."""
+    g = torch.Generator().manual_seed(seed)
+    x, r, w = random_inputs(3, 384, True, "cpu", g)
+    out = add_rmsnorm_quant_triton(x, r, w, 1e-6, write_normed=True, quantize=False)
+    ref = add_rmsnorm_quant_ref(x, r, w, 1e-6, write_normed=True)
+    assert out.q.shape == (3, 0) and out.scale.shape == (3, 0)
+    assert torch.equal(out.residual, ref.residual)
+    torch.testing.assert_close(out.normed.float(), ref.normed.float(), rtol=2**-6, atol=1e-30)
+    unq = add_rmsnorm_quant_ref(x, r, w, 1e-6, write_normed=True, quantize=False)
+    assert unq.q.shape == (3, 0) and torch.equal(unq.normed, ref.normed)
