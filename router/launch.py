@@ -49,7 +49,7 @@ def local_pd_config() -> dict[str, Any]:
                         "served_model_name": "deepseek-v3-tiny",
                         "num_replicas": 2,
                         "max_in_flight": 256,
-                        "policy": "prefix_affinity",
+                        "policy": "rank_aware",
                     },
                 },
             }
