@@ -64,6 +64,11 @@ def int_list(value: Any) -> list[int]:
     return value
 
 
+def pin_lifetime_s(timeout_s: float) -> float:
+    """How long the server holds a pin at most (then drops it): twice the READ bound."""
+    return 2 * timeout_s + 5
+
+
 @dataclass
 class _Staged:
     pages: list[int]
@@ -85,16 +90,20 @@ class Staging:
             self._staged[request_id] = _Staged(list(pages))
 
     def remove(self, request_id: str) -> None:
-        """Unstage ``request_id`` (idempotent); returns once no READ of it is pinned."""
+        """Unstage ``request_id`` (idempotent); returns once no READ of it is pinned. The
+        wait outlasts the server's pin lifetime, so every pin has ended (done, or dropped
+        by the server, whose reader then gets no acknowledgement and discards its READ)."""
         with self._cond:
             entry = self._staged.pop(request_id, None)
             if entry is not None:
-                self._cond.wait_for(lambda: entry.pins == 0, timeout=self._timeout_s)
+                bound = pin_lifetime_s(self._timeout_s) + 1
+                self._cond.wait_for(lambda: entry.pins == 0, timeout=bound)
 
     def clear(self) -> None:
         with self._cond:
             entries, self._staged = list(self._staged.values()), {}
-            self._cond.wait_for(lambda: all(e.pins == 0 for e in entries), self._timeout_s)
+            bound = pin_lifetime_s(self._timeout_s) + 1
+            self._cond.wait_for(lambda: all(e.pins == 0 for e in entries), bound)
 
     def __len__(self) -> int:
         with self._cond:
@@ -179,8 +188,10 @@ class LeaseServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        # The pin lasts while the READ may run: until "done", EOF, or twice the READ bound.
-        conn.settimeout(2 * self._timeout_s + 5)
+        # The pin lasts while the READ may run: until "done", EOF, or its lifetime. Only a
+        # "done" within the lifetime is acknowledged: the reader's proof that its READ ran
+        # while the pages were still staged.
+        conn.settimeout(pin_lifetime_s(self._timeout_s))
         with conn, conn.makefile("rb") as reader:
             try:
                 rid, pages = _parse_pin(_recv(reader))
@@ -190,7 +201,8 @@ class LeaseServer:
                 return
             try:
                 _send(conn, {"ok": True})
-                _recv(reader)
+                if _recv(reader) is not None:
+                    _send(conn, {"ok": True})  # done while pinned: the READ is good
             except (ValueError, OSError):
                 pass
             finally:
@@ -214,7 +226,9 @@ def pinned(
     """Hold a pin on ``request_id`` at the lease server ``host:port`` for the block.
 
     Raises TransferError if the server is unreachable or refuses (released, unknown,
-    other pages).
+    other pages), or, after the block, if the server did not acknowledge the end of the
+    READ (its pin expired first: the pages may have been freed and reused, so what was
+    read must be discarded).
     """
     what = f"receive {request_id!r}"
     try:
@@ -232,5 +246,18 @@ def pinned(
             raise TransferError(f"{what}: refused by the prefill side: {reason}")
         try:
             yield
-        finally:
+        except BaseException:
             _try_send(sock, {"done": True})
+            raise
+        _end_read(sock, reader, what)
+
+
+def _end_read(sock: socket.socket, reader: Any, what: str) -> None:
+    """Tell the server the READ is over; TransferError unless it acknowledges in time."""
+    try:
+        _send(sock, {"done": True})
+        answer = _recv(reader)
+    except (OSError, ValueError) as exc:
+        raise TransferError(f"{what}: no acknowledgement of the READ's end: {exc}") from exc
+    if answer is None or answer.get("ok") is not True:
+        raise TransferError(f"{what}: the pin expired during the READ; its data is discarded")

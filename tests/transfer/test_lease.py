@@ -86,3 +86,22 @@ def test_unreachable_server_and_wildcard_host() -> None:
         check_host("0.0.0.0", "nixl")
     with pytest.raises(ValueError, match="IP address"):
         check_host("localhost", "nixl")
+
+
+def test_a_read_that_outlives_its_pin_is_refused_at_the_end() -> None:
+    """The server drops a pin after its lifetime (2 x timeout + 5 s) so a stuck reader cannot
+    hold pages forever; that reader then gets no acknowledgement of the READ's end and must
+    discard what it read, since ``release`` may have freed the pages meanwhile."""
+    staging = Staging(0.05)
+    server = LeaseServer(staging, "127.0.0.1", 0, 0.05)
+    try:
+        staging.add("slow", [2])
+        with (
+            pytest.raises(TransferError, match="expired"),
+            pinned(server.host, server.port, "slow", [2], 1.0),
+        ):
+            time.sleep(5.4)  # past the 5.1 s lifetime
+        released = _release_in_thread(staging, "slow")
+        assert released.wait(2), "the expired pin still held the release"
+    finally:
+        server.close()
