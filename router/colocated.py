@@ -27,12 +27,13 @@ class ColocatedBackend:
             r, rank = self.replicas.by_load()[0], None
         else:
             r, rank = self.ranks.order(req.prompt_ids)[0]
-            self.ranks.acquire(r, rank)
         tokens = (len(req.prompt_ids) + req.params.max_new_tokens) * req.params.n
-        self.replicas.acquire(r, tokens)
         msg = encode(req.model_copy(update={"dp_rank": rank}))
-        stream = self.replicas.handles[r].options(stream=True).generate.remote(msg)
-        try:
+        if self.ranks is not None:
+            self.ranks.acquire(r, rank)
+        self.replicas.acquire(r, tokens)
+        try:  # every exit, the call's own failure included, gives the counts back
+            stream = self.replicas.handles[r].options(stream=True).generate.remote(msg)
             async with aclosing(relay(stream, req.request_id, "replica")) as chunks:
                 async for chunk in chunks:
                     yield chunk

@@ -199,6 +199,9 @@ class PDBackend:
                 self.decode_ranks.acquire(d, rank)  # counted while asked: concurrent asks
                 try:  # spread
                     raw = await self.decode.handles[d].reserve.remote(data)
+                except asyncio.CancelledError:  # the client left: a granted hold goes back
+                    self._cancel_reservation(d, msg.request_id)
+                    raise
                 except Exception as exc:  # a dead decode replica: try the next
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
                     continue

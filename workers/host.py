@@ -289,6 +289,7 @@ class EngineHost:
             return ReserveResult(ok=False)
         self._unreserve(msg.request_id, self._reserved.take(msg.request_id))
         self._reserved.add(msg.request_id, res, msg.lease_s)
+        self._start_reaper()  # a reservation no decode ever takes over expires with its lease
         return ReserveResult(
             ok=True,
             num_pages=len(res.pages),

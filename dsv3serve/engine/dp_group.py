@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dsv3serve.engine.cuda_graph import DecodeGraphs
+from dsv3serve.engine.cuda_graph import DecodeGraphs, graphable
 from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.graph_capture import padded_size
 from dsv3serve.engine.group import (
@@ -65,9 +65,8 @@ class StepShape:
 def step_shape(parts: list[list[SeqSpan]], graphs: DecodeGraphs | None) -> StepShape:
     """The leader's choice for ``parts`` (every rank's spans): a graph when every rank's
     batch is a decode batch (or empty) that the largest captured size holds."""
-    spans = [span for part in parts for span in part]
-    decode = bool(spans) and all(len(s.token_ids) == 1 and s.sample for s in spans)
     most = max(len(part) for part in parts)
+    decode = most > 0 and all(graphable(part, most) for part in parts if part)
     if graphs is None or not decode or most > graphs.max_batch_size:
         return StepShape(0, decode)
     return StepShape(padded_size(graphs.sizes, most), decode)
