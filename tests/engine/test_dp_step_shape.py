@@ -91,3 +91,30 @@ def test_moe_takes_the_groups_phase() -> None:
     with pytest.raises(StopIteration):
         run_dispatched(fake, None, x, w, ids, None)  # type: ignore[arg-type]
     assert fake.calls == ["flat", "masked"]
+
+
+class RecordingRunnerFake:
+    """FAKE runner: records the phases forward_local sets; its model runs idle steps."""
+
+    def __init__(self) -> None:
+        self.phases: list[bool] = []
+        self.graphs = None
+        self.dtype, self.device = torch.float32, torch.device("cpu")
+        self.model = SimpleNamespace(
+            cfg=SimpleNamespace(hidden_size=4),
+            forward_idle=lambda: None,
+            compute_logits=lambda h: torch.zeros(h.shape[0], 8),
+        )
+
+    def set_step_phase(self, decode: bool) -> None:
+        self.phases.append(decode)
+
+
+def test_forward_local_sets_the_headers_phase_then_clears_it() -> None:
+    """What each rank does with the header: the phase is set for the forward (an idle rank
+    too) and cleared after it, so a later speculative forward never inherits it."""
+    from dsv3serve.engine.dp_group import forward_local
+
+    runner = RecordingRunnerFake()
+    logits = forward_local(runner, [], StepShape(0, True))  # type: ignore[arg-type]
+    assert logits.shape == (0, 8) and runner.phases == [True, False]
