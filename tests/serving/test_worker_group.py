@@ -145,7 +145,10 @@ def rank_actor(deployment: str, rank: int) -> Any:
     prefix = rank_actor_name(f"{APP}/{deployment}/", rank)
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith(prefix):
-            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+            try:
+                return ray.get_actor(actor["name"], namespace=actor["namespace"])
+            except ValueError:  # listed, then gone before the lookup (a dying replica's)
+                continue
     raise LookupError(f"no live actor named {prefix}*")
 
 
