@@ -17,7 +17,8 @@
 #      Carry DIR to the GPU machine (an ignored path named in `carry`, or shared/).
 #   2. on the GPU machine:
 #        docs/deepep/build.sh build DIR OUT
-#      installs the NVSHMEM wheel from DIR (no index), builds DeepEP against the installed
+#      installs the NVSHMEM wheel from DIR (no index; without one there, it uses the NVSHMEM
+#      the GPU image already has, as torch's dependency), builds DeepEP against the installed
 #      torch and CUDA (TORCH_CUDA_ARCH_LIST, default 9.0 for H100 / H200), writes the wheel to
 #      OUT, installs it and imports it. Carry OUT's wheel between device calls and install
 #      it with `pip install --no-index OUT/deep_ep-*.whl DIR/nvidia_nvshmem_cu13-*.whl`.
@@ -58,7 +59,12 @@ check_torch_cuda() {
 build() {
   local dir="$1" out="$2" work
   check_torch_cuda
-  "${PYTHON:-python3}" -m pip install --no-index --no-deps "$dir"/nvidia_nvshmem_cu13-*.whl
+  if ls "$dir"/nvidia_nvshmem_cu13-*.whl > /dev/null 2>&1; then
+    "${PYTHON:-python3}" -m pip install --no-index --no-deps "$dir"/nvidia_nvshmem_cu13-*.whl
+  else  # the GPU image's own (torch's dependency); its version is printed
+    "${PYTHON:-python3}" -m pip show nvidia-nvshmem-cu13 | grep -E "^(Name|Version)" || {
+      echo "no NVSHMEM wheel in $dir and none installed" >&2; exit 1; }
+  fi
   work="$(mktemp -d)"
   tar -xzf "$dir/deepep-src.tar.gz" -C "$work"
   mkdir -p "$out"

@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
 # Issue 16's run on two GPUs of one host (the device tool's nvidia-h100-x2), one call:
 #   stage pd       : the KV connectors cuda:0 -> cuda:1 (tests/transfer/test_kv_transfer_gpu.py)
-#   stage groups   : docs/perf/two_gpu_groups.py: tp2, tp2+ep2, dp2+ep2 (+ DP lm head),
-#                    DeepEP auto / low_latency / normal, greedy tokens vs one GPU, graphs and
-#                    overlap on
+#   stage deepep   : builds the DeepEP wheel in the background (docs/deepep/build.sh, from the
+#                    source tarball in .deepep/; the image's NVSHMEM) into $OUT; the groups
+#                    stage waits for it before its DeepEP layouts
+#   stage groups   : docs/perf/two_gpu_groups.py: tp2, tp2+ep2, dp2+ep2 (+ DP lm head), the
+#                    bench model's layers at full width, DeepEP auto / low_latency / normal,
+#                    greedy tokens vs one GPU, graphs and overlap on; a layout that stalls
+#                    leaves every rank's stacks in groups.log and the script goes on
 #   stage dispatch : docs/perf/bench_dispatch.py: all-to-all vs DeepEP normal vs low-latency,
 #                    bf16 and fp8, 1..4096 tokens per rank, vs an NVLink p2p copy
-# Needs a wheels dir ($WHEELS, default .twogpu/): the pydantic stack and site/ (the tokenizer
-# package) always; flashinfer-python + apache-tvm-ffi for the graphed (flashinfer) layouts;
-# deep_ep 1.2.1 (docs/deepep/build.sh) + nvidia-nvshmem-cu13 3.4.5 (its runtime libraries
-# only) for DeepEP. Both sets together exceed the device tool's 64 MiB carry, so the run was
-# two calls, one per wheels dir (docs/perf/two_gpu.md). Results go to $OUT.
+# Needs a wheels dir ($WHEELS, default .whl/): the pydantic stack, flashinfer-python and
+# apache-tvm-ffi, and site/ (the tokenizer package). Results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s)
-W=${WHEELS:-.twogpu}  # wheels dir: pydantic stack and site/ always; flashinfer and/or DeepEP
+W=${WHEELS:-.whl}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site $(ls $W/*.whl | grep -v -E "nvshmem|deep_ep") || exit 1
-if ls $W/deep_ep*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps $W/nvidia_nvshmem*.whl $W/deep_ep*.whl || exit 1
-fi
+  --target /tmp/site $W/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$W/site:. PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; \
   nvidia-smi topo -m; date -u; } > "$OUT/env.txt" 2>&1
@@ -30,11 +28,28 @@ stage_pd() {
     tests/transfer/test_kv_transfer_gpu.py > "$OUT/pd.log" 2>&1
   echo "pd rc=$? ($(elapsed))"; tail -3 "$OUT/pd.log"
 }
+stage_deepep() {
+  (bash docs/deepep/build.sh build .deepep "$OUT" > "$OUT/deepep_build.log" 2>&1
+   echo "deepep build rc=$? ($(elapsed))" >> "$OUT/deepep_build.log") &
+  DEEPEP_PID=$!
+}
+# groups LAYOUTS...: two_gpu_groups.py until every layout has a row (restarted after a stall)
+groups() {
+  local budget=${GROUPS_S:-300} t0; t0=$(date +%s)
+  while :; do
+    local left=$((budget - ($(date +%s) - t0)))
+    [ "$left" -lt 30 ] && { echo "groups: budget spent"; break; }
+    timeout -k 5 "$left" python3 docs/perf/two_gpu_groups.py "$OUT" --budget-s $((left - 20)) \
+      --stall-s "${STALL_S:-150}" --layouts "$@" >> "$OUT/groups.log" 2>&1
+    local rc=$?; echo "groups rc=$rc ($(elapsed))"; [ "$rc" -eq 3 ] || break
+  done
+}
 stage_groups() {
-  timeout -k 5 "${GROUPS_S:-300}" python3 docs/perf/two_gpu_groups.py "$OUT" \
-    --budget-s "$(( ${GROUPS_S:-300} - 60 ))" ${GROUPS_LAYOUTS:+--layouts $GROUPS_LAYOUTS} \
-    > "$OUT/groups.log" 2>&1
-  echo "groups rc=$? ($(elapsed))"; grep -v -i warn "$OUT/groups.log" | tail -12
+  groups tp2-ep2-fp32 dp2-ep2-fp32 tp2-graphs tp2-ep2-graphs dp2-ep2-graphs \
+    dp2-ep2-dp-lm-head-graphs full-width-tp2-ep2-graphs full-width-dp2-ep2-graphs
+  if [ -n "${DEEPEP_PID:-}" ]; then wait "$DEEPEP_PID"; tail -2 "$OUT/deepep_build.log"; fi
+  groups dp2-ep2-a2a-bf16 dp2-ep2-deepep-auto dp2-ep2-deepep-low-latency dp2-ep2-deepep-normal
+  grep -E "^[a-z0-9-]+ \{|stalled|checkpoint" "$OUT/groups.log" | cut -c1-300
 }
 stage_dispatch() {
   timeout -k 5 "${DISPATCH_S:-150}" python3 docs/perf/bench_dispatch.py ${DISPATCH_ARGS:-} \

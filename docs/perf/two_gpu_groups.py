@@ -20,14 +20,20 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 from attention_cases import DEEPSEEK_ATTENTION  # noqa: E402
@@ -43,23 +49,45 @@ DEEPEP = {**DP2, "moe_a2a_backend": "deepep"}
 # name -> (dtype, attention backend, layout args), run in this order. flashinfer: CUDA graphs
 # (bf16 only); torch: eager, float32 possible (exact comparisons).
 RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "tp2-ep2-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2-ep2"]),
-    "dp2-ep2-graphs": ("bfloat16", "flashinfer", DP2),
     "tp2-ep2-fp32": ("float32", "torch", LAYOUTS["tp2-ep2"]),
     "dp2-ep2-fp32": ("float32", "torch", DP2),
-    "dp2-ep2-dp-lm-head-graphs": ("bfloat16", "flashinfer", LAYOUTS["dp2-ep2-dp-lm-head"]),
     "tp2-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2"]),
+    "tp2-ep2-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2-ep2"]),
+    "dp2-ep2-graphs": ("bfloat16", "flashinfer", DP2),
+    "dp2-ep2-dp-lm-head-graphs": ("bfloat16", "flashinfer", LAYOUTS["dp2-ep2-dp-lm-head"]),
+    "full-width-tp2-ep2-graphs": ("full-width", "flashinfer", LAYOUTS["tp2-ep2"]),
+    "full-width-dp2-ep2-graphs": ("full-width", "flashinfer", DP2),
+    "dp2-ep2-a2a-bf16": ("bfloat16", "torch", DP2),  # the DeepEP runs' baseline
     "dp2-ep2-deepep-auto": ("bfloat16", "torch", DEEPEP),
     "dp2-ep2-deepep-low-latency": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "low_latency"}),
     "dp2-ep2-deepep-normal": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "normal"}),
-    "dp2-ep2-a2a-bf16": ("bfloat16", "torch", DP2),  # the DeepEP runs' baseline
+}
+# The bench model's layers at DeepSeek-V3's full widths (hidden 7168, 128 heads, q_lora 1536,
+# dense MLP 18432, expert MLP 2048, top-8 of 8 groups, FP8 128x128 block weights): one dense
+# and one MoE layer, 32 routed experts instead of 256 (the checkpoint is written to disk on
+# the GPU machine: ~6 GB instead of ~15 GB), no NextN layer.
+FULL_WIDTH: dict[str, Any] = {
+    **DEEPSEEK_ATTENTION,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "q_lora_rank": 1536,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 32,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_nextn_predict_layers": 0,
 }
 DEVICE_ENGINE: dict[str, Any] = {}  # GPU_ENGINE, or CPU_SMOKE with --device cpu
+STALLED = 3  # exit status after a stall (the caller restarts the script on what is left)
 GPU_ENGINE = {"device": "cuda", "moe_backend": "triton", "cuda_graph_max_bs": 4}
 CPU_SMOKE = {"device": "cpu"}  # --device cpu: the script's plumbing over gloo, not a result
 
 
 def engine_args(dtype: str, backend: str, layout: dict[str, Any]) -> dict[str, Any]:
+    dtype = "bfloat16" if dtype == "full-width" else dtype
     args = {**SCENARIO_ENGINE, **DEVICE_ENGINE, "dtype": dtype, **layout}
     if DEVICE_ENGINE.get("device") == "cuda":
         args["attention_backend"] = backend
@@ -71,9 +99,15 @@ def engine_args(dtype: str, backend: str, layout: dict[str, Any]) -> dict[str, A
 def checkpoint_for(dtype: str, root: Path) -> Path:
     """The tiny checkpoint a run of ``dtype`` uses (made once per dtype)."""
     path = root / dtype
-    if not path.exists():
+    if path.exists():
+        return path
+    t0 = time.monotonic()
+    if dtype == "full-width":
+        make_tiny_checkpoint(path, fp8=True, overrides=FULL_WIDTH)
+    else:
         extra = {} if dtype == "float32" else {"hidden_size": 2048}
         make_tiny_checkpoint(path, fp8=False, overrides=DEEPSEEK_ATTENTION | extra)
+    print(f"checkpoint {dtype} written in {time.monotonic() - t0:.1f} s", flush=True)
     return path
 
 
@@ -106,55 +140,110 @@ def compare(got: dict[str, list[int]], want: dict[str, list[int]]) -> dict[str, 
     return {"equal": got == want, "matching_tokens": same, "reference_tokens": total}
 
 
+class StallGuard:
+    """Watches the layout in progress: past ``stall_s`` it records the layout as stalled,
+    has every process of the group dump its threads' stacks (SIGUSR1, which the spawned
+    ranks and this process register with faulthandler), kills the ranks and exits with
+    :data:`STALLED`, so the caller can start the script again on the layouts left."""
+
+    def __init__(self, stall_s: float, on_stall: Callable[[str, float], None]) -> None:
+        self.stall_s = stall_s
+        self._on_stall = on_stall
+        self._current: tuple[str, float] | None = None
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def start(self, name: str) -> None:
+        self._current = (name, time.monotonic())
+
+    def done(self) -> None:
+        self._current = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(2.0)
+            current = self._current
+            if current is None or time.monotonic() - current[1] < self.stall_s:
+                continue
+            name, t0 = current
+            print(f"{name}: stalled after {time.monotonic() - t0:.0f} s; stacks:", flush=True)
+            children = mp.active_children()
+            for proc in children:
+                os.kill(proc.pid, signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(3.0)
+            self._on_stall(name, time.monotonic() - t0)
+            for proc in children:
+                proc.kill()
+            os._exit(STALLED)
+
+
+def run_one(name: str, root: Path, refs: dict[str, Any], result: dict[str, Any]) -> dict:
+    """One layout's row: its tokens against the one-GPU reference of its dtype/backend."""
+    dtype, backend, layout = RUNS[name]
+    key = f"{dtype}/{backend}"
+    try:
+        ckpt = checkpoint_for(dtype, root)
+        if key not in refs:
+            refs[key] = reference(ckpt, dtype, backend)
+            result["references"][key] = {"graph_replays": refs[key]["graph_steps"]}
+        row = run_layout(ckpt, dtype, backend, layout)
+        row |= compare(row.pop("tokens"), refs[key]["tokens"])
+    except Exception as exc:  # recorded: the next layout still runs
+        row = {
+            "error": f"{type(exc).__name__}: {exc}"[:600],
+            "trace": traceback.format_exc()[-1500:],
+        }
+    return row | {"dtype": dtype, "attention_backend": backend, "layout": layout}
+
+
+def new_result(device: str) -> dict[str, Any]:
+    return {
+        "device": device,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "engine": DEVICE_ENGINE | {k: v for k, v in SCENARIO_ENGINE.items() if k != "dtype"},
+        "checkpoint": "tiny, DeepSeek-V3 attention shapes, 16 routed experts, bf16 weights; "
+        "hidden 256 (float32 runs) or 2048 (bfloat16 runs); full-width: FULL_WIDTH (FP8)",
+        "references": {},
+        "layouts": {},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--layouts", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--budget-s", type=float, default=360.0)
+    p.add_argument("--stall-s", type=float, default=240.0, help="a layout past this: stalled")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     DEVICE_ENGINE.update(GPU_ENGINE if args.device == "cuda" else CPU_SMOKE)
     args.out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    # a hang (a rank stuck in a collective or a capture) still leaves the leader's stacks
-    faulthandler.dump_traceback_later(max(args.budget_s - 10, 10), repeat=True)
-    root = Path(tempfile.mkdtemp())
-    result: dict[str, Any] = {
-        "device": args.device,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "torch": torch.__version__,
-        "engine": DEVICE_ENGINE | {k: v for k, v in SCENARIO_ENGINE.items() if k != "dtype"},
-        "checkpoint": "tiny, DeepSeek-V3 attention shapes, 16 routed experts, bf16 weights; "
-        "hidden 256 (float32 runs) or 2048 (bfloat16 runs)",
-        "references": {},
-        "layouts": {},
-    }
-    refs: dict[str, Any] = {}
-    for name in args.layouts:
-        dtype, backend, layout = RUNS[name]
-        key = f"{dtype}/{backend}"
-        if time.monotonic() - start > args.budget_s:
-            result["layouts"][name] = {"skipped": "time budget spent"}
-            continue
-        t0 = time.monotonic()
-        print(f"{name}: starting ({dtype}, {backend})", flush=True)
-        try:
-            ckpt = checkpoint_for(dtype, root)
-            if key not in refs:
-                refs[key] = reference(ckpt, dtype, backend)
-                result["references"][key] = {"graph_replays": refs[key]["graph_steps"]}
-            row = run_layout(ckpt, dtype, backend, layout)
-            row |= compare(row.pop("tokens"), refs[key]["tokens"])
-        except Exception as exc:  # recorded: the next layout still runs
-            row = {
-                "error": f"{type(exc).__name__}: {exc}"[:600],
-                "trace": traceback.format_exc()[-1500:],
-            }
-        seconds = round(time.monotonic() - t0, 1)
-        row |= {"dtype": dtype, "attention_backend": backend, "layout": layout, "seconds": seconds}
+    out_json = args.out / "two_gpu_groups.json"
+    # a restart after a stall keeps the rows recorded so far and runs the layouts left
+    result = json.loads(out_json.read_text()) if out_json.exists() else new_result(args.device)
+    root = Path(tempfile.gettempdir()) / "dsv3serve-two-gpu-checkpoints"
+
+    def record(name: str, row: dict[str, Any]) -> None:
         result["layouts"][name] = row
         print(name, {k: v for k, v in row.items() if k not in ("trace", "layout")}, flush=True)
-        (args.out / "two_gpu_groups.json").write_text(json.dumps(result, indent=1))
+        out_json.write_text(json.dumps(result, indent=1))
+
+    guard = StallGuard(args.stall_s, lambda name, s: record(name, {"stalled_s": round(s)}))
+    start = time.monotonic()
+    refs: dict[str, Any] = {}
+    for name in (n for n in args.layouts if n not in result["layouts"]):
+        if time.monotonic() - start > args.budget_s:
+            record(name, {"skipped": "time budget spent"})
+            continue
+        print(f"{name}: starting {RUNS[name][:2]}", flush=True)
+        t0 = time.monotonic()
+        guard.start(name)
+        row = run_one(name, root, refs, result)
+        guard.done()
+        record(name, row | {"seconds": round(time.monotonic() - t0, 1)})
     return 0
 
 

@@ -9,6 +9,9 @@ the model, and follow rank 0's steps (:mod:`dsv3serve.engine.group` for TP,
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +42,19 @@ def group_spec(cfg: EngineConfig, rank: int, rendezvous: Path, timeout_s: float)
     return GroupSpec(rank, cfg.tp_size, "", 0, backend, timeout, f"file://{rendezvous}")
 
 
-def _follow(cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads: int) -> None:
+def _diagnosable(log_level: int) -> None:
+    """A spawned rank logs like its leader and dumps every thread's stack on SIGUSR1 (a
+    stalled group then shows where each rank waits)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s rank %(process)d %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _follow(
+    cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads: int, log_level: int
+) -> None:
     from dsv3serve.engine.rank import run_follower
 
+    _diagnosable(log_level)
     if threads:
         torch.set_num_threads(threads)
     cfg = rank_config(EngineConfig.model_validate_json(cfg_json), rank)
@@ -74,10 +87,11 @@ def spawn_followers(cfg: EngineConfig, timeout_s: float = 600.0, threads: int = 
     workdir = tempfile.TemporaryDirectory(prefix="dsv3serve-group-")
     rendezvous = Path(workdir.name) / "rendezvous"
     ctx = mp.get_context("spawn")
+    level = logging.getLogger().getEffectiveLevel()
     procs = [
         ctx.Process(
             target=_follow,
-            args=(cfg.model_dump_json(), rank, str(rendezvous), timeout_s, threads),
+            args=(cfg.model_dump_json(), rank, str(rendezvous), timeout_s, threads, level),
             daemon=True,
         )
         for rank in range(1, cfg.tp_size)
