@@ -18,7 +18,8 @@ START=$(date +%s)
 W=${WHEELS:-.whl}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site $W/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$W/site:. PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$W/site:. PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; \
   nvidia-smi topo -m; date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -33,9 +34,10 @@ stage_deepep() {
    echo "deepep build rc=$? ($(elapsed))" >> "$OUT/deepep_build.log") &
   DEEPEP_PID=$!
 }
-# groups LAYOUTS...: two_gpu_groups.py until every layout has a row (restarted after a stall)
+# groups BUDGET_S LAYOUTS...: two_gpu_groups.py until every layout has a row (restarted after
+# a stall) or BUDGET_S is spent
 groups() {
-  local budget=${GROUPS_S:-300} t0; t0=$(date +%s)
+  local budget=$1 t0; t0=$(date +%s); shift
   while :; do
     local left=$((budget - ($(date +%s) - t0)))
     [ "$left" -lt 30 ] && { echo "groups: budget spent"; break; }
@@ -45,10 +47,10 @@ groups() {
   done
 }
 stage_groups() {
-  groups tp2-ep2-fp32 dp2-ep2-fp32 tp2-graphs tp2-ep2-graphs dp2-ep2-graphs \
+  groups "${GROUPS_S:-330}" tp2-ep2-fp32 dp2-ep2-fp32 tp2-graphs tp2-ep2-graphs dp2-ep2-graphs \
     dp2-ep2-dp-lm-head-graphs full-width-tp2-ep2-graphs full-width-dp2-ep2-graphs
   if [ -n "${DEEPEP_PID:-}" ]; then wait "$DEEPEP_PID"; tail -2 "$OUT/deepep_build.log"; fi
-  groups dp2-ep2-a2a-bf16 dp2-ep2-deepep-auto dp2-ep2-deepep-low-latency dp2-ep2-deepep-normal
+  groups "${DEEPEP_GROUPS_S:-150}" dp2-ep2-a2a-bf16 dp2-ep2-deepep-auto dp2-ep2-deepep-low-latency dp2-ep2-deepep-normal
   grep -E "^[a-z0-9-]+ \{|stalled|checkpoint" "$OUT/groups.log" | cut -c1-300
 }
 stage_dispatch() {
