@@ -15,6 +15,7 @@ from pathlib import Path
 CACHE_ENV = "DSV3SERVE_CACHE"
 API_KEY_ENV = "DSV3SERVE_API_KEY"
 FUSED_NORM_QUANT_ENV = "DSV3SERVE_FUSED_NORM_QUANT"
+RANK_STACKS_ENV = "DSV3SERVE_RANK_STACKS_S"
 _OFF = ("0", "false", "off", "no")
 # The compile / JIT caches that make a warm start, each in its sub-folder of the cache dir:
 # Triton's kernels (ours included), flashinfer's JIT modules (it appends .cache/flashinfer),
@@ -46,6 +47,11 @@ class Settings:
     residual add + RMSNorm + FP8 quantisation kernel in the decoder layers (the default
     :class:`dsv3serve.model.deepseek_v3.ModelOptions` reads it); on otherwise."""
 
+    rank_stacks_s: float = 0.0
+    """``$DSV3SERVE_RANK_STACKS_S``: every spawned group rank (``LLM(tp_size=N)``) dumps
+    every thread's stack to stderr this often, in seconds (0, the default: never), to see
+    where a stalled group waits."""
+
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, api_key_env: str | None = None
@@ -61,6 +67,7 @@ class Settings:
             cache_dir=Path(cache) if cache is not None else Path.home() / ".cache" / "dsv3serve",
             api_key=env.get(api_key_env or API_KEY_ENV, "").strip(),
             fused_norm_quant=env.get(FUSED_NORM_QUANT_ENV, "1").strip().lower() not in _OFF,
+            rank_stacks_s=float(env.get(RANK_STACKS_ENV, "0") or 0),
         )
 
     def compile_cache_env(self) -> dict[str, str]:

@@ -19,6 +19,7 @@ W=${WHEELS:-.whl}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site $W/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$W/site:. PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
+export DSV3SERVE_RANK_STACKS_S=${RANK_STACKS_S:-100}  # spawned ranks: stacks every 100 s
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; \
   nvidia-smi topo -m; date -u; } > "$OUT/env.txt" 2>&1

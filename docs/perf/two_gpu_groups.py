@@ -142,15 +142,14 @@ def compare(got: dict[str, list[int]], want: dict[str, list[int]]) -> dict[str, 
 
 class StallGuard:
     """Watches the layout in progress: past ``stall_s`` it records the layout as stalled,
-    has every process of the group dump its threads' stacks (SIGUSR1, which the spawned
-    ranks and this process register with faulthandler), kills the ranks and exits with
+    has every process of the group dump its threads' stacks (this one directly, the spawned
+    ranks on SIGUSR1, which they register with faulthandler), kills the ranks and exits with
     :data:`STALLED`, so the caller can start the script again on the layouts left."""
 
     def __init__(self, stall_s: float, on_stall: Callable[[str, float], None]) -> None:
         self.stall_s = stall_s
         self._on_stall = on_stall
         self._current: tuple[str, float] | None = None
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def start(self, name: str) -> None:
@@ -170,7 +169,7 @@ class StallGuard:
             children = mp.active_children()
             for proc in children:
                 os.kill(proc.pid, signal.SIGUSR1)
-            os.kill(os.getpid(), signal.SIGUSR1)
+            faulthandler.dump_traceback(all_threads=True)  # this process's, signal-free
             time.sleep(3.0)
             self._on_stall(name, time.monotonic() - t0)
             for proc in children:
@@ -190,10 +189,9 @@ def run_one(name: str, root: Path, refs: dict[str, Any], result: dict[str, Any])
         row = run_layout(ckpt, dtype, backend, layout)
         row |= compare(row.pop("tokens"), refs[key]["tokens"])
     except Exception as exc:  # recorded: the next layout still runs
-        row = {
-            "error": f"{type(exc).__name__}: {exc}"[:600],
-            "trace": traceback.format_exc()[-1500:],
-        }
+        trace = traceback.format_exc()  # the whole chain: the first error comes first
+        print(trace, flush=True)
+        row = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": trace[:6000]}
     return row | {"dtype": dtype, "attention_backend": backend, "layout": layout}
 
 

@@ -72,8 +72,14 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None or self._group is None:
+            self.close()
+            return
+        # rank 0 failed mid-step: its followers may wait in a collective it will never join,
+        # so STOP cannot reach them; kill them and let the original error propagate
+        self._group.kill()
+        self._group = None
 
     def generate(
         self,

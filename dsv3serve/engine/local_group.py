@@ -23,8 +23,10 @@ import torch.multiprocessing as mp
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
+from dsv3serve.settings import Settings
 
 FOLLOWER_JOIN_TIMEOUT_S = 600.0
+FOLLOWER_KILL_WAIT_S = 10.0
 
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
@@ -43,10 +45,14 @@ def group_spec(cfg: EngineConfig, rank: int, rendezvous: Path, timeout_s: float)
 
 
 def _diagnosable(log_level: int) -> None:
-    """A spawned rank logs like its leader and dumps every thread's stack on SIGUSR1 (a
-    stalled group then shows where each rank waits)."""
+    """A spawned rank logs like its leader and dumps every thread's stack on SIGUSR1, and
+    every ``$DSV3SERVE_RANK_STACKS_S`` seconds when that is set (a stalled group then shows
+    where each rank waits)."""
     logging.basicConfig(level=log_level, format="%(asctime)s rank %(process)d %(name)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    every = Settings.from_env().rank_stacks_s
+    if every:
+        faulthandler.dump_traceback_later(every, repeat=True)
 
 
 def _follow(
@@ -80,6 +86,17 @@ class LocalGroup:
         self.workdir.cleanup()
         if failed:
             raise RuntimeError(f"group ranks exited with codes {failed}")
+
+    def kill(self) -> None:
+        """After a failure on rank 0: the followers may be waiting in a collective that will
+        never come, so they are killed rather than stopped, then the group is left."""
+        for proc in self.processes:
+            proc.kill()
+        for proc in self.processes:
+            proc.join(FOLLOWER_KILL_WAIT_S)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.workdir.cleanup()
 
 
 def spawn_followers(cfg: EngineConfig, timeout_s: float = 600.0, threads: int = 1) -> LocalGroup:
