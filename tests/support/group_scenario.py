@@ -52,27 +52,33 @@ ABORT_AT_STEP = 5
 MAX_NEW = 10
 
 
-def _request(rid: str) -> Request:
-    return Request(
-        rid, SamplingParams(temperature=0, max_new_tokens=MAX_NEW), prompt_ids=PROMPTS[rid]
-    )
+def _request(rid: str, logprobs: int | None) -> Request:
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, logprobs=logprobs)
+    return Request(rid, params, prompt_ids=PROMPTS[rid])
 
 
-def run_scenario(engine: Any) -> dict[str, list[int]]:
-    """Drive ``engine`` through the workload; the output token ids of every request."""
+def run_scenario(
+    engine: Any, top: dict[str, list[dict[int, float]]] | None = None
+) -> dict[str, list[int]]:
+    """Drive ``engine`` through the workload; the output token ids of every request. With
+    ``top``, each request also asks for its 2 most likely tokens per position, which land
+    in ``top[request id]`` (to tell a near-tie from a wrong number where runs differ)."""
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    logprobs = None if top is None else 2
     for rid in PROMPTS:
         if rid not in LATE:
-            engine.add_request(_request(rid))
+            engine.add_request(_request(rid, logprobs))
     step = 0
     while engine.has_unfinished() or step <= ABORT_AT_STEP + 1:
         if step == ABORT_AT_STEP:
             engine.abort("aborted")
         if step == ABORT_AT_STEP + 1:
             for rid in LATE:
-                engine.add_request(_request(rid))
+                engine.add_request(_request(rid, logprobs))
         for out in engine.step():
             tokens[out.request_id] += out.token_ids
+            if top is not None:
+                top.setdefault(out.request_id, []).extend(out.top_logprobs)
         step += 1
         assert step < 500, "the scenario did not finish"
     return tokens
