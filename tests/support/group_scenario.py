@@ -49,6 +49,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 # the workload still preempts on a rank that holds two sequences.
 DP_KV_TOKENS = {2: 40, 4: 32}  # added after the first steps, when PREFIX is cached
 ABORT_AT_STEP = 5
+TOP_LOGPROBS = 20
 MAX_NEW = 10
 
 
@@ -61,10 +62,11 @@ def run_scenario(
     engine: Any, top: dict[str, list[dict[int, float]]] | None = None
 ) -> dict[str, list[int]]:
     """Drive ``engine`` through the workload; the output token ids of every request. With
-    ``top``, each request also asks for its 2 most likely tokens per position, which land
-    in ``top[request id]`` (to tell a near-tie from a wrong number where runs differ)."""
+    ``top``, each request also asks for its :data:`TOP_LOGPROBS` most likely tokens per
+    position, which land in ``top[request id]`` (to tell a near-tie from a wrong number
+    where two runs differ)."""
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
-    logprobs = None if top is None else 2
+    logprobs = None if top is None else TOP_LOGPROBS
     for rid in PROMPTS:
         if rid not in LATE:
             engine.add_request(_request(rid, logprobs))
