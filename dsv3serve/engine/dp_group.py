@@ -215,8 +215,10 @@ class DPGroupLeader:
         return gather_digest(self.runner, self.world_size)
 
     def stop(self) -> None:
-        """End the other ranks' loops."""
+        """End the other ranks' loops; every rank then releases its collective resources
+        (:meth:`ModelRunner.close`) at the same point."""
         self._wire.send(OP_STOP)
+        self.runner.close()
 
 
 def dp_follower_loop(

@@ -207,8 +207,10 @@ class GroupLeader:
         return gather_digest(self.runner, self.world_size)
 
     def stop(self) -> None:
-        """End the other ranks' loops."""
+        """End the other ranks' loops; every rank then releases its collective resources
+        (:meth:`ModelRunner.close`) at the same point."""
         self._wire.send(OP_STOP)
+        self.runner.close()
 
 
 def send_sampled(wire: Wire, start: int, token_ids: torch.Tensor) -> None:

@@ -143,6 +143,12 @@ class ModelRunner:
         if self.parts.dispatcher is not None:
             self.parts.dispatcher.prepare_graph()
 
+    def close(self) -> None:
+        """Release what this rank holds with the others (the MoE dispatcher's buffers): a
+        group's ranks call it together, after their last step."""
+        if self.parts.dispatcher is not None:
+            self.parts.dispatcher.close()
+
     def set_step_phase(self, decode: bool) -> None:
         """Tell the MoE dispatcher whether the group's step is a decode step (every rank of
         a group sets the same value: it travels in the DP step header)."""

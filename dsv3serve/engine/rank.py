@@ -60,5 +60,9 @@ def follow(runner: ModelRunner, cfg: EngineConfig) -> int:
 
 
 def run_follower(cfg: EngineConfig) -> int:
-    """A follower rank's whole life: build its shard, then follow."""
-    return follow(build_runner(cfg), cfg)
+    """A follower rank's whole life: build its shard, follow, and on rank 0's STOP release
+    what the group holds together (as rank 0 does, :meth:`GroupLeader.stop`)."""
+    runner = build_runner(cfg)
+    steps = follow(runner, cfg)
+    runner.close()
+    return steps

@@ -54,6 +54,12 @@ class Dispatcher(ABC):
         replayed (none by default)."""
         return
 
+    def close(self) -> None:
+        """Release what the dispatcher holds (nothing by default). Collective where the
+        backend's release is (DeepEP's buffer): every rank of the group calls it once, at
+        the same point, after its last dispatch; the group's STOP is that point."""
+        return
+
     meter: DispatchMeter | None = None
     """This rank's dispatch / combine latency and bytes (None: the backend moves nothing
     between ranks, or only pretends to)."""

@@ -145,7 +145,16 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
             num_rdma_bytes=self._rdma_bytes() if low_latency else 0,
             low_latency_mode=low_latency,
             num_qps_per_rank=self.num_local_experts if low_latency else 1,
+            # released by close() on every rank at once: the destructor's release is a
+            # barrier with the other ranks, which hangs in whichever rank exits first
+            explicitly_destroy=True,
         )
+
+    def close(self) -> None:
+        """Release the DeepEP buffer (collective: a barrier with every rank of the group)."""
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
 
     def _check_qp_depth(self) -> None:
         """DeepEP's low-latency calls assert ``nvshmem_qp_depth >= 2 * (max_tokens + 1)``;

@@ -95,6 +95,13 @@ def test_run_dispatched_with_real_experts_both_phases(ranks) -> None:
             )  # fmt: skip
 
 
+def test_close_releases_the_buffer_explicitly_on_every_rank(ranks) -> None:
+    """DeepEP's implicit release (the destructor) is a barrier with the other ranks, which
+    hung the first rank to exit on two H100s; close() on every rank at STOP replaces it."""
+    _, results = ranks
+    assert [res["_close"] for res in results] == [{"explicit": True, "destroyed": True}] * 2
+
+
 def test_self_check_refuses_a_deep_ep_that_returns_wrong_data(ranks) -> None:
     _, results = ranks
     for res in results:

@@ -125,10 +125,21 @@ def _refusals(world: int, rank: int) -> dict[str, str]:
     }
 
 
+def _close(world: int, rank: int) -> dict[str, bool]:
+    """A dispatcher's close on every rank: the buffer was made to be released explicitly,
+    and close releases it once (a second close is a no-op)."""
+    d = make_deepep(world, rank, "auto", 128)
+    buffer = d.buffer
+    d.close()
+    d.close()
+    return {"explicit": buffer.explicitly_destroy, "destroyed": buffer.destroyed}
+
+
 def _rank_main(rank: int, world: int, workdir: str, seed: int) -> None:
     with gloo_rank(rank, world, workdir) as root:
         cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
         results: dict = {c.name: _run_case(c, world, rank) for c in cases}
+        results["_close"] = _close(world, rank)
         results["_moe"] = _moe_round(world, rank, seed)
         results["_refusals"] = _refusals(world, rank)
         torch.save(results, root / f"rank{rank}.pt")

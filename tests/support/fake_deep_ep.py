@@ -80,14 +80,24 @@ class FakeBuffer:
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
         num_qps_per_rank: int = 24,
+        explicitly_destroy: bool = False,
         **_: object,
     ) -> None:
         self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        self.explicitly_destroy, self.destroyed = explicitly_destroy, False
         self.low_latency_mode = low_latency_mode
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.cleans = 0
         if low_latency_mode:
             self.nvshmem_qp_depth = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
+
+    def destroy(self) -> None:
+        """As DeepEP's: only for a buffer made with ``explicitly_destroy``, once, and a
+        barrier with every rank of the group (a rank that skips it hangs the others)."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        assert not self.destroyed, "destroyed twice"
+        dist.barrier(group=self.group)
+        self.destroyed = True
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> FakeConfig:
