@@ -64,9 +64,11 @@ groups() {
 }
 stage_groups() {  # DeepEP and float32 layouts need no flashinfer: they run while it compiles
   if [ -n "${DEEPEP_PID:-}" ]; then wait "$DEEPEP_PID"; tail -2 "$OUT/deepep_build.log"; fi
-  groups "${GROUPS_S:-540}" tp2-ep2-fp32 dp2-ep2-fp32 dp2-ep2-a2a-bf16 dp2-ep2-deepep-low-latency \
-    dp2-ep2-deepep-normal dp2-ep2-deepep-auto tp2-graphs tp2-ep2-graphs dp2-ep2-graphs \
-    dp2-ep2-dp-lm-head-graphs full-width-tp2-ep2-graphs full-width-dp2-ep2-graphs
+  local all="tp2-ep2-fp32 dp2-ep2-fp32 dp2-ep2-a2a-bf16 dp2-ep2-deepep-low-latency
+    dp2-ep2-deepep-normal dp2-ep2-deepep-auto tp2-graphs tp2-ep2-graphs dp2-ep2-graphs
+    dp2-ep2-dp-lm-head-graphs full-width-tp2-ep2-graphs full-width-dp2-ep2-graphs"
+  # shellcheck disable=SC2086  # the layout names are words
+  groups "${GROUPS_S:-540}" ${GROUPS_LAYOUTS:-$all}
   tail -3 "$OUT/jit.log" 2>/dev/null
   grep -E "^[a-z0-9-]+ \{|stalled|checkpoint" "$OUT/groups.log" | cut -c1-400
 }
