@@ -131,13 +131,20 @@ def reference(ckpt: Path, dtype: str, backend: str) -> dict[str, Any]:
     return ref | {"spread": max(gaps)}
 
 
-def run_layout(ckpt: Path, dtype: str, backend: str, layout: dict[str, Any]) -> dict[str, Any]:
+def run_layout(
+    ckpt: Path,
+    dtype: str,
+    backend: str,
+    layout: dict[str, Any],
+    on_tokens: Callable[[dict[str, Any]], None] = lambda row: None,
+) -> dict[str, Any]:
+    """The group's tokens on the scenario; ``on_tokens`` gets the row before the group is
+    torn down (a teardown that stalls then still leaves the tokens recorded)."""
     with LLM(str(ckpt), **engine_args(dtype, backend, layout)) as llm:
         top: dict[str, list[dict[int, float]]] = {}
         tokens = run_scenario(llm.engine, top)
-        runner = llm.engine.runner
-        graphs = runner.graphs
-        return {
+        graphs = llm.engine.runner.graphs
+        row = {
             "tokens": tokens,
             "top": top,
             "overlap": llm.engine.overlap,
@@ -145,6 +152,8 @@ def run_layout(ckpt: Path, dtype: str, backend: str, layout: dict[str, Any]) -> 
             "graph_replays_rank0": 0 if graphs is None else graphs.replays,
             "graph_steps_rank0": 0 if graphs is None else graphs.steps,
         }
+        on_tokens(row)
+    return row
 
 
 # Greedy tokens of bf16 runs may part where the model is nearly tied: the random tiny models
@@ -246,23 +255,38 @@ class StallGuard:
             os._exit(STALLED)
 
 
-def run_one(name: str, root: Path, refs: dict[str, Any], result: dict[str, Any]) -> dict:
-    """One layout's row: its tokens against the one-GPU reference of its dtype/backend."""
+def run_one(
+    name: str,
+    root: Path,
+    refs: dict[str, Any],
+    result: dict[str, Any],
+    record: Callable[[str, dict[str, Any]], None],
+) -> dict:
+    """One layout's row: its tokens against the one-GPU reference of its dtype/backend
+    (recorded once before the group's teardown, as ``teardown: pending``)."""
     dtype, backend, layout = RUNS[name]
     key = f"{dtype}/{backend}"
+    meta = {"dtype": dtype, "attention_backend": backend, "layout": layout}
+
+    def early(row: dict[str, Any]) -> None:
+        got = {"tokens": row["tokens"], "top": row["top"]}
+        rest = {k: v for k, v in row.items() if k not in got}
+        record(name, rest | compare(got, refs[key]) | meta | {"teardown": "pending"})
+
     try:
         ckpt = checkpoint_for(dtype, root)
         if key not in refs:
             refs[key] = reference(ckpt, dtype, backend)
             ref = refs[key]
             result["references"][key] = {k: ref[k] for k in ("graph_steps", "spread")}
-        row = run_layout(ckpt, dtype, backend, layout)
+        row = run_layout(ckpt, dtype, backend, layout, early)
         row |= compare({"tokens": row.pop("tokens"), "top": row.pop("top")}, refs[key])
+        row["teardown"] = "done"
     except Exception as exc:  # recorded: the next layout still runs
         trace = traceback.format_exc()  # the whole chain: the first error comes first
         print(trace, flush=True)
         row = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": trace[:6000]}
-    return row | {"dtype": dtype, "attention_backend": backend, "layout": layout}
+    return row | meta
 
 
 def new_result(device: str) -> dict[str, Any]:
@@ -299,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         print(name, {k: v for k, v in row.items() if k not in ("trace", "layout")}, flush=True)
         out_json.write_text(json.dumps(result, indent=1))
 
-    guard = StallGuard(args.stall_s, lambda name, s: record(name, {"stalled_s": round(s)}))
+    def stalled(name: str, seconds: float) -> None:  # keeps tokens recorded before teardown
+        record(name, result["layouts"].get(name, {}) | {"stalled_s": round(seconds)})
+
+    guard = StallGuard(args.stall_s, stalled)
     start = time.monotonic()
     refs: dict[str, Any] = {}
     for name in (n for n in args.layouts if n not in result["layouts"]):
@@ -309,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: starting {RUNS[name][:2]}", flush=True)
         t0 = time.monotonic()
         guard.start(name)
-        row = run_one(name, root, refs, result)
+        row = run_one(name, root, refs, result, record)
         guard.done()
         record(name, row | {"seconds": round(time.monotonic() - t0, 1)})
     return 0

@@ -82,6 +82,10 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
+    def release(self) -> None:
+        """Free the captured graphs; steps run eagerly on the same padded path after."""
+        self._graphs.release()
+
     @property
     def replays(self) -> int:
         """Decode steps served by a graph."""

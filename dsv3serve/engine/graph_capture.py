@@ -131,6 +131,18 @@ class GraphCache(Generic[T]):
             self._outputs[size] = forward()
         self._graphs[size] = graph
 
+    def release(self) -> None:
+        """Free every captured graph (later runs are eager). A group releases its graphs
+        before it leaves its process group: graphs that captured NCCL collectives still hold
+        the communicator, and on two H100s ``destroy_process_group`` hung on every rank
+        while they lived."""
+        if self._graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
     def run(self, size: int, forward: Callable[[], T]) -> T:
         """Replay the graph of ``size`` (its static outputs), or run ``forward`` eagerly."""
         graph = self._graphs.get(size)

@@ -144,8 +144,11 @@ class ModelRunner:
             self.parts.dispatcher.prepare_graph()
 
     def close(self) -> None:
-        """Release what this rank holds with the others (the MoE dispatcher's buffers): a
-        group's ranks call it together, after their last step."""
+        """Release what this rank holds with the others: its CUDA graphs (their captured
+        collectives hold the communicator) and the MoE dispatcher's buffers. A group's
+        ranks call it together, after their last step and before leaving the group."""
+        if self.graphs is not None:
+            self.graphs.release()
         if self.parts.dispatcher is not None:
             self.parts.dispatcher.close()
 

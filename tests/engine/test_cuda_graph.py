@@ -71,3 +71,30 @@ def test_padded_static_batch_gives_the_eager_logits(tiny_bf16_dir) -> None:
         [[s.kv_slots[s.start] // page, s.kv_slots[s.start] % page] for s in spans]
         + [[scratch_page, 0]]
     )
+
+
+class RecordingFakeGraph:
+    """Stands in for a captured ``torch.cuda.CUDAGraph`` (none exists without a GPU)."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def replay(self) -> None:
+        raise AssertionError("a released graph must not be replayed")
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def test_released_graphs_are_reset_and_later_runs_are_eager() -> None:
+    from dsv3serve.engine.graph_capture import GraphCache
+
+    cache: GraphCache[str] = GraphCache(torch.device("cpu"))
+    graphs = {4: RecordingFakeGraph(), 8: RecordingFakeGraph()}
+    cache._graphs.update(graphs)
+    cache._outputs.update({4: "static 4", 8: "static 8"})
+    cache.release()
+    assert [g.resets for g in graphs.values()] == [1, 1]
+    assert cache.run(4, lambda: "eager") == "eager"
+    cache.release()  # nothing left: no second reset
+    assert [g.resets for g in graphs.values()] == [1, 1]
