@@ -88,6 +88,8 @@ class KVIntake:
         except (TransferError, EngineDeadError) as exc:
             self.metrics.m.transfer_failed(failure_reason(exc))
             return PullResult(ok=False, error=f"KV range transfer failed: {exc}")
+        if self.reserved.get(rid) is not res:  # given back or expired during the copy
+            return PullResult(ok=False, error="the KV reservation went away during the pull")
         self.pulls.landed(rid, msg.attempt_id, done + msg.kv.num_pages)
         self.metrics.transferred(stats, msg.kv.num_pages, 0, overlapped=True)
         return PullResult(ok=True)
