@@ -116,6 +116,10 @@ class Metrics:
         )
         self.transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved.")
         self.transfer_pages = counter("kv_transfer_pages_total", "KV pages pulled by decode.")
+        self.transfer_overlapped_pages = counter(
+            "kv_transfer_overlapped_pages_total",
+            "KV pages decode pulled while their prefill still ran (overlapped transfer).",
+        )
         self.transfer_reused_pages = counter(
             "kv_transfer_reused_pages_total",
             "Prompt KV pages decode did not pull: its prefix cache held them.",

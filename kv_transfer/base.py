@@ -43,6 +43,10 @@ class KVConnector(ABC):
     """
 
     name: ClassVar[str]
+    # Whether one request's pages may be published as several stagings, each pulled on its
+    # own while the prefill runs on (overlapped transfer, ``workers/ranges.py``); a
+    # connector without it is used with one staging per request, after the prefill.
+    incremental: ClassVar[bool] = True
 
     def __init__(self, pool: MLAKVPool) -> None:
         self.pool = pool

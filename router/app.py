@@ -122,7 +122,13 @@ class Router:
         backend: Any
         if self.cfg.mode == "pd":
             backend = PDBackend(
-                sets["prefill"], sets["decode"], settings, info.page_size, tokenizer, self.metrics
+                sets["prefill"],
+                sets["decode"],
+                settings,
+                info.page_size,
+                tokenizer,
+                self.metrics,
+                overlap=self.cfg.kv_transfer_overlap,
             )
         else:
             colocated = sets["colocated"]

@@ -139,6 +139,14 @@ class ServingConfig(BaseModel):
         description="decode replicas lock the prompt prefix their own cache holds and pull "
         "only the rest; False: every prompt page is pulled",
     )
+    kv_transfer_overlap: bool = Field(
+        True,
+        description="a prefill stages the KV pages of its finished chunks while later "
+        "chunks run and the decode replica pulls them at once, so the handoff after the "
+        "prefill moves only the rest; False: every page moves after the prefill. Prefill "
+        "replicas whose connector (nixl, mooncake) or speculative decoding rules it out "
+        "stage once, after the prefill, either way",
+    )
     torch_threads: int | None = Field(None, ge=1)
     group_timeout_s: float = Field(
         60.0, gt=0, description="a group collective waiting longer fails the engine's step"

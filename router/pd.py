@@ -14,7 +14,10 @@ Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
-   released as soon as decode answers, or by its lease;
+   released as soon as decode answers, or by its lease. With ``overlap`` (the app's
+   ``kv_transfer_overlap``) the prefill streams the KV ranges of finished chunks while it
+   runs and the decode replica pulls each at once (``router.overlap``): the handoff then
+   pulls only the pages after them;
 4. a decode replica that fails (dies, or answers 503) is marked down, and the stream
    migrates: steps 1-3 again for prompt + its tokens so far (``router.migration``).
 
@@ -35,7 +38,9 @@ from typing import Any
 
 from dsv3serve.metrics import Identity, Metrics
 from router.config import RouterSettings
+from router.fan_out import fan_out
 from router.migration import DecodeLost, Migrator
+from router.overlap import RangeForwarder, consume_prefill
 from router.policy import ReplicaSet
 from router.rank_routing import PDTargets, Target
 from router.relay import relay
@@ -98,8 +103,11 @@ class PDBackend:
         page_size: int,
         tokenizer: SeamTokenizer,
         metrics: Metrics | None = None,
+        overlap: bool = True,
     ) -> None:
+        """``overlap``: stream each prefill's KV ranges to decode while it runs."""
         self.prefill, self.decode = prefill, decode
+        self.overlap = overlap
         self.metrics = metrics or Metrics(Identity("router", "router", "unnamed"))
         self.settings = settings
         self.page_size = page_size
@@ -147,7 +155,7 @@ class PDBackend:
         self.decode.acquire(d, tokens)  # the rank was acquired by _reserve_until
         try:
             try:
-                result, p, attempt = await self._prefill(req, cached_pages)
+                result, p, attempt = await self._prefill(req, cached_pages, d)
             except BaseException:
                 self._cancel_reservation(d, req.request_id)
                 raise
@@ -218,11 +226,12 @@ class PDBackend:
             await asyncio.sleep(RESERVE_RETRY_S)
 
     async def _prefill(
-        self, req: GenerateRequest, skip_pages: int = 0
+        self, req: GenerateRequest, skip_pages: int = 0, d: int | None = None
     ) -> tuple[PrefillResult, int, str]:
         """Prefill on the policy's replica, retrying when one fails or times out; returns
         the result, the replica and the attempt id its KV is staged under (all prompt
-        pages but the first ``skip_pages``)."""
+        pages but the first ``skip_pages``; with overlap, those after the ranges decode
+        replica ``d`` pulled while it ran)."""
         deadline = time.monotonic() + self.settings.prefill_retry_wait_s
         failures: list[str] = []
         tried: list[int] = []
@@ -232,7 +241,8 @@ class PDBackend:
                 failures.append(f"{self.prefill.names[p]}: not back within prefill_retry_wait_s")
                 break
             attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
-            outcome = await self._try_prefill((p, rank), req, attempt_id, skip_pages)
+            forwarder = self._forwarder(d, req.request_id, attempt_id)
+            outcome = await self._try_prefill((p, rank), req, attempt_id, skip_pages, forwarder)
             if isinstance(outcome, PrefillResult):
                 return outcome, p, attempt_id
             failures.append(f"{self.prefill.names[p]}: {outcome}")
@@ -246,42 +256,67 @@ class PDBackend:
         fresh = [t for t in order if t[0] not in tried]
         return fresh[0] if fresh else order[0]
 
+    def _forwarder(self, d: int | None, request_id: str, attempt_id: str) -> RangeForwarder | None:
+        if not self.overlap or d is None:
+            return None
+        return RangeForwarder(self.decode.handles[d], request_id, attempt_id)
+
     async def _try_prefill(
-        self, target: Target, req: GenerateRequest, attempt_id: str, skip_pages: int = 0
+        self,
+        target: Target,
+        req: GenerateRequest,
+        attempt_id: str,
+        skip_pages: int = 0,
+        forwarder: RangeForwarder | None = None,
     ) -> PrefillResult | str:
         """One attempt on ``target`` (replica, DP rank): the result, or why it failed (the
         replica is then marked down). An attempt abandoned for any reason (failure,
         timeout, client gone) is released there by its id: a no-op if the replica never
-        had it."""
+        had it. With a ``forwarder`` its KV ranges go to decode while it runs; the result
+        comes once they landed (or their pulls stopped)."""
         p, rank = target
         msg = encode(
             PrefillRequest(request=req, attempt_id=attempt_id, skip_pages=skip_pages, dp_rank=rank)
         )
         try:
-            result = await self._prefill_on(target, msg, len(req.prompt_ids))
+            result = await self._prefill_on(target, msg, len(req.prompt_ids), forwarder)
+            if forwarder is not None:
+                await forwarder.drain()
         except BaseException as exc:
             self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+            if forwarder is not None:
+                forwarder.halt()
             if isinstance(exc, BackendError) or not isinstance(exc, Exception):
                 raise
             self.prefill_health.mark_down(p)
+            if forwarder is not None:  # the next attempt's ranges start after this one's
+                await forwarder.stop()
             return _failure(exc)
         self.prefill_health.mark_up(p)
         return result
 
-    async def _prefill_on(self, target: Target, msg: bytes, tokens: int) -> PrefillResult:
+    async def _prefill_on(
+        self, target: Target, msg: bytes, tokens: int, forwarder: RangeForwarder | None = None
+    ) -> PrefillResult:
         p, rank = target
         self.prefill.acquire(p, tokens)
         self.prefill_ranks.acquire(p, rank)
-        response = self.prefill.handles[p].prefill.remote(msg)
+        handle = self.prefill.handles[p]
+        if forwarder is None:
+            response = handle.prefill.remote(msg)
+            work: Awaitable[Any] = _await(response)
+        else:
+            response = handle.options(stream=True).prefill_stream.remote(msg)
+            work = consume_prefill(response, forwarder)
         try:
-            raw = await asyncio.wait_for(_await(response), self.settings.prefill_timeout_s)
+            raw = await asyncio.wait_for(work, self.settings.prefill_timeout_s)
         except BaseException:
             response.cancel()  # aborts the prefill on the replica if it is still there
             raise
         finally:
             self.prefill.release(p, tokens)
             self.prefill_ranks.release(p, rank)
-        return parse(PrefillResult, raw)
+        return raw if isinstance(raw, PrefillResult) else parse(PrefillResult, raw)
 
     async def _decode(
         self, d: int, p: int, attempt_id: str, req: GenerateRequest, result: PrefillResult
@@ -362,55 +397,3 @@ async def answers(handle: Any) -> bool:
 async def any_alive(replicas: ReplicaSet) -> bool:
     """Whether any replica of the set answers ``load`` in time."""
     return any(await asyncio.gather(*(answers(h) for h in replicas.handles)))
-
-
-def sub_request(req: GenerateRequest, index: int) -> GenerateRequest:
-    """Sequence ``index`` of an n>1 request as its own n=1 request (seed + index)."""
-    seed = req.params.seed
-    params = req.params.model_copy(update={"n": 1, "seed": None if seed is None else seed + index})
-    return GenerateRequest(
-        request_id=f"{req.request_id}-{index}", prompt_ids=req.prompt_ids, params=params
-    )
-
-
-async def fan_out(req: GenerateRequest, one: Any) -> AsyncIterator[TokenChunk]:
-    """Run n sub-requests through ``one`` and merge their chunks (index = sequence).
-
-    An error before any chunk was yielded is raised; later errors arrive in-band.
-    """
-    queue: asyncio.Queue[tuple[int, TokenChunk | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async with aclosing(one(sub_request(req, i))) as chunks:
-                async for chunk in chunks:
-                    await queue.put((i, chunk))
-            await queue.put((i, None))
-        except Exception as exc:
-            await queue.put((i, exc))
-
-    tasks = [asyncio.create_task(pump(i)) for i in range(req.params.n)]
-    done, yielded = 0, False
-    try:
-        while done < len(tasks):
-            i, item = await queue.get()
-            if item is None:
-                done += 1
-                continue
-            if isinstance(item, BaseException):
-                if not yielded:
-                    raise item
-                done += 1
-                item = TokenChunk(
-                    request_id=req.request_id,
-                    finished=True,
-                    finish_reason="error",
-                    error=str(item),
-                    error_status=500,
-                )
-            yielded = True
-            yield item.model_copy(update={"index": i, "request_id": req.request_id})
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

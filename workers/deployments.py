@@ -15,7 +15,14 @@ from functools import partial
 from ray import serve
 
 from workers.config import WorkerConfig
-from workers.protocol import DecodeRequest, GenerateRequest, PrefillRequest, ReserveRequest, encode
+from workers.protocol import (
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PullRequest,
+    ReserveRequest,
+    encode,
+)
 from workers.protocol import decode as parse
 
 
@@ -78,6 +85,13 @@ class EngineWorker:
         """Prefill role: PrefillRequest in, PrefillResult out."""
         return encode(await self.host.prefill(parse(PrefillRequest, data)))
 
+    async def prefill_stream(self, data: bytes) -> AsyncIterator[bytes]:
+        """Prefill role, overlapped transfer: PrefillRequest in; PrefillEvents out (KV
+        ranges of finished chunks as they are staged, then the PrefillResult)."""
+        async with aclosing(self.host.prefill_stream(parse(PrefillRequest, data))) as events:
+            async for event in events:
+                yield encode(event)
+
     async def release_kv(self, attempt_id: str) -> None:
         """Free what prefill attempt ``attempt_id`` holds here (no-op if unknown)."""
         await self.host.release_kv(attempt_id)
@@ -85,6 +99,11 @@ class EngineWorker:
     async def reserve(self, data: bytes) -> bytes:
         """Decode role: ReserveRequest in, ReserveResult out."""
         return encode(self.host.reserve(parse(ReserveRequest, data)))
+
+    async def pull_kv(self, data: bytes) -> bytes:
+        """Decode role, overlapped transfer: PullRequest in (a KV range of a prefill still
+        running), PullResult out."""
+        return encode(await self.host.pull_kv(parse(PullRequest, data)))
 
     async def cancel_reservation(self, request_id: str) -> None:
         self.host.cancel_reservation(request_id)

@@ -20,6 +20,7 @@ class SlowReceiveConnector(KVConnector):
         super().__init__(inner.pool)
         self.inner, self.delay_s = inner, delay_s
         self.name = inner.name
+        self.incremental = inner.incremental
 
     def publish(self, request_id: str, pages: list[int], num_tokens: int) -> KVHandle:
         return self.inner.publish(request_id, pages, num_tokens)

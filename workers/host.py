@@ -7,6 +7,8 @@ reservations for incoming KV (decode role), and frees both when their lease runs
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -15,25 +17,26 @@ from typing import Any
 import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError, PrefillReleasedError
-from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport, KVReservation
+from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport
 from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
-from dsv3serve.engine.spec.loop import DraftState
 from dsv3serve.kvcache.allocator import pages_for_tokens
 from dsv3serve.metrics import Identity
-from kv_transfer.handle import KVHandle, TransferError
 from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
-from workers.draft_wire import DraftMismatchError, draft_from_wire, draft_to_wire
+from workers.draft_wire import draft_to_wire
 from workers.fault_injection import with_receive_delay
-from workers.leases import LeaseTable
+from workers.kv_intake import HandoffError, KVIntake
 from workers.protocol import (
     DecodeRequest,
     GenerateRequest,
+    PrefillEvent,
     PrefillRequest,
     PrefillResult,
+    PullRequest,
+    PullResult,
     ReserveRequest,
     ReserveResult,
     TokenChunk,
@@ -42,12 +45,14 @@ from workers.protocol import (
     WorkerStats,
     error_chunk,
 )
+from workers.ranges import ranges_while
 from workers.rank_report import rank_counts, rank_loads, rank_state_readers
-from workers.reservations import reservation_rank, reserve_for, staged_mismatch
+from workers.reservations import reservation_rank, reserve_for
 from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
 
 REAP_INTERVAL_S = 0.2
+logger = logging.getLogger(__name__)
 # Starts ranks 1..N-1, joins them (before the engine is built): ``.stop()``, ``.check()``
 # (raises once a rank died), a ``.leader`` slot the host fills.
 GroupStarter = Callable[[WorkerConfig], Any]
@@ -56,10 +61,6 @@ _REFUSED = (InvalidRequestError, ContextLengthError)
 
 class WrongRoleError(RuntimeError):
     """A call meant for another role (e.g. ``prefill`` on a decode replica)."""
-
-
-class HandoffError(RuntimeError):
-    """The decode side could not take over a prefilled request (answered with a 503)."""
 
 
 async def _chunks(outputs: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenChunk]:
@@ -118,9 +119,16 @@ class EngineHost:
         self.engine.metrics = self.metrics.m
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()
-        self.staging = AttemptStaging(self.aengine, self.connector, cfg.kv_lease_s)
-        self._reserved: LeaseTable[KVReservation] = LeaseTable(self._unreserve)
+        self.staging = AttemptStaging(
+            self.aengine, self.connector, cfg.kv_lease_s, cfg.engine.page_size
+        )
+        self.intake = KVIntake(cfg, self.aengine, self.connector, self.metrics, self.group)
         self._reaper: asyncio.Task[None] | None = None
+        self.overlap_off = self._overlap_off()
+        if cfg.role == "prefill" and self.overlap_off is None:
+            self.engine.on_pages_dropped(self.staging.ranges.drop)
+        elif cfg.role == "prefill":
+            logger.info("KV transfer not overlapped with prefill: %s", self.overlap_off)
 
     def close(self) -> None:
         """Free staged KV (shared-memory segments included).
@@ -139,6 +147,20 @@ class EngineHost:
         connector = create_kv_connector(cfg.kv_connector, pool, **cfg.kv_connector_options)
         return with_receive_delay(connector, cfg.test_receive_delay_s)
 
+    def _overlap_off(self) -> str | None:
+        """Why this replica stages a prefill's KV only once it is done (None: it stages the
+        pages of finished chunks while later chunks run, ``prefill_stream``)."""
+        if self.cfg.role != "prefill":
+            return f"a {self.cfg.role} replica prefills nothing for a pull"
+        if not self.connector.incremental:
+            return f"connector {self.connector.name} stages each request's pages once"
+        if self.engine.spec is not None:
+            return (
+                "speculative decoding: the pages also hold the draft layer's KV, not "
+                "checked final when a chunk ends (not built)"
+            )
+        return None
+
     def _require(self, role: str) -> None:
         if self.cfg.role != role:
             raise WrongRoleError(f"this replica's role is {self.cfg.role}, not {role}")
@@ -151,7 +173,7 @@ class EngineHost:
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
             self.staging.expire()
-            self._reserved.expire()
+            self.intake.reserved.expire()
 
     # ---- introspection -------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -192,10 +214,12 @@ class EngineHost:
                 evictable_pages=kv.evictable_pages,
                 live_requests=e.num_live_sequences,
                 staged_kv=0 if self.connector is None else self.connector.staged(),
-                reservations=len(self._reserved),
+                reservations=len(self.intake.reserved),
                 group_size=self.cfg.group_size,
                 pulled_pages=self.metrics.pulled_pages,
                 reused_pages=self.metrics.reused_pages,
+                overlapped_pages=self.metrics.overlapped_pages,
+                pending_kv=len(self.staging.ranges) + len(self.intake.pulls),
                 rank_requests=placed,
                 rank_fallbacks=fallbacks,
             )
@@ -250,6 +274,36 @@ class EngineHost:
         self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
         return self._stage(msg, first, export)
 
+    async def prefill_stream(self, msg: PrefillRequest) -> AsyncIterator[PrefillEvent]:
+        """:meth:`prefill` with the KV transfer overlapped: while later chunks run, the
+        prompt pages of finished chunks are staged as ranges, each yielded as it is; the
+        result comes last, its handle holding only the pages after them. Without overlap
+        here (``overlap_off`` says why) the result is all it yields.
+
+        Ranges go with the attempt (``release_kv``, its lease, or its failure here).
+        """
+        if self.overlap_off is not None:
+            yield PrefillEvent(result=await self.prefill(msg))
+            return
+        attempt, ranges = msg.attempt_id, self.staging.ranges
+        ranges.open(attempt, msg.skip_pages)
+        task = asyncio.ensure_future(self.prefill(msg))
+        staged = False
+        try:
+            async with aclosing(ranges_while(task, self.aengine, ranges, attempt)) as handles:
+                async for handle in handles:
+                    yield PrefillEvent(kv_range=handle)
+            result = await task
+            staged = result.kv is not None
+            yield PrefillEvent(result=result)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if not staged:  # nothing staged to release later: the ranges go now
+                ranges.close(attempt)
+
     def _stage(
         self, msg: PrefillRequest, first: TokenOutput, export: KVExport | None
     ) -> PrefillResult:
@@ -287,8 +341,7 @@ class EngineHost:
         res = self.aengine.call(lambda e: reserve_for(e, msg, self.cfg.decode_prefix_reuse))
         if res is None:
             return ReserveResult(ok=False)
-        self._unreserve(msg.request_id, self._reserved.take(msg.request_id))
-        self._reserved.add(msg.request_id, res, msg.lease_s)
+        self.intake.hold(msg.request_id, res, msg.lease_s)
         self._start_reaper()  # a reservation no decode ever takes over expires with its lease
         return ReserveResult(
             ok=True,
@@ -300,11 +353,14 @@ class EngineHost:
 
     def cancel_reservation(self, request_id: str) -> None:
         """Give back a reservation that will not be used. Idempotent."""
-        self._unreserve(request_id, self._reserved.take(request_id))
+        self.intake.cancel(request_id)
 
-    def _unreserve(self, request_id: str, res: KVReservation | None) -> None:
-        if res is not None:
-            self.aengine.call(lambda e: e.release_prompt_kv(res))
+    async def pull_kv(self, msg: PullRequest) -> PullResult:
+        """Overlapped transfer: pull a range of prompt pages that prefill attempt
+        ``msg.attempt_id`` staged while it still runs into the reservation of
+        ``msg.request_id`` (see ``KVIntake.pull_range``)."""
+        self._require("decode")
+        return await self.intake.pull_range(msg)
 
     def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Pull the KV into the reservation, then stream every output token."""
@@ -315,7 +371,7 @@ class EngineHost:
         self._start_reaper()
         rid = msg.request.request_id
         try:
-            res, draft = await self._take_over(msg)
+            res, draft = await self.intake.take_over(msg)
         except HandoffError as exc:
             yield error_chunk(rid, str(exc), 503)
             return
@@ -336,98 +392,8 @@ class EngineHost:
                 async for chunk in chunks:
                     yield chunk
         except _REFUSED as exc:
-            self._unreserve(rid, res)
+            self.intake.unreserve(rid, res)
             yield error_chunk(rid, str(exc), 400)
-
-    async def _take_over(self, msg: DecodeRequest) -> tuple[KVReservation, DraftState | None]:
-        """The reservation, its pages filled with the prefill side's KV, and the draft state.
-
-        Raises HandoffError, the reservation freed, when the reservation expired, the
-        staged pages are not the ones it misses, the draft state is missing or does not
-        fit, or the transfer failed.
-        """
-        rid = msg.request.request_id
-        res = self._reserved.take(rid)
-        if res is None:
-            raise HandoffError("the KV reservation expired before the transfer")
-        mismatch = staged_mismatch(msg.kv, res)
-        if mismatch is not None:
-            self._unreserve(rid, res)
-            raise HandoffError(mismatch)
-        try:
-            draft = self._draft_state(msg)
-        except DraftMismatchError as exc:
-            self._unreserve(rid, res)
-            raise HandoffError(str(exc)) from None
-        error = await self._receive(msg.kv, res)
-        if error is not None:
-            raise HandoffError(error)
-        return res, draft
-
-    def _draft_state(self, msg: DecodeRequest) -> DraftState | None:
-        """Where this engine's first draft chain starts; None without speculation here.
-
-        The draft layer's KV of the prompt comes only from a speculative prefill: a
-        missing draft state means the prefill side ran without speculation, and this
-        engine cannot rebuild that KV, so the request is refused rather than drafted
-        from rows nobody wrote.
-        """
-        if self.engine.spec is None:
-            return None
-        if msg.draft is None:
-            raise DraftMismatchError(
-                "this decode replica runs speculative decoding (engine.speculative_algorithm "
-                f"{self.cfg.engine.speculative_algorithm}) but the prefill side sent no draft "
-                "state: set the same speculative_algorithm on prefill and decode"
-            )
-        runner, size = self.engine.runner, self.engine.model_cfg.hidden_size
-        num_tokens = len(msg.request.prompt_ids) + 1
-        return draft_from_wire(msg.draft, num_tokens, size, runner.dtype, runner.device)
-
-    async def _receive(self, handle: KVHandle, res: KVReservation) -> str | None:
-        """Pull ``handle`` into ``res.pages``; on failure free the reservation and return
-        the reason.
-
-        A cancelled caller does not interrupt the copy: the pages are freed only after
-        the transfer thread has stopped writing into them.
-        """
-        pages = res.pages
-        try:
-            landing = self._landing_pages(pages)
-        except Exception as exc:  # a dead engine: give the reservation back, say why
-            self._unreserve(handle.request_id, res)
-            return f"KV transfer failed: {exc}"
-        task = asyncio.ensure_future(
-            asyncio.to_thread(self.connector.receive, handle, landing[: handle.num_pages])
-        )
-        m = self.metrics.m
-        m.in_transfer.inc()
-        try:
-            stats = await asyncio.shield(task)
-            self.metrics.transferred(stats, handle.num_pages, res.num_cached_pages)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda _: self._unreserve(handle.request_id, res))
-            raise
-        except TransferError as exc:
-            self._unreserve(handle.request_id, res)
-            m.transfer_failed("timeout" if "timed out" in str(exc).lower() else "error")
-            return f"KV transfer failed: {exc}"
-        finally:
-            m.in_transfer.dec()
-        if self.group is None:
-            return None
-        try:  # TP: every rank's pool; DP: the owning rank's only
-            self.aengine.call(lambda _: self.group.leader.replicate_pages(pages))
-        except Exception as exc:
-            self._unreserve(handle.request_id, res)
-            return f"KV placement on the group failed: {exc}"
-        return None
-
-    def _landing_pages(self, pages: list[int]) -> list[int]:
-        """Pages of this process's pool the connector writes a reservation's KV into."""
-        if self.group is None or not self.cfg.engine.enable_dp_attention:
-            return pages
-        return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
 
     # ---- health and the group ---------------------------------------------------------------
 

@@ -26,6 +26,11 @@ class LeaseTable(Generic[V]):
         """Hold ``value`` for ``key`` until ``take`` or ``ttl_s`` seconds pass."""
         self._items[key] = (time.monotonic() + ttl_s, value)
 
+    def get(self, key: str) -> V | None:
+        """The value, left in place (None when absent or already expired)."""
+        item = self._items.get(key)
+        return None if item is None else item[1]
+
     def take(self, key: str) -> V | None:
         """Remove and return the value (None when absent or already expired)."""
         item = self._items.pop(key, None)

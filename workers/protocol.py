@@ -147,6 +147,39 @@ class PrefillResult(_Msg):
     draft: DraftHandoff | None = None
 
 
+class PrefillEvent(_Msg):
+    """One message of an overlapped prefill (``prefill_stream``): a ``kv_range`` (prompt
+    pages of finished chunks, staged while later chunks run: ``first_page`` says where it
+    starts among the prompt's pages), or, last, the ``result`` (its ``kv`` holds only the
+    pages after every range)."""
+
+    kv_range: KVHandle | None = None
+    result: PrefillResult | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> PrefillEvent:
+        if (self.kv_range is None) == (self.result is None):
+            raise ValueError("a prefill event carries exactly one of kv_range and result")
+        return self
+
+
+class PullRequest(_Msg):
+    """Overlapped transfer: pull ``kv``, a range of prompt pages that prefill attempt
+    ``attempt_id`` staged while it still runs, into the reservation of ``request_id``."""
+
+    request_id: str
+    attempt_id: str = Field(min_length=1, max_length=256)
+    kv: KVHandle
+
+
+class PullResult(_Msg):
+    """Whether a range pull landed; ``error`` says why not (the reservation is kept: the
+    final handoff pulls what is missing, or gives it back)."""
+
+    ok: bool
+    error: str | None = None
+
+
 class ReserveRequest(_Msg):
     """Decode admission: hold pages for ``num_tokens`` of incoming KV for ``lease_s``.
 
@@ -246,8 +279,11 @@ class WorkerStats(_Msg):
     """Internal accounting, used by tests to check that nothing leaks.
 
     ``pulled_pages`` / ``reused_pages`` (decode side, since start): prompt pages pulled
-    from prefill, and prompt pages not pulled because this side's prefix cache held them.
-    ``rank_requests``: requests placed on each DP rank since start (one entry without DP
+    from prefill, and prompt pages not pulled because this side's prefix cache held them;
+    ``overlapped_pages``: those of the pulled pages that came while their prefill still ran
+    (ranges of an overlapped transfer). ``pending_kv``: prefill attempts with ranges open
+    (prefill side) or reservations with pull progress (decode side). ``rank_requests``:
+    requests placed on each DP rank since start (one entry without DP
     attention); ``rank_fallbacks``: requests whose router-chosen rank was invalid or full.
     """
 
@@ -261,5 +297,7 @@ class WorkerStats(_Msg):
     group_size: int = 1
     pulled_pages: int = 0
     reused_pages: int = 0
+    overlapped_pages: int = 0
+    pending_kv: int = 0
     rank_requests: list[int] = []
     rank_fallbacks: int = 0

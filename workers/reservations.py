@@ -30,12 +30,30 @@ def reservation_rank(engine: Engine, res: KVReservation) -> int:
     return scheduler.split_pages(res.pages)[0]
 
 
-def staged_mismatch(handle: KVHandle, res: KVReservation) -> str | None:
-    """Why ``handle`` does not stage exactly the pages ``res`` misses; None when it does."""
-    if handle.first_page == res.num_cached_pages and handle.num_pages == len(res.pages):
+def staged_mismatch(handle: KVHandle, res: KVReservation, pulled: int = 0) -> str | None:
+    """Why ``handle`` does not stage exactly the pages ``res`` misses, once the first
+    ``pulled`` of them landed already (overlapped transfer: the attempt's ranges); None
+    when it does. The handle may start anywhere up to ``pulled`` (it restages ranges
+    the prefill side dropped) and must end with the reservation."""
+    cached, first = res.num_cached_pages, handle.first_page
+    if cached <= first <= cached + pulled and first - cached + handle.num_pages == len(res.pages):
         return None
     return (
-        f"the prefill side staged {handle.num_pages} pages from prompt page "
-        f"{handle.first_page}, but this decode replica holds the first "
-        f"{res.num_cached_pages} pages and reserved {len(res.pages)} for the rest"
+        f"the prefill side staged {handle.num_pages} pages from prompt page {first}, but "
+        f"this decode replica holds the first {cached} pages, pulled {pulled} after them "
+        f"and reserved {len(res.pages)} for the rest"
+    )
+
+
+def range_mismatch(handle: KVHandle, res: KVReservation, pulled: int) -> str | None:
+    """Why ``handle``, a range of a prefill still running, is not the next one for ``res``
+    (whose first ``pulled`` pages landed); None when it is. A range never holds the
+    prompt's last page: the final handoff does."""
+    cached = res.num_cached_pages
+    if handle.first_page == cached + pulled and pulled + handle.num_pages < len(res.pages):
+        return None
+    return (
+        f"a KV range of {handle.num_pages} pages from prompt page {handle.first_page} is "
+        f"not the next for this reservation: the first {cached} pages are cached here, "
+        f"{pulled} pulled after them, {len(res.pages)} reserved"
     )

@@ -15,6 +15,7 @@ from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.kvcache.allocator import pages_for_tokens
 from kv_transfer.handle import KVHandle
 from workers.leases import LeaseTable
+from workers.ranges import PrefillRanges
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,15 @@ class AttemptStaging:
     """Staged KV of prefill attempts under a lease, and the attempts released here.
 
     A released attempt stays fenced for ``lease_s``: a prefill of it that arrives or ends
-    later stages nothing (:meth:`is_released`).
+    later stages nothing (:meth:`is_released`). ``ranges``: the pages an overlapped
+    prefill staged while it ran (``workers/ranges.py``); they go with the attempt.
     """
 
-    def __init__(self, aengine: AsyncEngine, connector: Any, lease_s: float) -> None:
+    def __init__(
+        self, aengine: AsyncEngine, connector: Any, lease_s: float, page_size: int = 1
+    ) -> None:
         self.aengine, self.connector, self.lease_s = aengine, connector, lease_s
+        self.ranges = PrefillRanges(connector, page_size)
         self._staged: LeaseTable[None] = LeaseTable(lambda attempt, _: self.unstage(attempt))
         self._released: LeaseTable[None] = LeaseTable(lambda attempt, _: None)
 
@@ -54,8 +59,9 @@ class AttemptStaging:
         self, attempt_id: str, export: KVExport, num_tokens: int, skip_pages: int = 0
     ) -> KVHandle:
         """Publish the prompt pages of ``export`` from page ``skip_pages`` on (the decode
-        side holds the ones before) for a pull, under a lease; on failure the export is
-        freed and the error raised (ValueError: nothing would be left to stage)."""
+        side holds the ones before), less those its ranges staged already, for a pull,
+        under a lease; on failure the export is freed and the error raised (ValueError:
+        nothing would be left to stage)."""
         num_pages = pages_for_tokens(num_tokens, export.page_size)
         try:
             if not 0 <= skip_pages < num_pages:
@@ -63,20 +69,22 @@ class AttemptStaging:
                     f"skip_pages must be in [0, {num_pages}) for a prompt of {num_tokens} "
                     f"tokens in pages of {export.page_size}, got {skip_pages}"
                 )
-            pages = export.pages[skip_pages:num_pages]
-            staged_tokens = num_tokens - skip_pages * export.page_size
+            first = self.ranges.staged_end(attempt_id, skip_pages)  # < num_pages
+            pages = export.pages[first:num_pages]
+            staged_tokens = num_tokens - first * export.page_size
             handle = self.connector.publish(attempt_id, pages, staged_tokens)
         except BaseException:
             self.unstage(attempt_id)
             raise
         self._staged.add(attempt_id, None, self.lease_s)
-        return handle.model_copy(update={"first_page": skip_pages})
+        return handle.model_copy(update={"first_page": first})
 
     async def release(self, attempt_id: str) -> None:
         """Fence ``attempt_id`` and free what it holds; returns once the engine's step
         thread has freed it. Idempotent; an unknown attempt is a no-op."""
         self._released.add(attempt_id, None, self.lease_s)  # before any await: see prefill
         self._staged.take(attempt_id)
+        self.ranges.close(attempt_id)
         if self.connector is not None:
             self.connector.release(attempt_id)
         if self.aengine.dead is None:  # a dead engine frees nothing: the replica restarts
@@ -85,6 +93,7 @@ class AttemptStaging:
     def unstage(self, attempt_id: str) -> None:
         """Free ``attempt_id``'s staging and queue the release of its export (a lease that
         ran out, a publish that failed)."""
+        self.ranges.close(attempt_id)
         if self.connector is not None:
             self.connector.release(attempt_id)
         self.aengine.post(lambda e: release_attempt(e, attempt_id))

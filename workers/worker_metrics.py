@@ -41,6 +41,7 @@ class WorkerMetrics:
         )
         self.pulled_pages = 0
         self.reused_pages = 0
+        self.overlapped_pages = 0
 
     def exposition(self) -> bytes:
         """This replica's metrics in the Prometheus text format."""
@@ -80,12 +81,22 @@ class WorkerMetrics:
         self.m.prefill_time.observe(seconds)
         self.m.prompt_tokens.inc(prompt_tokens)
 
-    def transferred(self, stats: TransferStats, pulled_pages: int, reused_pages: int) -> None:
+    def transferred(
+        self,
+        stats: TransferStats,
+        pulled_pages: int,
+        reused_pages: int,
+        overlapped: bool = False,
+    ) -> None:
         """Count one pull of ``pulled_pages`` pages, and the ``reused_pages`` prompt pages
-        it did not move because the decode side's prefix cache held them."""
+        it did not move because the decode side's prefix cache held them; ``overlapped``:
+        a range pulled while its prefill still ran (counted in both page counters)."""
         self.pulled_pages += pulled_pages
         self.reused_pages += reused_pages
         self.m.transfer_pages.inc(pulled_pages)
+        if overlapped:
+            self.overlapped_pages += pulled_pages
+            self.m.transfer_overlapped_pages.inc(pulled_pages)
         self.m.transfer_reused_pages.inc(reused_pages)
         self.m.transfer_latency.observe(stats.seconds)
         self.m.transfer_size.observe(stats.nbytes)

@@ -98,6 +98,11 @@ PD = [
     ("KV pages pulled vs reused by decode (pages/s)", "short", [
         (rate("kv_transfer_pages_total", DECODE), "pulled"),
         (rate("kv_transfer_reused_pages_total", DECODE), "reused (decode-side prefix hit)"),
+        (rate("kv_transfer_overlapped_pages_total", DECODE), "pulled while prefill ran"),
+    ]),
+    ("KV transfer overlapped with prefill (share of pulled pages)", "percentunit", [
+        (f"{rate('kv_transfer_overlapped_pages_total', DECODE)} / clamp_min("
+         f"{rate('kv_transfer_pages_total', DECODE)}, 1)", "overlapped"),
     ]),
     ("Requests placed per DP rank/s", "reqps", [
         (rate("dp_rank_requests_total", M, "role, dp_rank"), "{{role}} rank {{dp_rank}}"),

@@ -1,7 +1,8 @@
 """The decode replicas' KV transfer counters, read from the router's ``/metrics`` around a run.
 
 What a run moved from prefill to decode (pages and bytes pulled) and what decode-side
-prefix reuse spared it (prompt pages the decode replica's own cache held, not pulled):
+prefix reuse spared it (prompt pages the decode replica's own cache held, not pulled), and
+how many of the pulled pages moved while their prefill still ran (overlapped transfer):
 the difference of the counters summed over decode replicas, after minus before.
 """
 
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 KV_COUNTERS = {
     "kv_pages_pulled": "dsv3serve:kv_transfer_pages_total",
     "kv_pages_reused": "dsv3serve:kv_transfer_reused_pages_total",
+    "kv_pages_overlapped": "dsv3serve:kv_transfer_overlapped_pages_total",
     "kv_bytes_pulled": "dsv3serve:kv_transfer_bytes_total",
 }
 

@@ -137,6 +137,7 @@ def format_table(summary: dict[str, Any], header: dict[str, Any]) -> str:
     kv = {
         "kv_pages_pulled": "KV pages pulled by decode",
         "kv_pages_reused": "KV pages reused by decode (not pulled)",
+        "kv_pages_overlapped": "KV pages pulled while prefill ran",
         "kv_bytes_pulled": "KV bytes pulled by decode",
     }
     rows += [_line(label, int(summary[key])) for key, label in kv.items() if key in summary]

@@ -86,6 +86,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[Output]] = {}
         self._commands: deque[_Command] = deque()
         self._loop_task: asyncio.Task[None] | None = None
+        self._step_waiters: list[asyncio.Future[None]] = []
         self.dead: EngineDeadError | None = None
 
     def call(self, fn: Callable[[Engine], T]) -> T:
@@ -130,6 +131,25 @@ class AsyncEngine:
         run in order). Returns at once when the engine is dead."""
         if self.dead is None:
             await self.mutate(_nothing)
+
+    async def next_step(self) -> None:
+        """Return once the step loop has finished its next step (or stopped: no work left,
+        or the engine died); a cancelled caller leaves nothing behind."""
+        if self.dead is not None or self._loop_task is None or self._loop_task.done():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._step_waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._step_waiters:
+                self._step_waiters.remove(waiter)
+
+    def _wake_step_waiters(self) -> None:
+        waiters, self._step_waiters = self._step_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def check_alive(self) -> None:
         """Raise the :class:`EngineDeadError` that stopped the step loop, if any."""
@@ -259,8 +279,11 @@ class AsyncEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+                self._wake_step_waiters()
         except Exception as exc:  # noqa: BLE001 - every failure ends the engine the same way
             self._fail_all(exc)
+        finally:
+            self._wake_step_waiters()
 
     def _fail_all(self, exc: Exception) -> None:
         """The step failed: fail every waiting request and queued command, and every

@@ -15,6 +15,7 @@ import hooks in ``engine/pd_hooks.py``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,17 @@ class Engine:
     def has_export(self, request_id: str) -> bool:
         """Whether ``request_id`` is a prefilled request whose pages wait for a pull."""
         return self._pd.has_export(request_id)
+
+    def prefill_ready_pages(self, request_id: str) -> list[int]:
+        """Prefill side: the leading prompt pages of a prefill-only request still
+        prefilling whose KV is final (finished chunks), never the prompt's last page."""
+        return self._pd.ready_pages(request_id)
+
+    def on_pages_dropped(self, hook: Callable[[str], None]) -> None:
+        """Prefill side: ``hook(request_id)`` runs on the step thread before a sequence's
+        pages are freed or swapped (finish, abort, preemption, prefix-cache dedup); a
+        reader of :meth:`prefill_ready_pages` must stop before it returns."""
+        self._pd.on_pages_dropped(hook)
 
     def release_export(self, request_id: str) -> bool:
         """Prefill side: free the exported pages once the decode side has them.

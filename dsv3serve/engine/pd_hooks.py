@@ -4,6 +4,7 @@ and continues a request from them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.intake import new_sequence
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation
-from dsv3serve.engine.sequence import Sequence
+from dsv3serve.engine.sequence import Sequence, SequenceStatus
 from dsv3serve.engine.spec.loop import DraftState, SpecDecoder
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 
@@ -84,6 +85,35 @@ class PDHooks:
     def has_export(self, request_id: str) -> bool:
         """Whether ``request_id`` is a prefilled request whose pages wait for a pull."""
         return request_id in self._exports
+
+    def ready_pages(self, request_id: str) -> list[int]:
+        """Prefill side, while ``request_id`` (a prefill-only request) still prefills: its
+        leading prompt pages whose KV is final (every token of the page computed, by
+        finished chunks or from the prefix cache), never the prompt's last page; [] when
+        it is not running (waiting, preempted, finished, unknown).
+
+        The pages stay this sequence's until the hook of :meth:`on_pages_dropped` names it.
+        """
+        state = self.core.state(f"{request_id}#0")
+        if state is None or not state.seq.prefill_only:
+            return []
+        seq = state.seq
+        if seq.status is not SequenceStatus.RUNNING:
+            return []
+        prompt = len(seq.prompt_ids)
+        full = min(seq.num_computed_tokens, prompt) // self.page_size
+        last = (prompt - 1) // self.page_size  # the index of the prompt's last page
+        return list(seq.page_table[: min(full, last)])
+
+    def on_pages_dropped(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(request_id)`` on the step thread before a sequence's pages are
+        freed or swapped for the prefix cache's copies (see
+        ``Scheduler.set_pages_dropped_hook``); pages :meth:`ready_pages` returned are
+        safe to read until then."""
+        scheduler = self.core.scheduler
+        if isinstance(scheduler, DPScheduler):
+            raise ValueError("on_pages_dropped: a DP-attention scheduler has no such hook")
+        scheduler.set_pages_dropped_hook(lambda seq: hook(seq.request_id))
 
     def release_export(self, request_id: str) -> bool:
         """Prefill side: free the exported pages once the decode side has them.

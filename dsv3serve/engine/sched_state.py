@@ -10,6 +10,7 @@ exactly the pool's used pages.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsv3serve.engine.sequence import (
@@ -37,6 +38,9 @@ class SchedState:
     finished_here: list[Sequence] = field(default_factory=list)
     arrivals: int = 0
     num_preemptions: int = 0
+    # called on the step thread before a sequence's pages go back or are swapped for the
+    # prefix cache's copies (see ``Scheduler.set_pages_dropped_hook``)
+    on_pages_dropped: Callable[[Sequence], None] = field(default=lambda _seq: None)
 
     @classmethod
     def empty(cls, config: SchedulerConfig) -> SchedState:
@@ -134,12 +138,16 @@ class SchedState:
         handle, pages = self.kv.insert_prefix(
             tokens, seq.page_table[:full], seq.salt, seq.cache_handle
         )
+        if pages != seq.page_table[:full]:  # its copies were freed; none is reused before
+            self.on_pages_dropped(seq)  # the hook returns (allocation is this thread's)
         seq.page_table[:full] = pages
         seq.num_tree_pages = full
         seq.cache_handle = handle
 
     def release_pages(self, seq: Sequence) -> None:
         """Cache ``seq``'s full pages, free the rest and clear its page table."""
+        if seq.page_table:
+            self.on_pages_dropped(seq)
         self.commit_prefix(seq)
         self.kv.release(seq.cache_handle, seq.page_table[seq.num_tree_pages :])
         seq.page_table = []

@@ -12,7 +12,7 @@ This module records finished steps and ends sequences.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from dsv3serve.engine.sched_launch import LaunchBook
 from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation, PDPages
@@ -107,6 +107,13 @@ class Scheduler:
         self._state.check_new(seq)
         self._state.enqueue(seq)
         self._state.waiting.append(seq)
+
+    def set_pages_dropped_hook(self, hook: Callable[[Sequence], None]) -> None:
+        """Call ``hook(seq)`` before any sequence's pages are freed (finish, abort,
+        preemption) or swapped for the prefix cache's copies of the same tokens: whoever
+        reads a sequence's pages outside the step (a KV connector staging them while the
+        prefill runs on) must stop before ``hook`` returns."""
+        self._state.on_pages_dropped = hook
 
     def schedule(self) -> ScheduledBatch | None:
         """Build the next step, or return None when nothing can run."""

@@ -78,6 +78,7 @@ def test_kv_counters_sum_the_decode_replicas_only() -> None:
     assert parse_kv_counters(text) == {
         "kv_pages_pulled": 3,
         "kv_pages_reused": 2,
+        "kv_pages_overlapped": 0,
         "kv_bytes_pulled": 1000,
     }
     before = parse_kv_counters("")

@@ -99,7 +99,7 @@ def wait_for_target(prom: str, timeout_s: float = 60) -> None:
         try:
             if sum(r["value"][1] == "1" for r in query(prom, 'up{job="dsv3serve"}')) == 2:
                 return  # both router replicas
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # not up, or starting: a 503 in plain text
             pass
         time.sleep(0.5)
     raise AssertionError("Prometheus never scraped both router replicas' metrics endpoints")

@@ -112,6 +112,7 @@ def holds_nothing(stats: WorkerStats) -> bool:
         stats.live_requests == 0
         and stats.staged_kv == 0
         and stats.reservations == 0
+        and stats.pending_kv == 0
         and stats.free_pages + stats.evictable_pages == stats.num_pages
     )
 
