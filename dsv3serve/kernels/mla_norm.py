@@ -34,6 +34,13 @@ else:  # CPU-only installs: only the reference runs
     triton = tl = None
 
 
+def mla_kernels_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the MLA fusion kernels (this module's and :mod:`dsv3serve.kernels.rope_kv`)
+    run for activations of ``dtype`` on ``device``: bf16 on CUDA with Triton. Elsewhere (CPU,
+    float32) the model keeps its reference ops."""
+    return HAS_TRITON and device.type == "cuda" and dtype == torch.bfloat16
+
+
 class QKVNormOut(NamedTuple):
     """What :func:`qkv_a_rmsnorm` returns (layouts in the module docstring)."""
 
