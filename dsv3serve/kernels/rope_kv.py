@@ -53,7 +53,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return out.flatten(-2).to(x.dtype)
 
 
-def _rope_pairs_body(base, cs, sn, pairs, mask, out_ty):
+def _rope_pairs_body(base, cs, sn, pairs, mask, out_ty: tl.constexpr):
     """Rotated (even, odd) halves of the interleaved pairs at ``base + 2 * pairs``."""
     e = tl.load(base + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
     o = tl.load(base + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
@@ -71,7 +71,7 @@ def _write_row_body(lat, cs, sn, kv_row, s_ptr, slot, R, P,
     if FP8:
         amax = tl.max(tl.abs(c.to(tl.float32)), axis=0)
         amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(re), tl.abs(ro)).to(tl.float32), 0))
-        s = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE)
+        s = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + QMAX), MIN_SCALE)
         c = tl.minimum(tl.maximum(tl.math.div_rn(c.to(tl.float32), s), -QMAX), QMAX)
         re = tl.minimum(tl.maximum(tl.math.div_rn(re.to(tl.float32), s), -QMAX), QMAX)
         ro = tl.minimum(tl.maximum(tl.math.div_rn(ro.to(tl.float32), s), -QMAX), QMAX)

@@ -17,7 +17,7 @@ from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
 if not INTERPRETING:
     pytest.skip("needs TRITON_INTERPRET=1 set before pytest starts", allow_module_level=True)
 
-from rope_kv_cases import PAGE_SIZE, PAGES, check_against_reference, rope_inputs  # noqa: E402
+from rope_kv_cases import PAGE_SIZE, check_against_reference, rope_inputs  # noqa: E402
 
 from dsv3serve.kernels.rope_kv import rope_kv_write_ref, rope_kv_write_triton  # noqa: E402
 from dsv3serve.kvcache.pool import MLAKVPool  # noqa: E402
@@ -57,7 +57,7 @@ def test_reference_is_the_models_rotary_and_pool_write() -> None:
     g = torch.Generator().manual_seed(SEED)
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         case = rope_inputs(5, 64, 16, 4, dtype, "cpu", g, with_q=True)
-        pool = MLAKVPool(1, PAGES, PAGE_SIZE, 80, dtype, "cpu")
+        pool = MLAKVPool(1, case.kv.shape[0], PAGE_SIZE, 80, dtype, "cpu")
         r = 64
         k_pe = RotaryEmbedding.rotate(case.latent[:, r:], case.cos, case.sin)
         pool.write(0, case.slots, torch.cat([case.latent[:, :r], k_pe], -1))

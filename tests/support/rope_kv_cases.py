@@ -19,7 +19,7 @@ from dsv3serve.config import YarnScaling
 from dsv3serve.kernels.rope_kv import CACHE_FP8_MAX, CACHE_MIN_SCALE
 from dsv3serve.layers.rotary import RotaryEmbedding
 
-PAGES, PAGE_SIZE = 6, 4
+PAGE_SIZE = 4
 DSV3_YARN = YarnScaling(40.0, 4096, 32.0, 1.0, 1.0, 1.0)
 RopeWrite = Callable[..., torch.Tensor | None]
 
@@ -30,8 +30,8 @@ class RopeCase:
     cos: torch.Tensor  # [T, P/2] float32
     sin: torch.Tensor
     slots: torch.Tensor  # [T] int64, distinct
-    kv: torch.Tensor  # [PAGES, PAGE_SIZE, R + P], poisoned
-    scales: torch.Tensor | None  # [PAGES, PAGE_SIZE] float32, poisoned (e4m3 pools)
+    kv: torch.Tensor  # [pages, PAGE_SIZE, R + P], poisoned
+    scales: torch.Tensor | None  # [pages, PAGE_SIZE] float32, poisoned (e4m3 pools)
     q_pe: torch.Tensor | None  # [T, H, P] bf16, a strided view (as a slice of q_b's output)
 
     def fresh_pool(self, dtype: torch.dtype | None = None) -> RopeCase:
@@ -57,15 +57,17 @@ def rope_inputs(
     with_q: bool = True,
 ) -> RopeCase:
     """Normal latents (rows over four orders of magnitude), YaRN cos/sin at random positions
-    up to 160k, distinct random slots, a poisoned pool of ``dtype``."""
+    up to 160k, distinct random slots in a poisoned pool of ``dtype`` with twice the rows
+    needed (at least 24)."""
     rows = torch.logspace(-2, 2, t)[:, None]
     latent = (torch.randn(t, r + p, generator=g) * rows).to(torch.bfloat16)
     positions = torch.randint(0, 163840, (t,), generator=g)
     cos, sin = RotaryEmbedding(p, 10000.0, DSV3_YARN).cos_sin(positions)
-    slots = torch.randperm(PAGES * PAGE_SIZE, generator=g)[:t]
+    pages = max(6, -(-2 * t // PAGE_SIZE))
+    slots = torch.randperm(pages * PAGE_SIZE, generator=g)[:t]
     q_full = torch.randn(t, max(heads, 1), 2 * p, generator=g).to(torch.bfloat16)
     q_pe = q_full[:, :heads, p:] if with_q else None
-    kv = torch.empty(PAGES, PAGE_SIZE, r + p, dtype=dtype)
+    kv = torch.empty(pages, PAGE_SIZE, r + p, dtype=dtype)
     case = RopeCase(latent, cos, sin, slots, kv, None, q_pe)
     moved = {k: v.to(device) for k, v in vars(case).items() if isinstance(v, torch.Tensor)}
     return replace(case, **moved).fresh_pool()
