@@ -174,6 +174,7 @@ class MoE(nn.Module):
         self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
         self.route = self.backend.route  # e.g. the Triton backend's fused gate kernel
         self._fuse_max_tokens: int | None = None  # resolved on the first forward's device
+        self.logits_in_gemm = False  # decided by plan_fusion(), once the weights are in place
 
     def _packs_shared(self, cfg: ModelConfig, fp8: bool) -> bool:
         blocked = fusion_blocked_reason(self.shard.layout)
@@ -203,9 +204,22 @@ class MoE(nn.Module):
             )
         return x.shape[0] <= self._fuse_max_tokens
 
+    def plan_fusion(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Decide whether the router logits come from one bf16 GEMM that writes float32 (CUDA,
+        bf16 activations: the products of two bf16 values are exact in float32 and the
+        GEMM accumulates in float32, as the reference does) instead of casting ``x`` and the
+        [E, H] router weight to float32 every step; elsewhere the reference casts."""
+        self.logits_in_gemm = device.type == "cuda" and dtype == torch.bfloat16
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [T, E] router logits of ``x`` [T, H]."""
+        if self.logits_in_gemm:
+            return torch.mm(x, self.gate.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.gate.weight.float())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = self.router_logits(x)
         weights, ids = self.route(
             logits,
             self.gate.e_score_correction_bias,
@@ -426,7 +440,8 @@ class DecoderLayer(nn.Module):
         :meth:`_forward_fused` where switched on and the attention's FP8 GEMM reads its input
         quantised (CUDA, Triton, bf16, FP8 weights), with the post-attention norm quantising
         for a dense MLP that reads FP8 too; the attention's own fusions
-        (:meth:`MLAttention.plan_fusion`). The CPU and float32 paths keep the reference ops.
+        (:meth:`MLAttention.plan_fusion`) and a MoE's router logits (:meth:`MoE.plan_fusion`).
+        The CPU and float32 paths keep the reference ops.
         """
         weight = self.input_layernorm.weight
         device, dtype = weight.device, weight.dtype
@@ -434,6 +449,8 @@ class DecoderLayer(nn.Module):
         fused = self.fuse_norm_quant and self.self_attn.takes_quantized(device, dtype)
         self.fuses_norm_quant = fused
         mlp = self.mlp
+        if isinstance(mlp, MoE):
+            mlp.plan_fusion(device, dtype)
         self.dense_quantized = (
             fused and isinstance(mlp, DenseMLP) and mlp.takes_quantized(device, dtype)
         )

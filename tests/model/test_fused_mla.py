@@ -180,3 +180,32 @@ def test_interpreted_kernels_track_reference_path(
         rel = _compare(model_dir, attn_impl, fp8_pool, monkeypatch, *kernels)
     print(f"fused (interpreted kernels) vs reference path: relative logit difference {rel:.2e}")
     assert rel < INTERP_BOUND, f"expected relative difference < {INTERP_BOUND}, got {rel:.3f}"
+
+
+def test_fusion_decided_once_not_per_step(
+    tiny_fp8_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused-path choices are made by ``post_load`` / ``set_fusions`` and only read by
+    ``forward``: a forward asks nothing about devices or dtypes; ``set_fusions`` flips them."""
+    asked: list[bool] = []
+
+    def apply(device: torch.device, dtype: torch.dtype) -> bool:
+        asked.append(True)
+        return True
+
+    monkeypatch.setattr(dsv3, "mla_kernels_apply", apply)
+    model = load_ours(tiny_fp8_dir, fuse_mla=True)
+    attn_layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    assert asked and all(m.fuses_mla for m in attn_layers)
+    asked.clear()
+    monkeypatch.setattr(linear_mod.Linear, "takes_quantized", _never_per_step)
+    prefill_logits(model, make_attn(model), [[1, 2, 3]])
+    assert not asked, "forward re-decided the fused MLA path"
+    monkeypatch.undo()
+    model.set_fusions(mla=False)
+    assert not any(m.fuses_mla for m in attn_layers)
+    assert not any(m.fuses_norm_quant for m in model.modules() if isinstance(m, dsv3.DecoderLayer))
+
+
+def _never_per_step(self: linear_mod.Linear, *where: object) -> bool:
+    raise AssertionError("takes_quantized asked during a forward")
