@@ -16,6 +16,7 @@ CACHE_ENV = "DSV3SERVE_CACHE"
 API_KEY_ENV = "DSV3SERVE_API_KEY"
 FUSED_NORM_QUANT_ENV = "DSV3SERVE_FUSED_NORM_QUANT"
 RANK_STACKS_ENV = "DSV3SERVE_RANK_STACKS_S"
+FUSED_MLA_ENV = "DSV3SERVE_FUSED_MLA"
 _OFF = ("0", "false", "off", "no")
 # The compile / JIT caches that make a warm start, each in its sub-folder of the cache dir:
 # Triton's kernels (ours included), flashinfer's JIT modules (it appends .cache/flashinfer),
@@ -51,6 +52,10 @@ class Settings:
     """``$DSV3SERVE_RANK_STACKS_S``: every spawned group rank (``LLM(tp_size=N)``) dumps
     every thread's stack to stderr this often, in seconds (0, the default: never), to see
     where a stalled group waits."""
+    fused_mla: bool = True
+    """``$DSV3SERVE_FUSED_MLA``: ``0``/``false``/``off``/``no`` turns off the MLA fusions (the
+    q/kv norms of the down-projection's output in one kernel, RoPE inside the KV-cache
+    write); on otherwise."""
 
     @classmethod
     def from_env(
@@ -66,7 +71,8 @@ class Settings:
         return cls(
             cache_dir=Path(cache) if cache is not None else Path.home() / ".cache" / "dsv3serve",
             api_key=env.get(api_key_env or API_KEY_ENV, "").strip(),
-            fused_norm_quant=env.get(FUSED_NORM_QUANT_ENV, "1").strip().lower() not in _OFF,
+            fused_norm_quant=_switch(env, FUSED_NORM_QUANT_ENV),
+            fused_mla=_switch(env, FUSED_MLA_ENV),
             rank_stacks_s=float(env.get(RANK_STACKS_ENV, "0") or 0),
         )
 
@@ -78,8 +84,13 @@ class Settings:
         key = "set" if self.api_key else "unset"
         return (
             f"Settings(cache_dir={str(self.cache_dir)!r}, api_key={key}, "
-            f"fused_norm_quant={self.fused_norm_quant})"
+            f"fused_norm_quant={self.fused_norm_quant}, fused_mla={self.fused_mla})"
         )
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """An on-by-default switch: off for ``0``/``false``/``off``/``no`` (any case)."""
+    return env.get(name, "1").strip().lower() not in _OFF
 
 
 def export_compile_caches(

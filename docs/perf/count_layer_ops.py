@@ -1,14 +1,17 @@
-"""Device ops per decoder layer of the bench model's decode step, fused norm + quant off / on.
+"""Device ops per decoder layer of the bench model's decode step, with the fusions off, the
+fused add + norm + quant alone, and every fusion on.
 
 Builds the bench model (full DeepSeek-V3 width, dummy FP8 weights drawn on the GPU, one
 dense and one MoE layer, flashinfer MLA, Triton MoE), then for the dense layer (0) and the
-MoE layer (1), with the layers' fused add + RMSNorm + FP8 quantisation switched off and on
-(``DecoderLayer.fuse_norm_quant``, the attribute ``$DSV3SERVE_FUSED_NORM_QUANT`` sets), runs
-one decode step of that layer alone (``--batch-size`` sequences of one new token over
-``--context`` cached tokens, absorbed MLA, attention planned before) eagerly and as a
-CUDA-graph replay under ``torch.profiler``, and counts the device ops (kernels, copies,
-memsets) per call. ``fused_path_taken`` records whether the layer really took the fused
-branch (``DecoderLayer.fuses_norm_quant``). Prints a table and writes JSON (``--out``).
+MoE layer (1), in three states of the layers' switches (``off``: none; ``norm_quant``: the
+fused add + RMSNorm + FP8 quantisation, ``$DSV3SERVE_FUSED_NORM_QUANT``; ``all``: that and
+the MLA fusions, ``$DSV3SERVE_FUSED_MLA``: q/kv norms in one kernel, RoPE inside the KV-cache
+write; set through ``DeepseekV3ForCausalLM.set_fusions``), runs one decode step of that layer
+alone (``--batch-size`` sequences of one new token over ``--context`` cached tokens, absorbed
+MLA, attention planned before) eagerly and as a CUDA-graph replay under ``torch.profiler``,
+and counts the device ops (kernels, copies, memsets) per call. ``fused_paths_taken``
+records which fused branches the layer really took (``DecoderLayer.fuses_norm_quant``,
+``MLAttention.fuses_mla``). Prints a table and writes JSON (``--out``).
 
 Needs a CUDA GPU with triton and flashinfer. Usage, from the repository root:
 ``python docs/perf/count_layer_ops.py --out /tmp/layer_ops.json``
@@ -32,12 +35,8 @@ from dsv3serve.bench.model_setup import bench_model_config, build_runner, fill_k
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.model.deepseek_v3 import DecoderLayer
 
-
-def set_fused(runner: ModelRunner, on: bool) -> None:
-    """Switch every decoder layer's fused norm + quant path."""
-    for module in runner.model.modules():
-        if isinstance(module, DecoderLayer):
-            module.fuse_norm_quant = on
+# state -> (fused add + norm + quant, MLA fusions)
+STATES = {"off": (False, False), "norm_quant": (True, False), "all": (True, True)}
 
 
 def count_ops(run: Callable[[], Any], calls: int) -> dict[str, Any]:
@@ -59,18 +58,18 @@ def count_ops(run: Callable[[], Any], calls: int) -> dict[str, Any]:
 
 
 def measure_layer(
-    timer: LayerGraphTimer, index: int, batch_size: int, on: bool, calls: int
+    timer: LayerGraphTimer, index: int, batch_size: int, state: str, calls: int
 ) -> dict[str, Any]:
-    """One layer's ops per decode call, eager and graphed, with the fused path ``on``."""
+    """One layer's ops per decode call, eager and graphed, with the switches of ``state``."""
     runner = timer.runner
-    set_fused(runner, on)
-    layer = runner.model.layers[index]
-    probe = torch.empty(batch_size, runner.model_cfg.hidden_size, dtype=runner.dtype)
-    taken = layer.fuses_norm_quant(probe.to(runner.device))
+    norm_quant, mla = STATES[state]
+    runner.model.set_fusions(norm_quant=norm_quant, mla=mla)
+    layer: DecoderLayer = runner.model.layers[index]
+    taken = {"norm_quant": layer.fuses_norm_quant, "mla": layer.self_attn.fuses_mla}
     graph = timer.capture(index, batch_size, 1)
     try:
         return {
-            "fused_path_taken": taken,
+            "fused_paths_taken": taken,
             "eager": count_ops(graph.eager, calls),
             "graphed": count_ops(graph.replay, calls),
         }
@@ -91,16 +90,18 @@ def build(args: argparse.Namespace) -> ModelRunner:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"device ops per decoder layer, bs {result['batch_size']}, ctx {result['context']}")
-    print(f"{'layer':<6} {'mode':<8} {'fused off':>10} {'fused on':>10} {'on µs':>8}")
+    heads = "".join(f"{s + ' ops':>16} {s + ' µs':>14}" for s in STATES)
+    print(f"{'layer':<6} {'mode':<8}{heads}")
     for kind, row in result["layers"].items():
         for mode in ("eager", "graphed"):
-            off, on = row["off"][mode], row["on"][mode]
-            print(
-                f"{kind:<6} {mode:<8} {off['ops_per_call']:>10.1f} {on['ops_per_call']:>10.1f}"
-                f" {on['device_us_per_call']:>8.1f}"
+            cells = "".join(
+                f"{row[s][mode]['ops_per_call']:>16.1f} {row[s][mode]['device_us_per_call']:>14.1f}"
+                for s in STATES
             )
-    taken = {k: r["on"]["fused_path_taken"] for k, r in result["layers"].items()}
-    print(f"fused path taken with the switch on: {taken}")
+            print(f"{kind:<6} {mode:<8}{cells}")
+    for state in STATES:
+        taken = {k: r[state]["fused_paths_taken"] for k, r in result["layers"].items()}
+        print(f"fused paths taken in state {state}: {taken}")
 
 
 def main() -> None:
@@ -120,8 +121,8 @@ def main() -> None:
     result["device"] = torch.cuda.get_device_name()
     result["layers"] = {
         kind: {
-            state: measure_layer(timer, index, args.batch_size, state == "on", args.calls)
-            for state in ("off", "on")
+            state: measure_layer(timer, index, args.batch_size, state, args.calls)
+            for state in STATES
         }
         for kind, index in timer.layers.items()
     }

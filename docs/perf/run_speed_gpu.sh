@@ -3,15 +3,19 @@
 #   bash docs/perf/run_speed_gpu.sh            (all stages, in this order)
 #   bash docs/perf/run_speed_gpu.sh ttft ops   (some of them)
 # Stages:
-#   tests  : the fused add + RMSNorm + FP8 quant kernel's GPU tests, and the model's fused
-#            path against its reference ops
-#   bench  : `bench model` graphed decode at batch 1, ctx 1024, 1 dense + 2 MoE layers, fused
-#            off then on (DSV3SERVE_FUSED_NORM_QUANT=0 / 1): ms and ratio to the same run's
-#            roofline, and (--profile-graphs) the device ops of the whole graphed step
+#   tests  : the fused kernels' GPU tests (add + RMSNorm + FP8 quant; the MLA q/kv norms and
+#            RoPE inside the KV-cache write; the FP8 GEMM), and the model's fused paths
+#            against their reference ops
+#   bench  : `bench model` graphed decode at batch 1, ctx 1024, 1 dense + 2 MoE layers, in
+#            three states: fusions off, the fused add + norm + quant alone, every fusion on
+#            (DSV3SERVE_FUSED_NORM_QUANT / DSV3SERVE_FUSED_MLA = 0 0, 1 0, 1 1): ms and ratio
+#            to the same run's roofline, and (--profile-graphs) the device ops of the whole
+#            graphed step
 #   ttft   : process start to first token of `dsv3serve warmup` (DeepSeek-V3 width, dummy FP8
 #            weights, 4 layers: 3 dense + 1 MoE, flashinfer + Triton MoE, CUDA graphs), cold
 #            (an empty cache dir of its own) then warm (the same cache dir, a second process)
-#   ops    : device ops per dense / MoE decoder layer, fused off / on (count_layer_ops.py)
+#   ops    : device ops per dense / MoE decoder layer in the same three states
+#            (count_layer_ops.py)
 # Needs flashinfer-python 0.6.18.post1, apache-tvm-ffi and the pydantic stack: installed by
 # the caller, or carried as wheels in .whl/ (with .whl/site), as docs/perf/run_groups_gpu.sh. Logs and JSON go to $OUT. Each stage gets
 # at most what is left of BUDGET_S (default 450 s) and is skipped when too little is left.
@@ -62,17 +66,19 @@ stage_ttft() {
   ttft_one warm 90
 }
 stage_tests() {
-  run gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -rfE -s -m gpu \
-    tests/kernels/test_norm_quant_gpu.py tests/model/test_fused_norm_quant_gpu.py
-  grep -E "norm_quant|relative|passed|failed|Error" "$OUT/gpu_tests.log" | tail -15
+  run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rfE -s -m gpu \
+    tests/kernels/test_norm_quant_gpu.py tests/model/test_fused_norm_quant_gpu.py \
+    tests/kernels/test_mla_fusion_gpu.py tests/model/test_fused_mla_gpu.py \
+    tests/kernels/test_fp8_kernels_gpu.py tests/moe/test_router_logits_gpu.py
+  grep -E "norm_quant|mla_norm|rope_kv|relative|passed|failed|Error" "$OUT/gpu_tests.log" | tail -25
 }
 stage_ops() {
-  run layer_ops 110 python3 docs/perf/count_layer_ops.py --out "$OUT/layer_ops.json"
-  tail -8 "$OUT/layer_ops.log"
+  run layer_ops 160 python3 docs/perf/count_layer_ops.py --out "$OUT/layer_ops.json"
+  tail -9 "$OUT/layer_ops.log"
 }
 stage_bench() {
-  for fused in 0 1; do
-    export DSV3SERVE_FUSED_NORM_QUANT=$fused
+  for fused in 00 10 11; do  # DSV3SERVE_FUSED_NORM_QUANT, DSV3SERVE_FUSED_MLA
+    export DSV3SERVE_FUSED_NORM_QUANT=${fused:0:1} DSV3SERVE_FUSED_MLA=${fused:1:1}
     run "bench_model_fused$fused" 120 python3 -m dsv3serve.cli \
       bench model --attention-backend flashinfer --moe-backend triton --no-mtp --profile-graphs \
       --num-moe-layers 2 --quick --prefill-lens --decode-batch-sizes 1 --decode-contexts 1024 \
@@ -82,7 +88,7 @@ stage_bench() {
 print('graphed step: ops/call', d['ops_per_call'], 'kernel ms', round(d['kernel_ms'], 3))" \
       "$OUT/bench_model_fused$fused.json" 2>&1 | tail -1
   done
-  unset DSV3SERVE_FUSED_NORM_QUANT
+  unset DSV3SERVE_FUSED_NORM_QUANT DSV3SERVE_FUSED_MLA
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"

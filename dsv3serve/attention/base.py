@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from dsv3serve.forward_batch import ForwardBatch
+from dsv3serve.kernels.rope_kv import rope_kv_write, rope_ref
 
 if TYPE_CHECKING:
     from dsv3serve.config import ModelConfig
+    from dsv3serve.kvcache.pool import MLAKVPool
 
 # Maps cached latents [S, 576] to per-head keys [S, H, 192] and values [S, H, 128].
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -78,6 +80,28 @@ class AttentionBackend(ABC):
     def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
         """Write the new tokens' latents [T, 576] at the batch's ``out_slots``."""
 
+    def save_latent_roped(
+        self,
+        layer_id: int,
+        latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`save_latent` with RoPE applied on the way, and the query's rope part too.
+
+        ``latent`` [T, 576] bf16, contiguous: ``[kv_a_layernorm(c_kv) (512) | k_pe (64)]``
+        with ``k_pe`` not yet rotated; ``q_pe`` [T, H, 64] (unit last stride), not yet
+        rotated; ``cos``/``sin`` [T, 32] float32. Saves ``[c_kv | rope(k_pe)]`` at the batch's
+        ``out_slots`` and returns ``rope(q_pe)`` [T, H, 64] contiguous. Here: the reference
+        ops, then :meth:`save_latent`; a backend over an ``MLAKVPool`` overrides it with
+        :func:`write_roped_latent` (one kernel on CUDA).
+        """
+        r = latent.shape[1] - q_pe.shape[-1]
+        rows = torch.cat([latent[:, :r], rope_ref(latent[:, r:], cos, sin)], -1)
+        self.save_latent(layer_id, rows)
+        return rope_ref(q_pe, cos, sin)
+
     @abstractmethod
     def forward_absorbed(
         self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float
@@ -97,3 +121,21 @@ class AttentionBackend(ABC):
 
         Returns [T, H, v_head_dim].
         """
+
+
+def write_roped_latent(
+    pool: MLAKVPool,
+    layer_id: int,
+    slots: torch.Tensor,
+    latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """:meth:`AttentionBackend.save_latent_roped` into ``pool`` at ``slots``, through
+    :func:`~dsv3serve.kernels.rope_kv.rope_kv_write` (the kernel on CUDA, else its
+    reference, which writes what ``pool.write`` writes)."""
+    kv, scales = pool.kv_buffer(layer_id), pool.scale_buffer(layer_id)
+    q = rope_kv_write(latent, cos, sin, slots, kv, scales, q_pe)
+    assert q is not None
+    return q

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
+from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims, write_roped_latent
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     batch_kv_index,
@@ -275,9 +275,23 @@ class FlashInferMLAAttention(AttentionBackend):
 
     # ---- per layer -----------------------------------------------------------------------
     def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
+        self.pool.write(layer_id, self._out_slots(), latent)
+
+    def save_latent_roped(
+        self,
+        layer_id: int,
+        latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        slots = self._out_slots()
+        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)
+
+    def _out_slots(self) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("plan(batch) must be called before forward")
-        self.pool.write(layer_id, self._batch.out_slots, latent)
+        return self._batch.out_slots
 
     def forward_absorbed(
         self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float

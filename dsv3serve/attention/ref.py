@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend, ExpandKV
+from dsv3serve.attention.base import AttentionBackend, ExpandKV, write_roped_latent
 from dsv3serve.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -36,6 +36,17 @@ class TorchRefAttention(AttentionBackend):
 
     def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
         self.pool.write(layer_id, self._need_batch().out_slots, latent)
+
+    def save_latent_roped(
+        self,
+        layer_id: int,
+        latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        slots = self._need_batch().out_slots
+        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)
 
     def _need_batch(self) -> ForwardBatch:
         if self._batch is None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims
+from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims, write_roped_latent
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     batch_kv_index,
@@ -169,6 +169,17 @@ class TritonMLAAttention(AttentionBackend):
 
     def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
         self.pool.write(layer_id, self._need_batch().out_slots, latent)
+
+    def save_latent_roped(
+        self,
+        layer_id: int,
+        latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        slots = self._need_batch().out_slots
+        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)
 
     def forward_absorbed(
         self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float

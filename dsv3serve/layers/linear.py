@@ -27,7 +27,13 @@ def fp8_kernels_apply(x: torch.Tensor, act_quant: bool) -> bool:
     """The switch between the FP8 kernels and the torch reference: kernels only for bf16
     activations on CUDA with Triton installed, quantised per 1x128 group. Everything else
     (CPU, float32 compute, ``act_quant=False``) keeps the reference."""
-    return HAS_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and act_quant
+    return fp8_kernels_run(x.device, x.dtype, act_quant)
+
+
+def fp8_kernels_run(device: torch.device, dtype: torch.dtype, act_quant: bool) -> bool:
+    """:func:`fp8_kernels_apply` for activations of ``dtype`` on ``device`` (a decision made
+    once, before any activation exists)."""
+    return HAS_TRITON and device.type == "cuda" and dtype == torch.bfloat16 and act_quant
 
 
 def fp8_linear(
@@ -77,10 +83,11 @@ class Linear(nn.Module):
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.act_quant)
 
-    def takes_quantized(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward_quantized` may stand in for ``forward(x)``: an FP8 weight
-        and the FP8 kernels (not the reference) running for ``x``."""
-        return self.is_fp8 and fp8_kernels_apply(x, self.act_quant)
+    def takes_quantized(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether :meth:`forward_quantized` may stand in for ``forward(x)`` for activations
+        of ``dtype`` on ``device``: an FP8 weight and the FP8 kernels (not the reference)
+        running for them."""
+        return self.is_fp8 and fp8_kernels_run(device, dtype, self.act_quant)
 
     def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """``forward`` over input already quantised per 1x128 group: ``xq`` [M, K] e4m3,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dsv3serve.config import YarnScaling
+from dsv3serve.kernels.rope_kv import rope_ref
 
 
 def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -51,9 +52,4 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate pairs of ``x`` [T, ..., D]; cos/sin [T, D/2] broadcast over middle dims."""
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        c, s = cos.view(shape), sin.view(shape)
-        xf = x.float()
-        even, odd = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1)
-        return out.flatten(-2).to(x.dtype)
+        return rope_ref(x, cos, sin)

@@ -18,6 +18,7 @@ from torch import nn
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.config import ModelConfig
 from dsv3serve.forward_batch import ForwardBatch
+from dsv3serve.kernels.mla_norm import mla_kernels_apply, qkv_a_rmsnorm
 from dsv3serve.kernels.norm_quant import NormQuantOut, add_rmsnorm_quant
 from dsv3serve.layers.fused import can_pack, pack_rows
 from dsv3serve.layers.linear import Linear
@@ -64,6 +65,9 @@ class ModelOptions:
     # fused residual add + RMSNorm + FP8 quantisation where the FP8 kernels run (see
     # DecoderLayer); default from $DSV3SERVE_FUSED_NORM_QUANT (on unless 0/false/off/no)
     fuse_norm_quant: bool = field(default_factory=lambda: Settings.from_env().fused_norm_quant)
+    # the MLA fusions where the Triton kernels run (see MLAttention): the q/kv norms of the
+    # down-projection in one kernel, RoPE inside the KV-cache write; from $DSV3SERVE_FUSED_MLA
+    fuse_mla: bool = field(default_factory=lambda: Settings.from_env().fused_mla)
 
 
 @dataclass
@@ -112,8 +116,8 @@ class DenseMLP(nn.Module):
         gate = self.gate_proj.forward_quantized(xq.q, xq.scale)
         return self._down(gate, self.up_proj.forward_quantized(xq.q, xq.scale))
 
-    def takes_quantized(self, x: torch.Tensor) -> bool:
-        return self.gate_proj.takes_quantized(x) and self.up_proj.takes_quantized(x)
+    def takes_quantized(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return all(lin.takes_quantized(device, dtype) for lin in (self.gate_proj, self.up_proj))
 
     def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(F.silu(gate) * up)
@@ -170,6 +174,7 @@ class MoE(nn.Module):
         self.backend: MoEBackend = create_moe_backend(opts.moe_backend, opts.fp8_act_quant)
         self.route = self.backend.route  # e.g. the Triton backend's fused gate kernel
         self._fuse_max_tokens: int | None = None  # resolved on the first forward's device
+        self.logits_in_gemm = False  # decided by plan_fusion(), once the weights are in place
 
     def _packs_shared(self, cfg: ModelConfig, fp8: bool) -> bool:
         blocked = fusion_blocked_reason(self.shard.layout)
@@ -199,9 +204,22 @@ class MoE(nn.Module):
             )
         return x.shape[0] <= self._fuse_max_tokens
 
+    def plan_fusion(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Decide whether the router logits come from one bf16 GEMM that writes float32 (CUDA,
+        bf16 activations: the products of two bf16 values are exact in float32 and the
+        GEMM accumulates in float32, as the reference does) instead of casting ``x`` and the
+        [E, H] router weight to float32 every step; elsewhere the reference casts."""
+        self.logits_in_gemm = device.type == "cuda" and dtype == torch.bfloat16
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [T, E] router logits of ``x`` [T, H]."""
+        if self.logits_in_gemm:
+            return torch.mm(x, self.gate.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.gate.weight.float())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = self.router_logits(x)
         weights, ids = self.route(
             logits,
             self.gate.e_score_correction_bias,
@@ -229,7 +247,15 @@ class MoE(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention with both the MHA and the weight-absorbed MQA forms."""
+    """Multi-head latent attention with both the MHA and the weight-absorbed MQA forms.
+
+    Where the Triton kernels run (CUDA, bf16 compute; decided once by :meth:`plan_fusion`)
+    and ``opts.fuse_mla`` is on, the queries and the cache rows come from two kernels in
+    place of the norms, rotations, concatenation and cache scatter: the q/kv norms of the
+    down-projection's output (:func:`qkv_a_rmsnorm`, which also quantises q for an FP8
+    ``q_b_proj``) and RoPE inside the KV-cache write
+    (:meth:`AttentionBackend.save_latent_roped`). Elsewhere the reference ops run.
+    """
 
     def __init__(
         self,
@@ -263,6 +289,9 @@ class MLAttention(nn.Module):
         self.w_uk: torch.Tensor | None = None  # [H, nope, R], set by post_load()
         self.w_uv: torch.Tensor | None = None  # [H, v, R]
         self.qkv_a_proj: Linear | None = None  # q_a_proj + kv_a_proj_with_mqa, by post_load()
+        self.fuse_mla = opts.fuse_mla
+        self.fuses_mla = False  # decided by plan_fusion(), once the weights are in place
+        self.q_b_quantized = False  # the fused q norm writes FP8 for q_b_proj
 
     def post_load(self) -> None:
         """Pack q_a_proj with kv_a_proj_with_mqa (one GEMM over x, N = 1536 + 576 in
@@ -278,10 +307,17 @@ class MLAttention(nn.Module):
         self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
 
-    def takes_quantized(self, x: torch.Tensor) -> bool:
+    def plan_fusion(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Decide, for activations of ``dtype`` on ``device``, whether ``forward`` runs the
+        fused MLA kernels and whether the fused q norm quantises for ``q_b_proj``."""
+        fused = self.fuse_mla and bool(self.cfg.q_lora_rank) and mla_kernels_apply(device, dtype)
+        self.fuses_mla = fused
+        self.q_b_quantized = fused and self.q_b_proj.takes_quantized(device, dtype)
+
+    def takes_quantized(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether ``forward`` can read its input quantised: every FP8 GEMM that reads ``x``
-        (the packed q/kv down-projection, or its parts) runs the FP8 kernels for ``x``."""
-        return all(lin.takes_quantized(x) for lin in self._x_readers())
+        (the packed q/kv down-projection, or its parts) runs the FP8 kernels for it."""
+        return all(lin.takes_quantized(device, dtype) for lin in self._x_readers())
 
     def _x_readers(self) -> list[Linear]:
         """The linears that read the layer input: the packed q/kv down-projection, or the
@@ -291,17 +327,60 @@ class MLAttention(nn.Module):
         first = self.q_a_proj if self.cfg.q_lora_rank else self.q_proj
         return [first, self.kv_a_proj_with_mqa]
 
-    def _project(
+    def _down_proj(
         self, x: torch.Tensor, xq: NormQuantOut | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query [T, H*192] and the compressed KV [T, 576] of the new tokens."""
+        """The query's first projection [T, q_lora_rank] (or the query [T, H*192] without
+        one) and the compressed KV [T, 576] of the new tokens (views of one packed GEMM's
+        output where the two are packed)."""
         c = self.cfg
         outs = [
             lin(x) if xq is None else lin.forward_quantized(xq.q, xq.scale)
             for lin in self._x_readers()
         ]
-        q_a, kv_a = outs if len(outs) == 2 else outs[0].split([c.q_lora_rank, c.kv_cache_dim], -1)
-        return (self.q_b_proj(self.q_a_layernorm(q_a)) if c.q_lora_rank else q_a), kv_a
+        if len(outs) == 2:
+            return outs[0], outs[1]
+        q_a, kv_a = outs[0].split([c.q_lora_rank, c.kv_cache_dim], -1)
+        return q_a, kv_a
+
+    def _split_heads(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query [T, H*192] -> q_nope [T, H, 128] and q_pe [T, H, 64] (views)."""
+        c = self.cfg
+        q_nope, q_pe = q.view(q.shape[0], self.heads, c.qk_head_dim).split(
+            [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1
+        )
+        return q_nope, q_pe
+
+    def _queries(
+        self, x: torch.Tensor, ctx: StepContext, xq: NormQuantOut | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_nope [T, H, 128] and the rotated q_pe [T, H, 64]; saves the new tokens' cache
+        rows ``[kv_a_layernorm(c_kv) | rope(k_pe)]`` on the way (reference ops)."""
+        c = self.cfg
+        q_a, kv_a = self._down_proj(x, xq)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)) if c.q_lora_rank else q_a
+        q_nope, q_pe = self._split_heads(q)
+        q_pe = RotaryEmbedding.rotate(q_pe, ctx.cos, ctx.sin)
+        kv_c, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        k_pe = RotaryEmbedding.rotate(k_pe, ctx.cos, ctx.sin)
+        ctx.attn.save_latent(self.layer_id, torch.cat([self.kv_a_layernorm(kv_c), k_pe], -1))
+        return q_nope, q_pe
+
+    def _queries_fused(
+        self, x: torch.Tensor, ctx: StepContext, xq: NormQuantOut | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_queries` through the fused kernels (where :attr:`fuses_mla`)."""
+        q_a, kv_a = self._down_proj(x, xq)
+        qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
+        quant = self.q_b_quantized
+        normed = qkv_a_rmsnorm(q_a, kv_a, qn.weight, kvn.weight, qn.eps, kvn.eps, quant)
+        if quant:
+            q = self.q_b_proj.forward_quantized(normed.q, normed.scale)
+        else:
+            q = self.q_b_proj(normed.q)
+        q_nope, q_pe = self._split_heads(q)
+        q_pe = ctx.attn.save_latent_roped(self.layer_id, normed.latent, q_pe, ctx.cos, ctx.sin)
+        return q_nope, q_pe
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [S, 576] -> keys [S, H, 192] and values [S, H, 128]."""
@@ -318,14 +397,8 @@ class MLAttention(nn.Module):
         """``xq``: ``x`` already quantised (only where :meth:`takes_quantized`)."""
         c = self.cfg
         t, heads = x.shape[0], self.heads
-        q, kv_a = self._project(x, xq)
-        q_nope, q_pe = q.view(t, heads, c.qk_head_dim).split(
-            [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1
-        )
-        q_pe = RotaryEmbedding.rotate(q_pe, ctx.cos, ctx.sin)
-        kv_c, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        k_pe = RotaryEmbedding.rotate(k_pe, ctx.cos, ctx.sin)
-        ctx.attn.save_latent(self.layer_id, torch.cat([self.kv_a_layernorm(kv_c), k_pe], -1))
+        queries = self._queries_fused if self.fuses_mla else self._queries
+        q_nope, q_pe = queries(x, ctx, xq)
         if ctx.absorbed:
             q_latent = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)
             o_latent = ctx.attn.forward_absorbed(q_latent, q_pe, self.layer_id, c.softmax_scale)
@@ -350,6 +423,8 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.fuse_norm_quant = opts.fuse_norm_quant
+        self.fuses_norm_quant = False  # decided by plan_fusion(), once the weights are in place
+        self.dense_quantized = False  # the post-attention norm quantises for a dense MLP
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
         self.self_attn = MLAttention(cfg, f"{prefix}.self_attn", layer_id, opts, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
@@ -359,17 +434,32 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg, f"{prefix}.mlp", cfg.intermediate_size, opts, shard)
 
+    def plan_fusion(self) -> None:
+        """Decide once, for the compute dtype on the weights' device, which fused kernels
+        ``forward`` runs (call again after moving the weights or flipping a switch):
+        :meth:`_forward_fused` where switched on and the attention's FP8 GEMM reads its input
+        quantised (CUDA, Triton, bf16, FP8 weights), with the post-attention norm quantising
+        for a dense MLP that reads FP8 too; the attention's own fusions
+        (:meth:`MLAttention.plan_fusion`) and a MoE's router logits (:meth:`MoE.plan_fusion`).
+        The CPU and float32 paths keep the reference ops.
+        """
+        weight = self.input_layernorm.weight
+        device, dtype = weight.device, weight.dtype
+        self.self_attn.plan_fusion(device, dtype)
+        fused = self.fuse_norm_quant and self.self_attn.takes_quantized(device, dtype)
+        self.fuses_norm_quant = fused
+        mlp = self.mlp
+        if isinstance(mlp, MoE):
+            mlp.plan_fusion(device, dtype)
+        self.dense_quantized = (
+            fused and isinstance(mlp, DenseMLP) and mlp.takes_quantized(device, dtype)
+        )
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        if self.fuses_norm_quant(x):
+        if self.fuses_norm_quant:
             return self._forward_fused(x, ctx)
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def fuses_norm_quant(self, x: torch.Tensor) -> bool:
-        """Whether this step runs :meth:`_forward_fused`: switched on, ``x`` contiguous and
-        the attention's FP8 GEMM reading it quantised (CUDA, Triton, bf16, FP8 weights). The
-        CPU and float32 paths keep the reference ops."""
-        return self.fuse_norm_quant and x.is_contiguous() and self.self_attn.takes_quantized(x)
 
     def _forward_fused(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The same block with each norm fused into one kernel: the input norm with the
@@ -378,7 +468,7 @@ class DecoderLayer(nn.Module):
         for it the kernel writes no FP8)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         attn = self.self_attn(x, ctx, add_rmsnorm_quant(x, None, n1.weight, n1.eps))
-        dense_q = isinstance(self.mlp, DenseMLP) and self.mlp.takes_quantized(x)
+        dense_q = self.dense_quantized
         post = add_rmsnorm_quant(attn.contiguous(), x, n2.weight, n2.eps, not dense_q, dense_q)
         assert post.residual is not None
         if dense_q:
@@ -460,6 +550,19 @@ class DeepseekV3ForCausalLM(nn.Module):
                 module.post_load()
             elif isinstance(module, MoE) and module.experts.shared_slots:
                 module.tie_shared()
+        self.set_fusions()
+
+    def set_fusions(self, norm_quant: bool | None = None, mla: bool | None = None) -> None:
+        """Switch the fused add + norm + quant path (``norm_quant``) or the MLA fusions
+        (``mla``) of every decoder layer (None: leave it), then decide again where each runs
+        (:meth:`DecoderLayer.plan_fusion`); ``post_load`` calls it with no switch."""
+        for module in self.modules():
+            if isinstance(module, DecoderLayer):
+                if norm_quant is not None:
+                    module.fuse_norm_quant = norm_quant
+                if mla is not None:
+                    module.self_attn.fuse_mla = mla
+                module.plan_fusion()
 
     def step_context(
         self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False

@@ -35,6 +35,7 @@ def requantize_draft(layer: NextNLayer, mode: DraftQuant, dtype: torch.dtype) ->
             module.post_load()  # the absorbed W_UK / W_UV follow the new kv_b_proj
         elif isinstance(module, MoE) and module.experts.shared_slots:
             module.tie_shared()  # converted apart: the shared expert is slot E's views again
+    layer.block.plan_fusion()  # the fused paths follow the new weight precision
 
 
 def _convert(module: nn.Module, weight: str, scale: str, mode: DraftQuant, dtype: torch.dtype):
