@@ -1,0 +1,298 @@
+"""MLA decode over the fp8 pool with FP8 tensor-core math (the e4m3 rows are never dequantised).
+
+The same attention as :func:`dsv3serve.kernels.mla_decode.mla_decode` (weight-absorbed MQA
+form; ``s[j] = (q_nope . c_kv[j] + q_pe . k_pe[j]) * sm_scale``, ``out = softmax(s) @ c_kv``)
+over the :class:`~dsv3serve.kvcache.pool.MLAKVPool` fp8 layout: row ``j`` holds ``c_kv[j] |
+k_pe[j]`` as e4m3 ``x / ks[j]`` with one float32 scale ``ks[j]`` per token. Where the older
+kernel converts each row to bf16 in registers, this one feeds the e4m3 rows to both products:
+
+1. ``_quant_q_kernel`` quantises q per (token, head) over its 576 values:
+   ``q8 = q / qs``, ``qs = max|q| / 448``.
+2. ``_stage1_kernel``, per tile of ``BLOCK_N`` cached tokens:
+   ``S = (q8 . k8^T) * qs[h] * ks[j] * sm_scale`` (FP8 dots, float32 accumulate), online
+   softmax in base 2, then ``P' = p * ks[j] / c`` with ``c = max(ks over the tile) / 448``,
+   rounded to e4m3 (``P'`` in [0, 448]: ``p`` <= 1 and ``ks[j] / c`` <= 448), and
+   ``acc += P' . v8`` as an FP8 dot over the same e4m3 rows (``V = c_kv``, the first 512
+   values). The tile's ``c`` differs from the last tile's ``C``, so ``acc`` is kept in units
+   of the last ``c`` (``acc_true = acc * C``): the per-row rescale ``alpha`` becomes
+   ``alpha * C / c``, no extra pass over the accumulator.
+3. KV splits and their merge as in :mod:`dsv3serve.kernels.mla_decode` (the same
+   ``split_bounds`` and merge kernel, so one plan serves both kernels' metadata); the
+   number of splits comes from :func:`fp8_num_splits` (fewest splits for the fullest waves).
+
+Error: e4m3 keeps 4 significant bits, so the rounding of q and of P adds a relative error
+of ~2^-5 rms per element on top of the cache's own (the tests name the bound).
+
+Oracle: :func:`dsv3serve.kernels.mla_decode_ref.mla_decode_ref` (float32 on the dequantised
+cache). Tests: ``tests/kernels/test_mla_decode_fp8_interp.py`` (CPU, Triton's interpreter) and
+``tests/kernels/test_mla_decode_fp8_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv3serve.kernels.mla_decode import HAS_TRITON, LOG2E, MLADecodeMeta, merge_splits
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from dsv3serve.kernels.mla_decode import split_bounds
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12  # q rows of zeros (padded heads) keep a finite scale
+QUANT_BLOCK_H = 16  # heads per program of the q quantisation
+
+
+@dataclass(frozen=True)
+class FP8MLAConfig:
+    """Launch parameters (sweep with ``bench kernels --only mla``; bench/kernels_mla.py)."""
+
+    block_h: int = 64  # heads per program: the M of both dots (one Hopper warpgroup MMA is 64)
+    block_n: int = 64  # cached tokens per tile: N of QK^T, K of PV (a multiple of 32)
+    num_warps: int = 8  # two warpgroups: each holds half of the [64, 512] accumulator
+    num_stages: int = 2
+    dv_split: int = 1  # programs sharing one head block's 512 output columns (1 or 2)
+    max_splits: int = 32
+    min_split_tokens: int = 128  # a split holds at least this many tokens
+    ctas_per_sm: int = 1  # resident programs per SM (registers allow one at 64 x 512)
+
+
+def fp8_num_splits(num_tokens: int, num_heads: int, cfg: FP8MLAConfig, sms: int) -> int:
+    """KV splits per query token: the fewest that make the fullest waves of programs.
+
+    ``num_tokens * head blocks`` programs per split run ``sms * ctas_per_sm`` at a time;
+    with ``s`` splits each program does ``1/s`` of the work, so the time goes as
+    ``ceil(programs * s / slots) / s``. Ties go to fewer splits (less to merge), e.g. 64
+    tokens x 2 head blocks on 132 SMs: 1 split (one wave of 128); 32 x 2: 2 splits.
+    """
+    per_split = num_tokens * -(-num_heads // cfg.block_h) * cfg.dv_split
+    slots = sms * cfg.ctas_per_sm
+    return min(
+        range(1, cfg.max_splits + 1), key=lambda s: (-(-per_split * s // slots) / s, s)
+    )
+
+
+if HAS_TRITON:
+    _FP8_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexpr
+    _MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+    @triton.jit
+    def _quant_q_kernel(
+        qn_ptr, qp_ptr, q8_ptr, qs_ptr, num_heads, s_qn_t, s_qn_h, s_qp_t, s_qp_h,
+        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """q_nope [T, H, R] and q_pe [T, H, P] (any float) -> q8 [T, H, R + P] e4m3
+        (contiguous) and qs [T, H] float32, one scale per (token, head) row."""
+        t = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < num_heads
+        offs_r, offs_p = tl.arange(0, RANK), tl.arange(0, ROPE)
+        qn_ptrs = qn_ptr + t * s_qn_t + heads[:, None] * s_qn_h + offs_r[None, :]
+        qp_ptrs = qp_ptr + t * s_qp_t + heads[:, None] * s_qp_h + offs_p[None, :]
+        qn = tl.load(qn_ptrs, mask=hmask[:, None], other=0.0).to(tl.float32)
+        qp = tl.load(qp_ptrs, mask=hmask[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(qn), 1), tl.max(tl.abs(qp), 1))
+        scale = tl.maximum(amax / _FP8_MAX, _MIN_SCALE)
+        inv = 1.0 / scale
+        row = (t * num_heads + heads).to(tl.int64)
+        q8_row = q8_ptr + row[:, None] * (RANK + ROPE)
+        qn8 = tl.minimum(tl.maximum(qn * inv[:, None], -_FP8_MAX), _FP8_MAX)
+        qp8 = tl.minimum(tl.maximum(qp * inv[:, None], -_FP8_MAX), _FP8_MAX)
+        tl.store(q8_row + offs_r[None, :], qn8.to(tl.float8e4nv), mask=hmask[:, None])
+        tl.store(q8_row + RANK + offs_p[None, :], qp8.to(tl.float8e4nv), mask=hmask[:, None])
+        tl.store(qs_ptr + row, scale, mask=hmask)
+
+    @triton.jit
+    def _stage1_kernel(
+        q8_ptr, qs_ptr, kv_ptr, ks_ptr, idx_ptr, pstart_ptr, kvlen_ptr,
+        out_ptr, po_ptr, pl_ptr,
+        sm_scale_log2, num_heads, num_splits, min_split_tokens, s_kv, s_o_t, s_o_h,
+        RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        """One program: ``BLOCK_H`` heads of query token ``t`` over KV split ``split``,
+        output columns ``[c * DV, (c + 1) * DV)`` with ``DV = RANK / DV_SPLIT``.
+
+        Grid ``(head blocks * DV_SPLIT, T, splits)``: the programs sharing one (token,
+        split) are neighbours in launch order, so they run together and all but the first
+        read its KV tiles from L2. Layouts: ``q8`` [T, H, R + P] e4m3 and ``qs`` [T, H]
+        float32 (``_quant_q_kernel``); ``kv`` [slots, R + P] e4m3 rows (row stride
+        ``s_kv``), ``ks`` [slots] float32; ``out`` [T, H, R]; ``po`` / ``pl`` as in
+        ``merge_splits``.
+
+        Registers. The float32 accumulator [BLOCK_H, DV] sets them: [64, 512] is 32K
+        values, 128 a thread at 8 warps (two warpgroups, each MMA-ing 256 columns) and
+        [64, 256] the same at 4 warps. All 128 heads in one program ([128, 512], 256 a
+        thread) cannot fit, hence ``BLOCK_H`` 64 and neighbouring programs. Triton gives a
+        dot whose result feeds another dot (QK^T -> P -> PV) all its warps along M, so at
+        8 warps and M = 64 both warpgroups compute the same QK^T tile: ``DV_SPLIT`` 2 at 4
+        warps does that work in two programs instead (two resident per SM, which
+        interleave one's softmax with the other's MMAs). With the scores, probabilities
+        and the PV operand of a [64, BLOCK_N] tile on top (BLOCK_N 32: ~40 registers),
+        ptxas reports ~240-250 registers and no spills for 64 / 32 / 8 warps (sm_90a,
+        triton 3.6); BLOCK_N 64 at 8 warps spills a little. q8 is loaded from memory, not
+        computed here, so that Triton keeps the A operand of QK^T in shared memory (36 KB)
+        rather than in registers.
+
+        FP8 MMAs need both operands K-major. The K rows are, for QK^T, as stored: their
+        load is pipelined (cp.async, ``num_stages`` buffers). For PV the tile must be
+        transposed, which Triton does through registers; that copy is a second load of
+        the same rows (from L2, just fetched), since one load feeding both layouts is not
+        pipelined at all.
+        """
+        pid0, t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        heads = (pid0 // DV_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
+        chunk = pid0 % DV_SPLIT
+        DV: tl.constexpr = RANK // DV_SPLIT
+        hmask = heads < num_heads
+        offs_r, offs_p = tl.arange(0, RANK), tl.arange(0, ROPE)
+        offs_v = chunk * DV + tl.arange(0, DV)
+        kv_len = tl.load(kvlen_ptr + t)
+        page0 = tl.load(pstart_ptr + t)
+        used, start, end = split_bounds(kv_len, split, num_splits, min_split_tokens, BLOCK_N)
+        row = (t * num_heads + heads).to(tl.int64)
+        q8_row = q8_ptr + row[:, None] * (RANK + ROPE)
+        qn = tl.load(q8_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+        qp = tl.load(q8_row + RANK + offs_p[None, :], mask=hmask[:, None], other=0.0)
+        q_scale = tl.load(qs_ptr + row, mask=hmask, other=0.0) * sm_scale_log2
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc_scale = tl.full([BLOCK_H], 1.0, tl.float32)  # acc_true = acc * acc_scale
+        acc = tl.zeros([BLOCK_H, DV], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            page = tl.load(idx_ptr + page0 + offs_n // PAGE_SIZE, mask=nmask, other=0)
+            rows = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            row_ptrs = kv_ptr + rows[:, None] * s_kv
+            ckv = tl.load(row_ptrs + offs_r[None, :], mask=nmask[:, None], other=0.0)
+            kpe = tl.load(row_ptrs + RANK + offs_p[None, :], mask=nmask[:, None], other=0.0)
+            ks = tl.load(ks_ptr + rows, mask=nmask, other=0.0)  # masked: 0, never NaN
+            qk = tl.dot(qp, tl.trans(kpe), tl.dot(qn, tl.trans(ckv)))
+            qk = qk * q_scale[:, None] * ks[None, :]
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_scale = tl.maximum(tl.max(ks, 0), _MIN_SCALE) / _FP8_MAX
+            p8 = tl.minimum(p * (ks / v_scale)[None, :], _FP8_MAX).to(tl.float8e4nv)
+            v_t = tl.load(  # [DV, BLOCK_N]: the same rows again, for the transposed copy
+                kv_ptr + rows[None, :] * s_kv + offs_v[:, None], mask=nmask[None, :], other=0.0
+            )
+            acc = acc * (alpha * acc_scale / v_scale)[:, None]
+            acc = tl.dot(p8, tl.trans(v_t), acc)
+            acc_scale = tl.zeros_like(acc_scale) + v_scale
+            m_i = m_new
+        out = acc * (acc_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+        if split < used:
+            if used == 1:  # the whole KV in one split: the final output
+                o_ptrs = out_ptr + t * s_o_t + heads[:, None] * s_o_h + offs_v[None, :]
+                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            else:  # rows of the [T, H, splits] partial results, for the merge
+                prow = row * num_splits + split
+                po_ptrs = po_ptr + prow[:, None] * RANK + offs_v[None, :]
+                tl.store(po_ptrs, out, mask=hmask[:, None])
+                tl.store(pl_ptr + prow, m_i + tl.log2(l_i), mask=hmask & (chunk == 0))
+
+
+def _check(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    t, h, rank = q_nope.shape
+    rope = q_pe.shape[-1]
+    if list(q_pe.shape[:2]) != [t, h] or kv.shape[-1] != rank + rope:
+        raise ValueError(
+            f"expected q_nope [T, H, R], q_pe [T, H, P] and KV rows of R + P; got "
+            f"{list(q_nope.shape)}, {list(q_pe.shape)}, {list(kv.shape)}"
+        )
+    for name, n in (("kv_lora_rank", rank), ("rope dim", rope)):
+        if n < 32 or n & (n - 1):
+            raise ValueError(f"{name}: expected a power of two >= 32 (FP8 dot K), got {n}")
+    if kv.dtype != torch.float8_e4m3fn or scale is None or scale.dtype != torch.float32:
+        raise ValueError(
+            f"expected an e4m3 KV buffer and its float32 per-row scales, got {kv.dtype} and "
+            f"{None if scale is None else scale.dtype}"
+        )
+    if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv.stride(-1) != 1:
+        raise ValueError("q_nope, q_pe and the KV buffer need a contiguous last dimension")
+
+
+def _check_config(cfg: FP8MLAConfig) -> None:
+    for name in ("block_h", "block_n"):
+        n = getattr(cfg, name)
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"FP8MLAConfig.{name}: expected a power of two >= 16, got {n}")
+    if cfg.dv_split not in (1, 2):
+        raise ValueError(f"FP8MLAConfig.dv_split: expected 1 or 2, got {cfg.dv_split}")
+    if cfg.block_n % 32:
+        raise ValueError(f"FP8MLAConfig.block_n: the PV dot's K, a multiple of 32, got {cfg.block_n}")
+
+
+def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q8 [T, H, R + P] e4m3 and its per-(token, head) float32 scales [T, H]."""
+    t, h, rank = q_nope.shape
+    rope = q_pe.shape[-1]
+    q8 = torch.empty(t, h, rank + rope, dtype=torch.float8_e4m3fn, device=q_nope.device)
+    qs = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
+    _quant_q_kernel[(t, triton.cdiv(h, QUANT_BLOCK_H))](
+        q_nope, q_pe, q8, qs, h, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0),
+        q_pe.stride(1), RANK=rank, ROPE=rope, BLOCK_H=QUANT_BLOCK_H, num_warps=4,
+    )  # fmt: skip
+    return q8, qs
+
+
+@torch.compiler.disable  # opaque to torch.compile: Inductor fails to re-emit our Triton kernels
+def mla_decode_fp8(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    meta: MLADecodeMeta,
+    sm_scale: float,
+    cfg: FP8MLAConfig | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA attention of ``T`` query tokens over the fp8 paged latent cache.
+
+    ``q_nope`` [T, H, R] (already multiplied by W_UK) and ``q_pe`` [T, H, P], bf16 / fp16 /
+    float32 (quantised to e4m3 here); ``kv_buffer`` [num_pages, page_size, R + P]
+    float8_e4m3fn with ``kv_scale`` [num_pages, page_size] float32; ``meta`` as for
+    :func:`~dsv3serve.kernels.mla_decode.mla_decode` (``num_splits`` from
+    :func:`fp8_num_splits`). Returns [T, H, R] in q_nope's dtype. No host sync: safe to
+    capture in a CUDA graph.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("mla_decode_fp8 needs Triton (pip install 'dsv3serve[gpu]')")
+    cfg = cfg or FP8MLAConfig()
+    _check(q_nope, q_pe, kv_buffer, kv_scale)
+    _check_config(cfg)
+    t, h, rank = q_nope.shape
+    if meta.kv_len.shape[0] != t or meta.page_start.shape[0] != t:
+        raise ValueError(f"metadata for {meta.kv_len.shape[0]} query tokens, got {t}")
+    q8, qs = quantize_q(q_nope, q_pe)
+    splits, block_h = meta.num_splits, cfg.block_h
+    out = torch.empty_like(q_nope)
+    n_part = t * h * splits if splits > 1 else 1  # one split: stage 1 writes ``out`` itself
+    part = torch.empty(n_part, rank, dtype=torch.float32, device=q_nope.device)
+    lse = torch.empty(n_part, dtype=torch.float32, device=q_nope.device)
+    rows = kv_buffer.view(-1, kv_buffer.shape[-1])
+    _stage1_kernel[(triton.cdiv(h, block_h) * cfg.dv_split, t, splits)](
+        q8, qs, rows, kv_scale, meta.kv_indices, meta.page_start, meta.kv_len, out, part, lse,
+        sm_scale * LOG2E, h, splits, cfg.min_split_tokens, rows.stride(0), out.stride(0),
+        out.stride(1), RANK=rank, ROPE=q_pe.shape[-1], PAGE_SIZE=meta.page_size,
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        merge_splits(part, lse, meta.kv_len, out, splits, cfg.min_split_tokens, cfg.block_n)
+    return out
+
+
+def decode_flops(kv_tokens: int, num_heads: int, rank: int, rope: int) -> int:
+    """Multiply-adds x 2 of one decode call: QK^T over R + P and PV over R, per head and
+    cached token (what a kernel must do, padding heads not counted)."""
+    return 2 * kv_tokens * num_heads * (2 * rank + rope)
