@@ -45,35 +45,46 @@ if HAS_TRITON:
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12  # q rows of zeros (padded heads) keep a finite scale
 QUANT_BLOCK_H = 16  # heads per program of the q quantisation
+FULL_WAVES = 0.85  # programs / (waves * slots) that counts as filling the GPU
 
 
 @dataclass(frozen=True)
 class FP8MLAConfig:
-    """Launch parameters (sweep with ``bench kernels --only mla``; bench/kernels_mla.py)."""
+    """Launch parameters (sweep with ``bench kernels --only mla``; bench/kernels_mla.py).
+
+    Default: 64 heads x 32 tokens a tile, 4 warps, the 512 output columns in two
+    programs: 241 registers, no spills, 82 KB of shared memory (ptxas, sm_90a, triton
+    3.6), so two programs fit an SM. Not yet timed against the other configs.
+    """
 
     block_h: int = 64  # heads per program: the M of both dots (one Hopper warpgroup MMA is 64)
-    block_n: int = 64  # cached tokens per tile: N of QK^T, K of PV (a multiple of 32)
-    num_warps: int = 8  # two warpgroups: each holds half of the [64, 512] accumulator
+    block_n: int = 32  # cached tokens per tile: N of QK^T, K of PV (a multiple of 32)
+    num_warps: int = 4
     num_stages: int = 2
-    dv_split: int = 1  # programs sharing one head block's 512 output columns (1 or 2)
+    dv_split: int = 2  # programs sharing one head block's 512 output columns (1 or 2)
+    prefetch: bool = False  # one register-prefetched load per tile (dv_split 1 only)
     max_splits: int = 32
     min_split_tokens: int = 128  # a split holds at least this many tokens
-    ctas_per_sm: int = 1  # resident programs per SM (registers allow one at 64 x 512)
+    ctas_per_sm: int = 2  # resident programs per SM, for the split count
 
 
 def fp8_num_splits(num_tokens: int, num_heads: int, cfg: FP8MLAConfig, sms: int) -> int:
-    """KV splits per query token: the fewest that make the fullest waves of programs.
+    """KV splits per query token: the fewest whose programs fill their waves.
 
-    ``num_tokens * head blocks`` programs per split run ``sms * ctas_per_sm`` at a time;
-    with ``s`` splits each program does ``1/s`` of the work, so the time goes as
-    ``ceil(programs * s / slots) / s``. Ties go to fewer splits (less to merge), e.g. 64
-    tokens x 2 head blocks on 132 SMs: 1 split (one wave of 128); 32 x 2: 2 splits.
+    ``num_tokens * head blocks * dv_split`` programs per split run ``sms * ctas_per_sm``
+    at a time. Each split costs a float32 partial output (2 KB per head, written and read
+    back), so the count is the smallest whose last wave is at least ``FULL_WAVES`` full;
+    failing that (a few tokens), as many as one wave holds. E.g. on 132 SMs x 2 with 128
+    heads: 64 or 128 tokens 1 split, 32 tokens 2, 16 tokens 4, 1 token 32 (``max_splits``).
     """
     per_split = num_tokens * -(-num_heads // cfg.block_h) * cfg.dv_split
     slots = sms * cfg.ctas_per_sm
-    return min(
-        range(1, cfg.max_splits + 1), key=lambda s: (-(-per_split * s // slots) / s, s)
-    )
+
+    def fill(s: int) -> float:
+        return per_split * s / (-(-per_split * s // slots) * slots)
+
+    full = [s for s in range(1, cfg.max_splits + 1) if fill(s) >= FULL_WAVES]
+    return full[0] if full else max(1, min(cfg.max_splits, slots // per_split))
 
 
 if HAS_TRITON:
@@ -107,12 +118,114 @@ if HAS_TRITON:
         tl.store(qs_ptr + row, scale, mask=hmask)
 
     @triton.jit
+    def _tile_rows(idx_ptr, page0, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Cache rows (int64) of tokens ``[n0, n0 + BLOCK_N)`` and which are ``< end``."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        page = tl.load(idx_ptr + page0 + offs_n // PAGE_SIZE, mask=nmask, other=0)
+        return page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE, nmask
+
+    @triton.jit
+    def _rope_offsets(ROPE: tl.constexpr):
+        """Rope columns padded to the FP8 dot's K minimum (32), and which are real."""
+        ROPE_PAD: tl.constexpr = ROPE if ROPE >= 32 else 32
+        offs = tl.arange(0, ROPE_PAD)
+        return offs, offs < ROPE
+
+    @triton.jit
+    def _load_tile(kv_ptr, ks_ptr, rows, nmask, s_kv, RANK: tl.constexpr, ROPE: tl.constexpr):
+        """A tile's e4m3 c_kv [BLOCK_N, RANK], k_pe [BLOCK_N, max(ROPE, 32)] and float32
+        scales; masked rows (and rope padding) load as 0, scales too: never NaN."""
+        row_ptrs = kv_ptr + rows[:, None] * s_kv
+        ckv = tl.load(row_ptrs + tl.arange(0, RANK)[None, :], mask=nmask[:, None], other=0.0)
+        offs_p, pmask = _rope_offsets(ROPE)
+        kpe_mask = nmask[:, None] & pmask[None, :]
+        kpe = tl.load(row_ptrs + RANK + offs_p[None, :], mask=kpe_mask, other=0.0)
+        return ckv, kpe, tl.load(ks_ptr + rows, mask=nmask, other=0.0)
+
+    @triton.jit
+    def _scores(qn, qp, q_scale, ckv, kpe, ks, nmask):
+        """Base-2 scores [BLOCK_H, BLOCK_N]: FP8 dots, then q's and K's scales."""
+        qk = tl.dot(qp, tl.trans(kpe), tl.dot(qn, tl.trans(ckv)))
+        qk = qk * q_scale[:, None] * ks[None, :]
+        return tl.where(nmask[None, :], qk, float("-inf"))
+
+    @triton.jit
+    def _softmax_pv(qk, ks, v, m_i, l_i, acc, acc_scale):
+        """Online-softmax update and ``acc += P' . v`` (``v`` [BLOCK_N, DV] e4m3).
+
+        ``P' = p * ks / c`` in e4m3, ``c = max(ks) / 448``; ``acc`` stays in units of
+        ``acc_scale`` (the last tile's ``c``): the true accumulator is ``acc * acc_scale``.
+        """
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_scale = tl.maximum(tl.max(ks, 0), _MIN_SCALE) / _FP8_MAX
+        p8 = tl.minimum(p * (ks / v_scale)[None, :], _FP8_MAX).to(tl.float8e4nv)
+        acc = acc * (alpha * acc_scale / v_scale)[:, None]
+        acc = tl.dot(p8, v, acc)
+        return m_new, l_i, acc, tl.zeros_like(acc_scale) + v_scale
+
+    @triton.jit
+    def _loop_reload(
+        qn, qp, q_scale, kv_ptr, ks_ptr, idx_ptr, page0, start, end, s_kv, offs_v,
+        RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
+    ):  # fmt: skip
+        """The KV loop, PV operand re-loaded: K tiles pipelined by Triton (cp.async); the
+        PV operand (columns ``offs_v``) a second load of the same rows, from L2, which
+        Triton transposes through registers (one load feeding both operand layouts would
+        not be pipelined)."""
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc_scale = tl.full([BLOCK_H], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_H, DV], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            rows, nmask = _tile_rows(idx_ptr, page0, n0, end, PAGE_SIZE, BLOCK_N)
+            ckv, kpe, ks = _load_tile(kv_ptr, ks_ptr, rows, nmask, s_kv, RANK, ROPE)
+            v_t = tl.load(  # [DV, BLOCK_N], issued before QK^T so that it lands meanwhile
+                kv_ptr + rows[None, :] * s_kv + offs_v[:, None], mask=nmask[None, :], other=0.0
+            )
+            qk = _scores(qn, qp, q_scale, ckv, kpe, ks, nmask)
+            m_i, l_i, acc, acc_scale = _softmax_pv(qk, ks, tl.trans(v_t), m_i, l_i, acc, acc_scale)
+        return m_i, l_i, acc, acc_scale
+
+    @triton.jit
+    def _loop_prefetch(
+        qn, qp, q_scale, kv_ptr, ks_ptr, idx_ptr, page0, start, end, s_kv,
+        RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """The KV loop, one load per tile: the next tile is loaded into registers while
+        this one computes (by hand: Triton does not pipeline a load that feeds two
+        operand layouts), and both operand copies are written from those registers. Half
+        the L2 traffic of ``_loop_reload``, ~18 more registers a thread (BLOCK_N 32, 8
+        warps). Needs the whole row per program (DV_SPLIT 1)."""
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc_scale = tl.full([BLOCK_H], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+        rows, nmask = _tile_rows(idx_ptr, page0, start, end, PAGE_SIZE, BLOCK_N)
+        ckv, kpe, ks = _load_tile(kv_ptr, ks_ptr, rows, nmask, s_kv, RANK, ROPE)
+        for n0 in range(start, end, BLOCK_N):
+            rows, nmask_next = _tile_rows(idx_ptr, page0, n0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
+            ckv_next, kpe_next, ks_next = _load_tile(
+                kv_ptr, ks_ptr, rows, nmask_next, s_kv, RANK, ROPE
+            )
+            qk = _scores(qn, qp, q_scale, ckv, kpe, ks, nmask)
+            m_i, l_i, acc, acc_scale = _softmax_pv(qk, ks, ckv, m_i, l_i, acc, acc_scale)
+            ckv, kpe, ks, nmask = ckv_next, kpe_next, ks_next, nmask_next
+        return m_i, l_i, acc, acc_scale
+
+    @triton.jit
     def _stage1_kernel(
         q8_ptr, qs_ptr, kv_ptr, ks_ptr, idx_ptr, pstart_ptr, kvlen_ptr,
         out_ptr, po_ptr, pl_ptr,
         sm_scale_log2, num_heads, num_splits, min_split_tokens, s_kv, s_o_t, s_o_h,
         RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """One program: ``BLOCK_H`` heads of query token ``t`` over KV split ``split``,
         output columns ``[c * DV, (c + 1) * DV)`` with ``DV = RANK / DV_SPLIT``.
@@ -138,56 +251,37 @@ if HAS_TRITON:
         computed here, so that Triton keeps the A operand of QK^T in shared memory (36 KB)
         rather than in registers.
 
-        FP8 MMAs need both operands K-major. The K rows are, for QK^T, as stored: their
-        load is pipelined (cp.async, ``num_stages`` buffers). For PV the tile must be
-        transposed, which Triton does through registers; that copy is a second load of
-        the same rows (from L2, just fetched), since one load feeding both layouts is not
-        pipelined at all.
+        FP8 MMAs need both operands K-major. The K rows are, for QK^T, as stored; for PV
+        the tile must be transposed, which Triton does through registers. ``PREFETCH``
+        picks how the tile gets there (``_loop_reload`` or ``_loop_prefetch``).
         """
         pid0, t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         heads = (pid0 // DV_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
         chunk = pid0 % DV_SPLIT
         DV: tl.constexpr = RANK // DV_SPLIT
         hmask = heads < num_heads
-        offs_r, offs_p = tl.arange(0, RANK), tl.arange(0, ROPE)
-        offs_v = chunk * DV + tl.arange(0, DV)
+        offs_r = tl.arange(0, RANK)
+        offs_p, pmask = _rope_offsets(ROPE)
+        offs_v = chunk * DV + tl.arange(0, DV)  # this program's output columns
         kv_len = tl.load(kvlen_ptr + t)
         page0 = tl.load(pstart_ptr + t)
         used, start, end = split_bounds(kv_len, split, num_splits, min_split_tokens, BLOCK_N)
         row = (t * num_heads + heads).to(tl.int64)
         q8_row = q8_ptr + row[:, None] * (RANK + ROPE)
         qn = tl.load(q8_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-        qp = tl.load(q8_row + RANK + offs_p[None, :], mask=hmask[:, None], other=0.0)
+        qp_mask = hmask[:, None] & pmask[None, :]
+        qp = tl.load(q8_row + RANK + offs_p[None, :], mask=qp_mask, other=0.0)
         q_scale = tl.load(qs_ptr + row, mask=hmask, other=0.0) * sm_scale_log2
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc_scale = tl.full([BLOCK_H], 1.0, tl.float32)  # acc_true = acc * acc_scale
-        acc = tl.zeros([BLOCK_H, DV], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < end
-            page = tl.load(idx_ptr + page0 + offs_n // PAGE_SIZE, mask=nmask, other=0)
-            rows = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-            row_ptrs = kv_ptr + rows[:, None] * s_kv
-            ckv = tl.load(row_ptrs + offs_r[None, :], mask=nmask[:, None], other=0.0)
-            kpe = tl.load(row_ptrs + RANK + offs_p[None, :], mask=nmask[:, None], other=0.0)
-            ks = tl.load(ks_ptr + rows, mask=nmask, other=0.0)  # masked: 0, never NaN
-            qk = tl.dot(qp, tl.trans(kpe), tl.dot(qn, tl.trans(ckv)))
-            qk = qk * q_scale[:, None] * ks[None, :]
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_scale = tl.maximum(tl.max(ks, 0), _MIN_SCALE) / _FP8_MAX
-            p8 = tl.minimum(p * (ks / v_scale)[None, :], _FP8_MAX).to(tl.float8e4nv)
-            v_t = tl.load(  # [DV, BLOCK_N]: the same rows again, for the transposed copy
-                kv_ptr + rows[None, :] * s_kv + offs_v[:, None], mask=nmask[None, :], other=0.0
-            )
-            acc = acc * (alpha * acc_scale / v_scale)[:, None]
-            acc = tl.dot(p8, tl.trans(v_t), acc)
-            acc_scale = tl.zeros_like(acc_scale) + v_scale
-            m_i = m_new
+        if PREFETCH:
+            m_i, l_i, acc, acc_scale = _loop_prefetch(
+                qn, qp, q_scale, kv_ptr, ks_ptr, idx_ptr, page0, start, end, s_kv,
+                RANK, ROPE, PAGE_SIZE, BLOCK_H, BLOCK_N,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc, acc_scale = _loop_reload(
+                qn, qp, q_scale, kv_ptr, ks_ptr, idx_ptr, page0, start, end, s_kv, offs_v,
+                RANK, ROPE, PAGE_SIZE, BLOCK_H, BLOCK_N, DV,
+            )  # fmt: skip
         out = acc * (acc_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         if split < used:
             if used == 1:  # the whole KV in one split: the final output
@@ -210,9 +304,9 @@ def _check(
             f"expected q_nope [T, H, R], q_pe [T, H, P] and KV rows of R + P; got "
             f"{list(q_nope.shape)}, {list(q_pe.shape)}, {list(kv.shape)}"
         )
-    for name, n in (("kv_lora_rank", rank), ("rope dim", rope)):
-        if n < 32 or n & (n - 1):
-            raise ValueError(f"{name}: expected a power of two >= 32 (FP8 dot K), got {n}")
+    for name, n, least in (("kv_lora_rank", rank, 32), ("rope dim", rope, 1)):
+        if n < least or n & (n - 1):
+            raise ValueError(f"{name}: expected a power of two >= {least}, got {n}")
     if kv.dtype != torch.float8_e4m3fn or scale is None or scale.dtype != torch.float32:
         raise ValueError(
             f"expected an e4m3 KV buffer and its float32 per-row scales, got {kv.dtype} and "
@@ -229,8 +323,12 @@ def _check_config(cfg: FP8MLAConfig) -> None:
             raise ValueError(f"FP8MLAConfig.{name}: expected a power of two >= 16, got {n}")
     if cfg.dv_split not in (1, 2):
         raise ValueError(f"FP8MLAConfig.dv_split: expected 1 or 2, got {cfg.dv_split}")
+    if cfg.prefetch and cfg.dv_split != 1:
+        raise ValueError("FP8MLAConfig.prefetch needs dv_split 1 (the whole row per program)")
     if cfg.block_n % 32:
-        raise ValueError(f"FP8MLAConfig.block_n: the PV dot's K, a multiple of 32, got {cfg.block_n}")
+        raise ValueError(
+            f"FP8MLAConfig.block_n: the PV dot's K (multiple of 32), got {cfg.block_n}"
+        )
 
 
 def quantize_q(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,7 +382,7 @@ def mla_decode_fp8(
         q8, qs, rows, kv_scale, meta.kv_indices, meta.page_start, meta.kv_len, out, part, lse,
         sm_scale * LOG2E, h, splits, cfg.min_split_tokens, rows.stride(0), out.stride(0),
         out.stride(1), RANK=rank, ROPE=q_pe.shape[-1], PAGE_SIZE=meta.page_size,
-        BLOCK_H=block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
