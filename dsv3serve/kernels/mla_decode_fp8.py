@@ -238,18 +238,18 @@ if HAS_TRITON:
         ``merge_splits``.
 
         Registers. The float32 accumulator [BLOCK_H, DV] sets them: [64, 512] is 32K
-        values, 128 a thread at 8 warps (two warpgroups, each MMA-ing 256 columns) and
-        [64, 256] the same at 4 warps. All 128 heads in one program ([128, 512], 256 a
-        thread) cannot fit, hence ``BLOCK_H`` 64 and neighbouring programs. Triton gives a
-        dot whose result feeds another dot (QK^T -> P -> PV) all its warps along M, so at
-        8 warps and M = 64 both warpgroups compute the same QK^T tile: ``DV_SPLIT`` 2 at 4
-        warps does that work in two programs instead (two resident per SM, which
-        interleave one's softmax with the other's MMAs). With the scores, probabilities
-        and the PV operand of a [64, BLOCK_N] tile on top (BLOCK_N 32: ~40 registers),
-        ptxas reports ~240-250 registers and no spills for 64 / 32 / 8 warps (sm_90a,
-        triton 3.6); BLOCK_N 64 at 8 warps spills a little. q8 is loaded from memory, not
-        computed here, so that Triton keeps the A operand of QK^T in shared memory (36 KB)
-        rather than in registers.
+        values, 128 a thread at 8 warps (two warpgroups, each MMA-ing 256 columns), and
+        [64, 256] (DV_SPLIT 2) the same at 4 warps. All 128 heads in one program ([128,
+        512], 256 a thread) cannot fit, hence BLOCK_H 64 and neighbouring programs.
+        Triton gives a dot whose result feeds another dot (QK^T -> P -> PV) all its warps
+        along M, so at 8 warps and M = 64 both warpgroups compute the same QK^T tile;
+        DV_SPLIT 2 at 4 warps does that work in two programs instead, two resident per
+        SM (one's softmax can overlap the other's MMAs). Scores, probabilities and the PV
+        operand of a [64, 32] tile add ~40 registers. ptxas (sm_90a, triton 3.6, checked
+        on a CPU): 64 / 32 / 4 warps / DV_SPLIT 2 uses 241 registers and 82 KB of shared
+        memory, 64 / 32 / 8 warps 247 registers; no spills. BLOCK_N 64 and PREFETCH spill
+        (80-230 bytes). q8 is loaded from memory, not computed here, so that Triton keeps
+        the A operand of QK^T in shared memory (36 KB), not in registers.
 
         FP8 MMAs need both operands K-major. The K rows are, for QK^T, as stored; for PV
         the tile must be transposed, which Triton does through registers. ``PREFETCH``
