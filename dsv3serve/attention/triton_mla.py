@@ -4,8 +4,11 @@ The fast backend for an fp8 KV cache (``attention_backend='flashinfer'`` with
 ``kv_cache_dtype='fp8_e4m3'``), which flashinfer's MLA kernels cannot read as the pool lays
 it out; it reads bf16 pools too (for comparison with flashinfer).
 
-- Absorbed form: :func:`dsv3serve.kernels.mla_decode.mla_decode` reads the pool in place
-  (e4m3 rows and their per-token scales, dequantised in registers). Causal, bottom-right
+- Absorbed form: over an fp8 pool, :func:`dsv3serve.kernels.mla_decode_fp8.mla_decode_fp8`
+  (``fp8_kernel='mma'``, the default: q and the probabilities rounded to e4m3, FP8
+  tensor-core dots straight on the e4m3 rows); over a bf16 pool, or an fp8 one with
+  ``fp8_kernel='dequant'``, :func:`dsv3serve.kernels.mla_decode.mla_decode` (rows
+  dequantised in registers, bf16 dots). Both read the pool in place. Causal, bottom-right
   aligned for several new tokens per sequence (verify). KV is indexed by page when every
   sequence fills its pages in order, else token by token (each slot a page of one row).
 - MHA form (prefill, extend): on CUDA, flashinfer's ragged prefill
@@ -39,12 +42,15 @@ from dsv3serve.kernels.mla_decode import (
     mla_decode,
     num_splits_for,
 )
+from dsv3serve.kernels.mla_decode_fp8 import FP8MLAConfig, fp8_num_splits, mla_decode_fp8
 
 if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
     from dsv3serve.kvcache.pool import MLAKVPool
 
 logger = logging.getLogger(__name__)
+
+FP8_KERNELS = ("mma", "dequant")  # an fp8 pool's absorbed-form kernel: FP8 dots, or bf16
 
 DEFAULT_SMS = 132  # H100 / H200 multiprocessors, where the device cannot say (CPU)
 
@@ -112,15 +118,23 @@ class TritonMLAAttention(AttentionBackend):
         config: MLADecodeConfig | None = None,
         paged: bool = True,
         extend: AttentionBackend | None = None,
+        fp8_kernel: str = "mma",
+        fp8_config: FP8MLAConfig | None = None,
     ) -> None:
-        """``extend``: the MHA-form backend (default: flashinfer on CUDA, else torch)."""
+        """``extend``: the MHA-form backend (default: flashinfer on CUDA, else torch).
+        ``fp8_kernel`` (fp8 pools): ``mma`` (FP8 tensor-core kernel, ``fp8_config``) or
+        ``dequant`` (the bf16 kernel over dequantised rows, ``config``)."""
         if pool.kv_dim != dims.kv_cache_dim:
             raise ValueError(
                 f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + "
                 f"qk_rope_head_dim = {dims.kv_cache_dim}"
             )
+        if fp8_kernel not in FP8_KERNELS:
+            raise ValueError(f"fp8_kernel: expected one of {FP8_KERNELS}, got {fp8_kernel!r}")
         self.pool, self.dims, self.paged = pool, dims, paged
         self.config = config or MLADecodeConfig()
+        self.fp8_config = fp8_config or FP8MLAConfig()
+        self.fp8_mma = pool.is_fp8 and fp8_kernel == "mma"
         self._graph = None if cuda_graph is None else _GraphMeta(cuda_graph, pool.device)
         self._extend = extend or _default_extend(pool, dims)
         self._sms = _num_sms(pool.device)
@@ -158,8 +172,14 @@ class TritonMLAAttention(AttentionBackend):
                 self.graph_slot, indices, page_start, kv_len
             )
         self.index_mode = "token" if index.page_size == 1 else "page"
-        splits = num_splits_for(batch.num_tokens, self.dims.num_heads, self.config, self._sms)
-        return MLADecodeMeta(indices, page_start, kv_len, index.page_size, splits)
+        return MLADecodeMeta(indices, page_start, kv_len, index.page_size, self._splits(batch))
+
+    def _splits(self, batch: ForwardBatch) -> int:
+        """KV splits per query token (fixed per token count: CUDA graphs replay it)."""
+        tokens, heads = batch.num_tokens, self.dims.num_heads
+        if self.fp8_mma:
+            return fp8_num_splits(tokens, heads, self.fp8_config, self._sms)
+        return num_splits_for(tokens, heads, self.config, self._sms)
 
     # ---- per layer -----------------------------------------------------------------------
     def _need_batch(self) -> ForwardBatch:
@@ -191,15 +211,10 @@ class TritonMLAAttention(AttentionBackend):
         if self._meta.page_size == 1:
             kv = kv.view(-1, 1, kv.shape[-1])
         scales = self.pool.scale_buffer(layer_id)
-        return mla_decode(
-            _unit_last_stride(q_latent),
-            _unit_last_stride(q_pe),
-            kv,
-            scales,
-            self._meta,
-            scale,
-            self.config,
-        )
+        q_latent, q_pe = _unit_last_stride(q_latent), _unit_last_stride(q_pe)
+        if self.fp8_mma:
+            return mla_decode_fp8(q_latent, q_pe, kv, scales, self._meta, scale, self.fp8_config)
+        return mla_decode(q_latent, q_pe, kv, scales, self._meta, scale, self.config)
 
     def forward_mha(
         self, q: torch.Tensor, layer_id: int, scale: float, expand_kv: ExpandKV

@@ -2,15 +2,19 @@
 
 DeepSeek-V3 shapes (128 heads, latent 512 + rope 64, bf16 queries), one new token per
 sequence over a paged cache whose pages are shuffled as an engine's would be. Rows:
-flashinfer (bf16 pool; page or token indices) and our Triton kernel
-(:mod:`dsv3serve.kernels.mla_decode`) on bf16 and fp8 pools. Each point plans once, then
+flashinfer (bf16 pool; page or token indices; skipped where flashinfer does not import),
+our bf16-dot Triton kernel (:mod:`dsv3serve.kernels.mla_decode`) on bf16 and fp8 pools
+(``triton-bf16``, ``triton-fp8``), and the FP8 tensor-core kernel
+(:mod:`dsv3serve.kernels.mla_decode_fp8`, ``triton-fp8mma``) on the fp8 pool, over the
+configs of ``FP8_CONFIGS`` (``--mla-fp8-configs``). Each point plans once, then
 times ``forward_absorbed`` as the model calls it, in a CUDA graph (see
 ``kernels.graph_us``); consecutive calls read different layers of the pool, together
 over 4x the L2 cache, so each call reads its KV from device memory.
 
 Bandwidth: bytes moved at least (the cached latents of every sequence, 576 values per
 token, with fp8 its float32 scale; plus q and the bf16 output) over the time, as a
-percentage of the same run's device copy bandwidth.
+percentage of the same run's device copy bandwidth. TFLOP/s: ``2 * heads * tokens * (2 *
+512 + 64)`` per call (QK^T over 576, PV over 512; padding and duplicated work not counted).
 """
 
 from __future__ import annotations
@@ -25,10 +29,22 @@ import torch
 from dsv3serve.attention.base import AttentionBackend, MLADims
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.mla_decode import MLADecodeConfig, decode_bytes
+from dsv3serve.kernels.mla_decode_fp8 import FP8MLAConfig, decode_flops
 from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
 
-MLA_BATCHES = (1, 32, 128)
+MLA_BATCHES = (1, 32, 64, 128)
 MLA_CONTEXTS = (1024, 4096, 16384)
+KERNELS = ("flashinfer", "triton-bf16", "triton-fp8", "triton-fp8mma")
+_W8 = {"num_warps": 8, "dv_split": 1, "ctas_per_sm": 1}
+FP8_CONFIGS = {  # name: FP8MLAConfig; spills are ptxas's (sm_90a, triton 3.6), not timed yet
+    "n32w4dv2": FP8MLAConfig(),  # the default: 241 registers, no spills, 2 programs an SM
+    "n32w4dv2s3": FP8MLAConfig(num_stages=3),
+    "n64w4dv2": FP8MLAConfig(block_n=64),  # spills ~120 B
+    "n32w8": FP8MLAConfig(**_W8),  # 247 registers, no spills
+    "n32w8s3": FP8MLAConfig(num_stages=3, **_W8),
+    "n64w8": FP8MLAConfig(block_n=64, **_W8),  # spills ~90 B
+    "n32w8pf": FP8MLAConfig(prefetch=True, **_W8),  # spills ~230 B
+}
 MAX_COPIES = 64
 DIMS = MLADims(128, 512, 128, 64, 128, 192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
 TARGET_PCT = 75.0  # of copy bandwidth at batch >= 32
@@ -49,9 +65,17 @@ def add_mla_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mla-kernels",
         nargs="+",
-        choices=["flashinfer", "triton-bf16", "triton-fp8"],
-        default=["flashinfer", "triton-bf16", "triton-fp8"],
-        help="flashinfer on a bf16 pool; our Triton kernel on a bf16 or fp8 pool",
+        choices=list(KERNELS),
+        default=list(KERNELS),
+        help="flashinfer on a bf16 pool; our bf16-dot Triton kernel on a bf16 or fp8 pool; "
+        "the FP8 tensor-core kernel on an fp8 pool",
+    )
+    p.add_argument(
+        "--mla-fp8-configs",
+        nargs="+",
+        choices=list(FP8_CONFIGS),
+        default=list(FP8_CONFIGS),
+        help="triton-fp8mma launch configs to time (FP8_CONFIGS)",
     )
     d = MLADecodeConfig()
     for name, default in (
@@ -104,14 +128,19 @@ def _pool(
     return pool
 
 
-def _backend(kernel: str, pool: MLAKVPool, index: str, cfg: MLADecodeConfig) -> AttentionBackend:
+Config = MLADecodeConfig | FP8MLAConfig
+
+
+def _backend(kernel: str, pool: MLAKVPool, index: str, cfg: Config) -> AttentionBackend:
     if kernel == "flashinfer":
         from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
 
         return FlashInferMLAAttention(pool, DIMS, paged=index == "page")
     from dsv3serve.attention.triton_mla import TritonMLAAttention
 
-    return TritonMLAAttention(pool, DIMS, config=cfg)
+    if isinstance(cfg, FP8MLAConfig):
+        return TritonMLAAttention(pool, DIMS, fp8_config=cfg)
+    return TritonMLAAttention(pool, DIMS, config=cfg, fp8_kernel="dequant")
 
 
 def bench_point(
@@ -121,7 +150,7 @@ def bench_point(
     ceil: dict,
     replays: int,
     kernel: str = "flashinfer",
-    cfg: MLADecodeConfig | None = None,
+    cfg: Config | None = None,
 ) -> dict[str, Any]:
     """Time one decode attention call; bandwidth as a share of the copy ceiling."""
     from dsv3serve.bench.kernels import graph_us
@@ -146,6 +175,7 @@ def bench_point(
     read = decode_bytes(batch.kv_slots.numel(), row_bytes, q_latent, DIMS.kv_lora_rank)
     read += q_pe.numel() * q_pe.element_size()
     tbps = read / us / 1e6
+    flops = decode_flops(batch.kv_slots.numel(), heads, DIMS.kv_lora_rank, DIMS.qk_rope_head_dim)
     return {
         "kernel": kernel,
         "kv_dtype": "fp8" if pool.is_fp8 else "bf16",
@@ -157,6 +187,7 @@ def bench_point(
         "bytes_read": read,
         "TBps": tbps,
         "pct_copy_bw": 100 * tbps / ceil["copy_TBps"],
+        "TFLOPs": flops / us / 1e6,
         "timing": timing,
     }
 
@@ -177,20 +208,23 @@ def _eager_us(fn: Any, calls: int, replays: int) -> float:
 
 def bench_mla(args: argparse.Namespace, ceil: dict) -> dict[str, Any]:
     """Every (batch, context, index) point; returns the JSON section."""
+    kernels, version = list(args.mla_kernels), None
     try:
         import flashinfer
+
+        version = flashinfer.__version__
     except ImportError as err:
-        print(f"MLA part skipped: flashinfer does not import ({err})")
-        return {"skipped": str(err)}
+        print(f"MLA: flashinfer rows skipped, flashinfer does not import ({err})")
+        kernels = [k for k in kernels if k != "flashinfer"]
     rows = []
     for context in args.mla_context:
         for bs in args.mla_batch:
             batch = decode_batch(bs, context, args.mla_page_size)
-            for kernel in args.mla_kernels:
+            for kernel in kernels:
                 rows += _kernel_rows(kernel, batch, bs, context, args, ceil)
             torch.cuda.empty_cache()
     return {
-        "flashinfer": flashinfer.__version__,
+        "flashinfer": version,
         "page_size": args.mla_page_size,
         "dims": vars(DIMS),
         "target_pct_copy_bw_at_batch_ge_32": TARGET_PCT,
@@ -219,10 +253,12 @@ def _kernel_rows(
     kernel: str, batch: ForwardBatch, bs: int, context: int, args: argparse.Namespace, ceil: dict
 ) -> list[dict[str, Any]]:
     """One kernel's rows at one (batch, context): index modes or Triton configs."""
-    dtype = torch.float8_e4m3fn if kernel == "triton-fp8" else torch.bfloat16
-    pool = _pool(bs, context, args.mla_page_size, dtype)
+    fp8 = kernel in ("triton-fp8", "triton-fp8mma")
+    pool = _pool(bs, context, args.mla_page_size, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     if kernel == "flashinfer":
-        points = [(index, None) for index in args.mla_index]
+        points: list[tuple[str, Config | None]] = [(index, None) for index in args.mla_index]
+    elif kernel == "triton-fp8mma":
+        points = [("page", FP8_CONFIGS[name]) for name in args.mla_fp8_configs]
     else:
         points = [("page", cfg) for cfg in _triton_configs(args)]
     rows = []
@@ -232,28 +268,39 @@ def _kernel_rows(
         except Exception as err:  # a launch config that does not fit: report, go on
             print(f"{kernel} {cfg} failed: {err}")
             continue
-        keys = ("kernel", "batch", "context", "index", "us", "pct_copy_bw")
+        keys = ("kernel", "batch", "context", "index", "us", "pct_copy_bw", "TFLOPs")
         print({k: rows[-1][k] for k in keys}, flush=True)
     del pool
     return rows
 
 
 def print_mla_table(ceil: dict, mla: dict) -> None:
-    if "skipped" in mla:
-        print(f"MLA decode: skipped ({mla['skipped']})")
-        return
+    """One line per row, grouped by (context, batch); ``xfi``: flashinfer's (page indices)
+    time at the same point over the row's (above 1: faster than flashinfer)."""
     print(
         f"MLA decode (flashinfer {mla['flashinfer']}, Triton): 128 heads, 512+64, page "
         f"{mla['page_size']}; copy ceiling {ceil['copy_TBps']:.2f} TB/s; "
         f"target >= {TARGET_PCT:.0f}% at batch >= 32"
     )
-    head = f"{'kernel':>11} {'kv':>6} {'batch':>5} {'context':>7} {'index':>5}"
-    print(f"{head} {'us':>9} {'TB/s':>6} {'%copy':>6}  config")
+    head = f"{'kernel':>13} {'kv':>4} {'batch':>5} {'context':>7} {'index':>5}"
+    print(f"{head} {'us':>9} {'TB/s':>6} {'%copy':>6} {'TFLOP/s':>7} {'xfi':>5}  config")
+    fi = {
+        (r["batch"], r["context"]): r["us"]
+        for r in mla["rows"]
+        if r["kernel"] == "flashinfer" and r["index"] == "page"
+    }
     for r in mla["rows"]:
-        cfg = r.get("config") or {}
-        tiles = "/".join(str(cfg[k]) for k in ("block_h", "block_n", "num_warps")) if cfg else ""
+        base = fi.get((r["batch"], r["context"]))
+        ratio = f"{base / r['us']:5.2f}" if base else f"{'-':>5}"
         print(
-            f"{r.get('kernel', 'flashinfer'):>11} {r.get('kv_dtype', 'bf16'):>6} "
-            f"{r['batch']:>5} {r['context']:>7} {r['index']:>5} {r['us']:>9.1f} "
-            f"{r['TBps']:>6.2f} {r['pct_copy_bw']:>6.1f}  {tiles}"
+            f"{r['kernel']:>13} {r['kv_dtype']:>4} {r['batch']:>5} {r['context']:>7} "
+            f"{r['index']:>5} {r['us']:>9.1f} {r['TBps']:>6.2f} {r['pct_copy_bw']:>6.1f} "
+            f"{r.get('TFLOPs', 0.0):>7.0f} {ratio}  {_config_text(r.get('config'))}"
         )
+
+
+def _config_text(cfg: dict | None) -> str:
+    if not cfg:
+        return ""
+    keys = ("block_h", "block_n", "num_warps", "num_stages", "dv_split", "prefetch")
+    return " ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)

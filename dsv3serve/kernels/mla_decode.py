@@ -85,7 +85,7 @@ def _block_h(num_heads: int, cfg: MLADecodeConfig) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _split_bounds(kv_len, split, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
+    def split_bounds(kv_len, split, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
         """(splits used, first token, end token) of ``split`` for a KV of ``kv_len``."""
         n = tl.maximum(kv_len, 1)
         used = tl.minimum(tl.maximum(tl.cdiv(n, min_split_tokens), 1), num_splits)
@@ -109,7 +109,7 @@ if HAS_TRITON:
         offs_r, offs_p = tl.arange(0, RANK), tl.arange(0, ROPE)
         kv_len = tl.load(kvlen_ptr + t)
         page0 = tl.load(pstart_ptr + t)
-        used, start, end = _split_bounds(kv_len, split, num_splits, min_split_tokens, BLOCK_N)
+        used, start, end = split_bounds(kv_len, split, num_splits, min_split_tokens, BLOCK_N)
         dot_ty = qn_ptr.dtype.element_ty
         qn = tl.load(
             qn_ptr + t * s_qn_t + heads[:, None] * s_qn_h + offs_r[None, :],
@@ -161,7 +161,7 @@ if HAS_TRITON:
     ):  # fmt: skip
         t, h = tl.program_id(0), tl.program_id(1)
         kv_len = tl.load(kvlen_ptr + t)
-        used, _, _ = _split_bounds(kv_len, 0, num_splits, min_split_tokens, BLOCK_N)
+        used, _, _ = split_bounds(kv_len, 0, num_splits, min_split_tokens, BLOCK_N)
         if used > 1:
             offs_r = tl.arange(0, RANK)
             row0 = ((t * num_heads + h) * num_splits).to(tl.int64)
@@ -237,11 +237,30 @@ def mla_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(t, h)](
-            part, lse, meta.kv_len, out, h, splits, cfg.min_split_tokens,
-            out.stride(0), out.stride(1), RANK=rank, BLOCK_N=cfg.block_n, num_warps=4,
-        )  # fmt: skip
+        merge_splits(part, lse, meta.kv_len, out, splits, cfg.min_split_tokens, cfg.block_n)
     return out
+
+
+def merge_splits(
+    part: torch.Tensor,
+    lse: torch.Tensor,
+    kv_len: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    min_split_tokens: int,
+    block_n: int,
+) -> None:
+    """Stage 2: merge the per-split results into ``out`` [T, H, R] (tokens whose KV took
+    several splits; ``split_bounds`` with the same arguments says how many).
+
+    ``part`` [T * H * num_splits, R] float32 holds each split's normalised output, row
+    ``(t * H + h) * num_splits + split``; ``lse`` [same rows] its base-2 log-sum-exp.
+    """
+    t, h, rank = out.shape
+    _merge_kernel[(t, h)](
+        part, lse, kv_len, out, h, num_splits, min_split_tokens,
+        out.stride(0), out.stride(1), RANK=rank, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
 
 
 def decode_bytes(kv_tokens: int, kv_row_bytes: int, q: torch.Tensor, rank: int) -> int:

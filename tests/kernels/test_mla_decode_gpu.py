@@ -34,6 +34,7 @@ from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.request import Request  # noqa: E402
 from dsv3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from dsv3serve.kvcache.pool import MLAKVPool  # noqa: E402
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 from dsv3serve.model.weights import load_checkpoint  # noqa: E402
@@ -45,6 +46,7 @@ PAGE = 64
 RTOL = 1e-2
 ELEM_TOL = 0.016
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
+OLD = "dequant"  # these tests hold the bf16-dot kernel; the FP8 one: test_mla_decode_fp8_gpu.py
 
 
 def _context_lens(batch_size: int, seed: int) -> list[int]:
@@ -80,7 +82,7 @@ def _compare(case, attn: TritonMLAAttention, layer: int = 1) -> None:
 def test_decode(batch_size: int, dtype: torch.dtype) -> None:
     cached = [n - 1 for n in _context_lens(batch_size, batch_size)]
     case = fp8_case(DIMS, [1] * batch_size, cached, PAGE, dtype, "cuda", seed=batch_size)
-    attn = TritonMLAAttention(case.pool, DIMS)
+    attn = TritonMLAAttention(case.pool, DIMS, fp8_kernel=OLD)
     _compare(case, attn)
     assert attn.index_mode == "page"
 
@@ -88,12 +90,12 @@ def test_decode(batch_size: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
 def test_verify_three_tokens_per_sequence(dtype: torch.dtype) -> None:
     case = fp8_case(DIMS, [3] * 4, [0, 62, 700, 2500], PAGE, dtype, "cuda", decode=True)
-    _compare(case, TritonMLAAttention(case.pool, DIMS))
+    _compare(case, TritonMLAAttention(case.pool, DIMS, fp8_kernel=OLD))
 
 
 def test_token_indices_for_unaligned_slots() -> None:
     case = fp8_case(DIMS, [1] * 3, [5, 300, 64], PAGE, device="cuda", aligned=False)
-    attn = TritonMLAAttention(case.pool, DIMS)
+    attn = TritonMLAAttention(case.pool, DIMS, fp8_kernel=OLD)
     _compare(case, attn)
     assert attn.index_mode == "token"
 
@@ -104,7 +106,9 @@ def test_cuda_graph_replay_follows_a_new_plan(dtype: torch.dtype) -> None:
     with other contexts and pages: the output is the second batch's attention."""
     first = fp8_case(DIMS, [1] * 4, [10, 100, 1000, 64], PAGE, dtype, "cuda", seed=1)
     second = fp8_case(DIMS, [1] * 4, [3000, 7, 129, 2048], PAGE, dtype, "cuda", seed=2)
-    attn = TritonMLAAttention(second.pool, DIMS, cuda_graph=CudaGraphLimits(8, 1024))
+    attn = TritonMLAAttention(
+        second.pool, DIMS, cuda_graph=CudaGraphLimits(8, 1024), fp8_kernel=OLD
+    )
     q_latent, q_pe = _queries(4)
     attn.plan(first.batch)
     attn.forward_absorbed(q_latent, q_pe, 0, DIMS.softmax_scale)  # compile outside capture
@@ -126,9 +130,14 @@ def deepseek_attention_ckpt(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_checkpoint(out, fp8=False, overrides=DENSE | DEEPSEEK_ATTENTION)
 
 
-def test_tiny_model_logits_match_the_torch_backend(deepseek_attention_ckpt) -> None:
+@pytest.mark.parametrize(
+    "fp8_kernel, rel_tol", [("dequant", 5e-2), ("mma", 8e-2)], ids=["dequant", "fp8-mma"]
+)
+def test_tiny_model_logits_match_the_torch_backend(
+    deepseek_attention_ckpt, fp8_kernel: str, rel_tol: float
+) -> None:
     """Prefill, extend (flashinfer over dequantised latents), decode and verify (Triton),
-    each backend on its own fp8 pool."""
+    each backend on its own fp8 pool (the FP8 kernel's own error: mla_fp8_tolerance)."""
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(
             ModelConfig.from_hf(deepseek_attention_ckpt),
@@ -138,8 +147,12 @@ def test_tiny_model_logits_match_the_torch_backend(deepseek_attention_ckpt) -> N
     dims = MLADims.from_config(model.cfg)
     lens, kw = [7, 90, 200], {"kv_dtype": torch.float8_e4m3fn}
     want = step_logits(model, lambda p: TorchRefAttention(p, dims.kv_lora_rank), lens, PAGE, **kw)
-    got = step_logits(model, lambda p: TritonMLAAttention(p, dims), lens, PAGE, **kw)
-    assert_logits_close(got, want, rel_tol=5e-2)
+
+    def backend(pool: MLAKVPool) -> TritonMLAAttention:
+        return TritonMLAAttention(pool, dims, fp8_kernel=fp8_kernel)
+
+    got = step_logits(model, backend, lens, PAGE, **kw)
+    assert_logits_close(got, want, rel_tol=rel_tol)
 
 
 def _generate(ckpt, backend: str, prompts: list[list[int]], **kw) -> tuple[Engine, list]:
