@@ -26,7 +26,12 @@ from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention, Mode
 from dsv3serve.model.weights import load_checkpoint
 
 pytestmark = pytest.mark.gpu
-REL_BOUND = 0.25
+# bf16 pools: the fused kernels do the reference ops' arithmetic, so the logits agree to
+# rounding (0.0 on an H100, 2026-11-28). fp8 pools: an e4m3 value that rounds the other way
+# moves by up to 12.5%, and the 4-layer tiny models amplify the few such flips (0.047 and
+# 0.119 measured on the same H100); the kernels themselves are checked element by element at
+# full width in tests/kernels/test_mla_fusion_gpu.py.
+REL_BOUND = {torch.bfloat16: 1e-3, torch.float8_e4m3fn: 0.2}
 PAGE = 4
 
 
@@ -78,4 +83,5 @@ def test_fused_mla_equals_reference_ops(
     assert calls == expected, f"expected {expected}, got {calls}"
     rel = float((on - off).norm() / off.norm())
     print(f"{ckpt} {pool_dtype}: fused MLA vs reference ops, relative logit difference {rel:.2e}")
-    assert rel < REL_BOUND, f"expected relative difference < {REL_BOUND}, got {rel:.3f}"
+    bound = REL_BOUND[pool_dtype]
+    assert rel < bound, f"expected relative difference < {bound}, got {rel:.3f}"
