@@ -139,3 +139,29 @@ def write_roped_latent(
     q = rope_kv_write(latent, cos, sin, slots, kv, scales, q_pe)
     assert q is not None
     return q
+
+
+class PooledAttentionBackend(AttentionBackend):
+    """A backend whose latents live in an :class:`MLAKVPool` (``pool``) at the planned
+    batch's output slots (:meth:`write_slots`): both saves write there, the roped one through
+    :func:`write_roped_latent`."""
+
+    pool: MLAKVPool
+
+    @abstractmethod
+    def write_slots(self) -> torch.Tensor:
+        """The planned batch's output slots [T] (int64); raises before ``plan``."""
+
+    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
+        self.pool.write(layer_id, self.write_slots(), latent)
+
+    def save_latent_roped(
+        self,
+        layer_id: int,
+        latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        slots = self.write_slots()
+        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)

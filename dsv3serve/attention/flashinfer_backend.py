@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims, write_roped_latent
+from dsv3serve.attention.base import ExpandKV, MLADims, PooledAttentionBackend
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     batch_kv_index,
@@ -160,7 +160,7 @@ class _MLAWrappers:
         )
 
 
-class FlashInferMLAAttention(AttentionBackend):
+class FlashInferMLAAttention(PooledAttentionBackend):
     """MLA over the paged latent cache with flashinfer kernels (bf16/fp16 cache)."""
 
     supports_cuda_graphs = True
@@ -274,21 +274,7 @@ class FlashInferMLAAttention(AttentionBackend):
         return self._batch
 
     # ---- per layer -----------------------------------------------------------------------
-    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
-        self.pool.write(layer_id, self._out_slots(), latent)
-
-    def save_latent_roped(
-        self,
-        layer_id: int,
-        latent: torch.Tensor,
-        q_pe: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        slots = self._out_slots()
-        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)
-
-    def _out_slots(self) -> torch.Tensor:
+    def write_slots(self) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("plan(batch) must be called before forward")
         return self._batch.out_slots

@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend, ExpandKV, write_roped_latent
+from dsv3serve.attention.base import ExpandKV, PooledAttentionBackend
 from dsv3serve.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from dsv3serve.kvcache.pool import MLAKVPool
 
 
-class TorchRefAttention(AttentionBackend):
+class TorchRefAttention(PooledAttentionBackend):
     """Readable reference: gathers each sequence's latents and runs masked softmax."""
 
     materialises_scores = True
@@ -34,19 +34,8 @@ class TorchRefAttention(AttentionBackend):
             kv_pos = torch.arange(n_kv, device=batch.input_ids.device)
             self._masks.append(kv_pos[None, :] > q_pos[:, None])  # True = masked
 
-    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
-        self.pool.write(layer_id, self._need_batch().out_slots, latent)
-
-    def save_latent_roped(
-        self,
-        layer_id: int,
-        latent: torch.Tensor,
-        q_pe: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        slots = self._need_batch().out_slots
-        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)
+    def write_slots(self) -> torch.Tensor:
+        return self._need_batch().out_slots
 
     def _need_batch(self) -> ForwardBatch:
         if self._batch is None:

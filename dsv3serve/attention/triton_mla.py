@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims, write_roped_latent
+from dsv3serve.attention.base import AttentionBackend, ExpandKV, MLADims, PooledAttentionBackend
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     batch_kv_index,
@@ -103,7 +103,7 @@ class _GraphMeta:
         return torch.zeros(n, dtype=torch.int32, device=self.device)
 
 
-class TritonMLAAttention(AttentionBackend):
+class TritonMLAAttention(PooledAttentionBackend):
     """MLA over the paged latent cache (bf16 or fp8): Triton absorbed form, see module doc."""
 
     supports_cuda_graphs = True
@@ -187,19 +187,8 @@ class TritonMLAAttention(AttentionBackend):
             raise RuntimeError("plan(batch) must be called before forward")
         return self._batch
 
-    def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
-        self.pool.write(layer_id, self._need_batch().out_slots, latent)
-
-    def save_latent_roped(
-        self,
-        layer_id: int,
-        latent: torch.Tensor,
-        q_pe: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        slots = self._need_batch().out_slots
-        return write_roped_latent(self.pool, layer_id, slots, latent, q_pe, cos, sin)
+    def write_slots(self) -> torch.Tensor:
+        return self._need_batch().out_slots
 
     def forward_absorbed(
         self, q_latent: torch.Tensor, q_pe: torch.Tensor, layer_id: int, scale: float
