@@ -347,7 +347,6 @@ class EngineHost:
             ok=True,
             num_pages=len(res.pages),
             cached_pages=res.num_cached_pages,
-            cached_tokens=res.num_cached_tokens,
             dp_rank=self.aengine.call(lambda e: reservation_rank(e, res)),
         )
 

@@ -206,14 +206,13 @@ class ReserveRequest(_Msg):
 
 
 class ReserveResult(_Msg):
-    """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages (holding
-    ``cached_tokens`` tokens) this side's prefix cache holds already, on DP rank
+    """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages this side's
+    prefix cache holds already (the prefill side stages none of them), on DP rank
     ``dp_rank`` (0 without DP attention)."""
 
     ok: bool
     num_pages: int = 0
     cached_pages: int = 0
-    cached_tokens: int = 0
     dp_rank: int = Field(0, ge=0)
 
 
