@@ -469,6 +469,29 @@ def test_a_repeated_prompt_pulls_only_its_last_page(hosts: dict[str, EngineHost]
     assert all(holds_nothing(h.stats()) for h in hosts.values())
 
 
+def test_a_skip_past_the_prompt_is_refused_before_the_prefill(
+    hosts: dict[str, EngineHost],
+) -> None:
+    """``skip_pages`` that leaves no page of the prompt (37 tokens in pages of 16: 3) is the
+    router's bug: an in-band 500 that says what was expected, and the prefill never runs."""
+    prefill = hosts["prefill"]
+    before = prompt_tokens_counted(prefill)
+    msg = attempt(request("skip")).model_copy(update={"skip_pages": 3})
+    result = asyncio.run(prefill.prefill(msg))
+    assert result.kv is None and result.first.error_status == 500
+    want = "skip_pages must be in [0, 3) for a prompt of 37 tokens in pages of 16, got 3"
+    assert result.first.error == want
+    assert prompt_tokens_counted(prefill) == before
+    assert holds_nothing(prefill.stats())
+
+
+def prompt_tokens_counted(h: EngineHost) -> float:
+    labels = {"role": h.cfg.role, "replica": h.cfg.role, "model": h.cfg.engine.model}
+    value = h.metrics.m.registry.get_sample_value("dsv3serve:prompt_tokens_total", labels)
+    assert value is not None, f"no prompt_tokens_total sample for {labels}"
+    return value
+
+
 def test_staged_pages_that_do_not_fit_the_reservation_are_refused(
     hosts: dict[str, EngineHost],
 ) -> None:
