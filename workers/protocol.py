@@ -282,8 +282,10 @@ class WorkerStats(_Msg):
     ``overlapped_pages``: those of the pulled pages that came while their prefill still ran
     (ranges of an overlapped transfer). ``pending_kv``: prefill attempts with ranges open
     (prefill side) or reservations with pull progress (decode side). ``rank_requests``:
-    requests placed on each DP rank since start (one entry without DP
-    attention); ``rank_fallbacks``: requests whose router-chosen rank was invalid or full.
+    requests placed on each DP rank since start; ``rank_fallbacks``: requests whose
+    router-chosen rank was invalid or full. Without DP attention there is no placement to
+    count (the replica's one rank takes every request): ``[]`` and 0. (The router routes
+    by ``WorkerLoad.ranks``, which has the one entry; these counters are for tests.)
     """
 
     role: Role

@@ -463,6 +463,7 @@ def test_a_repeated_prompt_pulls_only_its_last_page(hosts: dict[str, EngineHost]
     assert reply_two == {"ok": True, "num_pages": 1, "cached_pages": 4, "dp_rank": 0}
     assert after.pulled_pages - before.pulled_pages == 5 + 1
     assert after.reused_pages - before.reused_pages == 4
+    assert (after.rank_requests, after.rank_fallbacks) == ([], 0)  # no DP: no placement
     colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
     assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
     assert {c.cached_tokens for c in one} == {0} and {c.cached_tokens for c in two} == {64}
