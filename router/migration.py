@@ -10,7 +10,10 @@ The client sees one stream (``router.seam``): greedy text equals the run without
 fault. A sampled stream continues with a fresh RNG position (a seeded one restarts its
 seed's random stream at the seam, as at the prefill-to-decode handoff), so it is a valid
 sample but not the text the unbroken run would have drawn. Streams with a structured-output
-constraint or frequency / presence penalties are not migrated (``seam.unsupported``).
+constraint or frequency / presence penalties are not migrated (``seam.unsupported``). A
+stream lost after its last token (the last of ``max_tokens``, a stop token or one that
+completes a stop string) but before the chunk that ended it has nothing left to generate:
+it ends as the engine would have ended it, with the text held back at the break.
 
 Failures: past the bound, or when the continuation cannot start, a stream that has
 streamed tokens ends with an in-band error chunk (as without migration); one that has not
@@ -98,6 +101,10 @@ class Migrator:
                     raise
                 yield error_chunk(req.request_id, exc.message, exc.status)
                 return
+            seam = Seam(self._tokenizer, req, log.token_ids, log.usage)
+            if seam.ended is not None:  # lost after its last token: only the end was missing
+                yield seam.end()
+                return
             reason = await self._cannot_continue(req, log, number)
             if reason is not None:
                 async for end in self._give_up(req, log, f"{lost}{reason[1]}", reason[0]):
@@ -105,7 +112,6 @@ class Migrator:
                 return
             self._metrics.migrations.inc()
             current = continuation(req, log.token_ids, number + 1)
-            seam = Seam(self._tokenizer, req, log.token_ids, log.usage)
 
     async def _cannot_continue(
         self, req: GenerateRequest, log: StreamLog, number: int

@@ -70,7 +70,9 @@ class Seam:
 
     ``generated``: the tokens streamed before the seam; ``usage``: the original stream's
     ``(prompt_tokens, cached_tokens)`` (None when nothing was streamed: the continuation's
-    own counts are then the original's).
+    own counts are then the original's). When ``generated`` itself ended the stream (its
+    last token was the last allowed, a stop token or completed a stop string) there is
+    nothing to continue: :meth:`end` is the stream's last chunk.
     """
 
     def __init__(
@@ -85,9 +87,19 @@ class Seam:
         p = req.params
         self._detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens)
         self._stop = StopStringMatcher(p.stop)
+        self.count = 0
+        self.ended: str | None = None  # the finish reason when ``generated`` ended the stream
         for token in generated:  # the engine's state at the break; the text was streamed
-            self._stop.feed(self._detok.add(token))
-        self.count = len(generated)
+            self.ended = self._add(token)[1]
+
+    def end(self) -> TokenChunk:
+        """The last chunk of a stream whose tokens before the seam already ended it (the
+        break lost only the chunk that said so): no token, the text held back at the
+        break, the engine's finish reason (:attr:`ended`)."""
+        if self.ended is None:
+            raise ValueError(f"{self._req.request_id}: the stream has not ended ({self.count})")
+        rid = self._req.request_id
+        return self.rewrite(TokenChunk(request_id=rid, finished=True, finish_reason=self.ended))
 
     def rewrite(self, chunk: TokenChunk) -> TokenChunk:
         """``chunk`` of the continuation as a chunk of the original stream: its text made
@@ -118,16 +130,20 @@ class Seam:
         tokens add no text; ``max_new_tokens`` counts the whole stream)."""
         text, reason, kept = "", None, 0
         while reason is None and kept < len(tokens):
-            token = tokens[kept]
-            kept += 1
-            self.count += 1
-            reason = check_stop_token(token, self.count, self._req.params, self._eos)
-            if reason != "stop":
-                piece, hit = self._stop.feed(self._detok.add(token))
-                text, reason = text + piece, "stop" if hit else reason
+            piece, reason = self._add(tokens[kept])
+            text, kept = text + piece, kept + 1
         if reason is not None:
             text += self._flush()
         return text, reason, kept
+
+    def _add(self, token: int) -> tuple[str, str | None]:
+        """One more token of the stream: its text and the finish reason it gives."""
+        self.count += 1
+        reason = check_stop_token(token, self.count, self._req.params, self._eos)
+        if reason == "stop":
+            return "", reason
+        piece, hit = self._stop.feed(self._detok.add(token))
+        return piece, "stop" if hit else reason
 
     def _flush(self) -> str:
         """At the end: the detokenizer's and the matcher's held-back text (none after a

@@ -22,7 +22,6 @@ from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
-from dsv3serve.kvcache.allocator import pages_for_tokens
 from dsv3serve.metrics import Identity
 from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
@@ -258,9 +257,10 @@ class EngineHost:
             await asyncio.sleep(self.cfg.test_prefill_delay_s)
         if self.staging.is_released(attempt):
             return _released_result(req, attempt)
-        if msg.skip_pages >= pages_for_tokens(len(req.prompt_ids), self.cfg.engine.page_size):
-            message = f"skip_pages {msg.skip_pages} leaves no page of the prompt to stage"
-            return PrefillResult(first=error_chunk(req.request_id, message, 500), kv=None)
+        try:
+            self.staging.check_skip(len(req.prompt_ids), msg.skip_pages)
+        except ValueError as exc:  # the router's bug: fail before the prefill runs
+            return PrefillResult(first=error_chunk(req.request_id, str(exc), 500), kv=None)
         start = time.monotonic()
         try:
             engine_req = _engine_request(req, attempt, msg.dp_rank)
@@ -347,7 +347,6 @@ class EngineHost:
             ok=True,
             num_pages=len(res.pages),
             cached_pages=res.num_cached_pages,
-            cached_tokens=res.num_cached_tokens,
             dp_rank=self.aengine.call(lambda e: reservation_rank(e, res)),
         )
 

@@ -206,14 +206,13 @@ class ReserveRequest(_Msg):
 
 
 class ReserveResult(_Msg):
-    """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages (holding
-    ``cached_tokens`` tokens) this side's prefix cache holds already, on DP rank
+    """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages this side's
+    prefix cache holds already (the prefill side stages none of them), on DP rank
     ``dp_rank`` (0 without DP attention)."""
 
     ok: bool
     num_pages: int = 0
     cached_pages: int = 0
-    cached_tokens: int = 0
     dp_rank: int = Field(0, ge=0)
 
 
@@ -283,8 +282,10 @@ class WorkerStats(_Msg):
     ``overlapped_pages``: those of the pulled pages that came while their prefill still ran
     (ranges of an overlapped transfer). ``pending_kv``: prefill attempts with ranges open
     (prefill side) or reservations with pull progress (decode side). ``rank_requests``:
-    requests placed on each DP rank since start (one entry without DP
-    attention); ``rank_fallbacks``: requests whose router-chosen rank was invalid or full.
+    requests placed on each DP rank since start; ``rank_fallbacks``: requests whose
+    router-chosen rank was invalid or full. Without DP attention there is no placement to
+    count (the replica's one rank takes every request): ``[]`` and 0. (The router routes
+    by ``WorkerLoad.ranks``, which has the one entry; these counters are for tests.)
     """
 
     role: Role

@@ -42,6 +42,7 @@ class AttemptStaging:
         self, aengine: AsyncEngine, connector: Any, lease_s: float, page_size: int = 1
     ) -> None:
         self.aengine, self.connector, self.lease_s = aengine, connector, lease_s
+        self.page_size = page_size
         self.ranges = PrefillRanges(connector, page_size)
         self._staged: LeaseTable[None] = LeaseTable(lambda attempt, _: self.unstage(attempt))
         self._released: LeaseTable[None] = LeaseTable(lambda attempt, _: None)
@@ -55,20 +56,25 @@ class AttemptStaging:
         """Whether ``release`` named ``attempt_id`` (within the last ``lease_s``)."""
         return attempt_id in self._released
 
+    def check_skip(self, num_tokens: int, skip_pages: int) -> None:
+        """Raise ValueError unless skipping ``skip_pages`` leaves a page of a ``num_tokens``
+        prompt to stage: a prefill checks this before it runs (:meth:`stage` assumes it)."""
+        num_pages = pages_for_tokens(num_tokens, self.page_size)
+        if not 0 <= skip_pages < num_pages:
+            raise ValueError(
+                f"skip_pages must be in [0, {num_pages}) for a prompt of {num_tokens} "
+                f"tokens in pages of {self.page_size}, got {skip_pages}"
+            )
+
     def stage(
         self, attempt_id: str, export: KVExport, num_tokens: int, skip_pages: int = 0
     ) -> KVHandle:
         """Publish the prompt pages of ``export`` from page ``skip_pages`` on (the decode
-        side holds the ones before), less those its ranges staged already, for a pull,
-        under a lease; on failure the export is freed and the error raised (ValueError:
-        nothing would be left to stage)."""
+        side holds the ones before; :meth:`check_skip` passed), less those its ranges
+        staged already, for a pull, under a lease; on failure the export is freed and the
+        error raised."""
         num_pages = pages_for_tokens(num_tokens, export.page_size)
         try:
-            if not 0 <= skip_pages < num_pages:
-                raise ValueError(
-                    f"skip_pages must be in [0, {num_pages}) for a prompt of {num_tokens} "
-                    f"tokens in pages of {export.page_size}, got {skip_pages}"
-                )
             first = self.ranges.staged_end(attempt_id, skip_pages)  # < num_pages
             pages = export.pages[first:num_pages]
             staged_tokens = num_tokens - first * export.page_size

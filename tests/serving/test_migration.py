@@ -42,10 +42,13 @@ def output(tokenizer: Tokenizer) -> list[int]:
 
 @dataclass
 class Step:
-    """One try: stream ``tokens`` more output tokens, then fail with ``error`` (or end)."""
+    """One try: stream ``tokens`` more output tokens, then fail with ``error`` (or end).
+    ``ends``: whether the output's last token comes as the engine sends it, finished
+    (False: the break loses that chunk, so the router never hears that the stream ended)."""
 
     tokens: int
     error: Exception | None = None
+    ends: bool = True
 
 
 @dataclass
@@ -65,7 +68,7 @@ class FakeAttempts:
         done = len(req.prompt_ids) - len(PROMPT)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)  # as the engine does
         for i, token in enumerate(self.output[done : done + step.tokens]):
-            last = done + i + 1 == len(self.output)
+            last = step.ends and done + i + 1 == len(self.output)
             yield TokenChunk(
                 request_id=req.request_id,
                 token_ids=[token],
@@ -176,3 +179,24 @@ def test_a_continuation_refused_after_tokens_ends_in_band(
     chunks, metrics = run(attempts, request(output))
     assert (chunks[-1].error_status, chunks[-1].error) == (429, full.message)
     assert sample(metrics, "decode_migration_failures_total", reason="failed") == 1
+
+
+@pytest.mark.parametrize("stop_token", [False, True])
+def test_a_loss_after_the_last_allowed_token_ends_the_stream(
+    tokenizer: Tokenizer, output: list[int], stop_token: bool
+) -> None:
+    """The seventh token ends inside 𝔘 (its text is held back), and it is the last of
+    ``max_tokens`` (or a stop token): the stream ends as the engine would have ended it,
+    with the held-back text (none after a stop token), and is not migrated."""
+    seven = output[:7]
+    stop_ids = [seven[-1]] if stop_token else []
+    attempts = FakeAttempts(tokenizer, seven, [Step(7, DecodeLost(LOST), ends=False)])
+    chunks, metrics = run(attempts, request(seven, stop_token_ids=stop_ids))
+    detok = IncrementalDetokenizer(tokenizer, PROMPT)
+    want = "".join(detok.add(t) for t in seven[: 6 if stop_token else 7]) + detok.flush()
+    assert "".join(c.text for c in chunks) == want
+    assert [t for c in chunks for t in c.token_ids] == seven
+    end = chunks[-1]
+    assert (end.finished, end.error, end.completion_tokens) == (True, None, 7)
+    assert end.finish_reason == ("stop" if stop_token else "length")
+    assert len(attempts.requests) == 1 and sample(metrics, "decode_migrations_total") == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import uuid
@@ -23,6 +24,7 @@ from workers.protocol import (
     PrefillRequest,
     ReserveRequest,
     TokenChunk,
+    encode,
 )
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs=1)
@@ -415,10 +417,10 @@ def test_a_released_attempt_that_arrives_late_stages_nothing(
 
 async def reusing_handoff(
     prefill: EngineHost, decode: EngineHost, req: GenerateRequest, skip: int | None = None
-) -> tuple[list[TokenChunk], int]:
+) -> tuple[list[TokenChunk], dict[str, object]]:
     """The router's PD path with prefix reuse: reserve naming the prompt, prefill staging
     all pages but those the decode side holds (``skip`` overrides that), decode. Returns
-    the chunks and the pages the decode side said it holds."""
+    the chunks and the decode side's reserve reply as it goes over the wire."""
     rid, ids = req.request_id, req.prompt_ids
     reserve = ReserveRequest(request_id=rid, num_tokens=len(ids), lease_s=5, prompt_ids=ids)
     reserved = decode.reserve(reserve)
@@ -441,7 +443,7 @@ async def reusing_handoff(
         )
     )
     await prefill.release_kv(msg.attempt_id)
-    return chunks, reserved.cached_pages
+    return chunks, json.loads(encode(reserved))
 
 
 def test_a_repeated_prompt_pulls_only_its_last_page(hosts: dict[str, EngineHost]) -> None:
@@ -452,18 +454,43 @@ def test_a_repeated_prompt_pulls_only_its_last_page(hosts: dict[str, EngineHost]
     req = GenerateRequest(request_id="rp", prompt_ids=list(range(5000, 5070)), params=GREEDY)
     before = decode.stats()
 
-    async def run() -> list[tuple[list[TokenChunk], int]]:
+    async def run() -> list[tuple[list[TokenChunk], dict[str, object]]]:
         return [await reusing_handoff(prefill, decode, req) for _ in range(2)]
 
-    (one, held_one), (two, held_two) = asyncio.run(run())
+    (one, reply_one), (two, reply_two) = asyncio.run(run())
     after = decode.stats()
-    assert (held_one, held_two) == (0, 4)
+    assert reply_one == {"ok": True, "num_pages": 5, "cached_pages": 0, "dp_rank": 0}
+    assert reply_two == {"ok": True, "num_pages": 1, "cached_pages": 4, "dp_rank": 0}
     assert after.pulled_pages - before.pulled_pages == 5 + 1
     assert after.reused_pages - before.reused_pages == 4
+    assert (after.rank_requests, after.rank_fallbacks) == ([], 0)  # no DP: no placement
     colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
     assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
     assert {c.cached_tokens for c in one} == {0} and {c.cached_tokens for c in two} == {64}
     assert all(holds_nothing(h.stats()) for h in hosts.values())
+
+
+def test_a_skip_past_the_prompt_is_refused_before_the_prefill(
+    hosts: dict[str, EngineHost],
+) -> None:
+    """``skip_pages`` that leaves no page of the prompt (37 tokens in pages of 16: 3) is the
+    router's bug: an in-band 500 that says what was expected, and the prefill never runs."""
+    prefill = hosts["prefill"]
+    before = prompt_tokens_counted(prefill)
+    msg = attempt(request("skip")).model_copy(update={"skip_pages": 3})
+    result = asyncio.run(prefill.prefill(msg))
+    assert result.kv is None and result.first.error_status == 500
+    want = "skip_pages must be in [0, 3) for a prompt of 37 tokens in pages of 16, got 3"
+    assert result.first.error == want
+    assert prompt_tokens_counted(prefill) == before
+    assert holds_nothing(prefill.stats())
+
+
+def prompt_tokens_counted(h: EngineHost) -> float:
+    labels = {"role": h.cfg.role, "replica": h.cfg.role, "model": h.cfg.engine.model}
+    value = h.metrics.m.registry.get_sample_value("dsv3serve:prompt_tokens_total", labels)
+    assert value is not None, f"no prompt_tokens_total sample for {labels}"
+    return value
 
 
 def test_staged_pages_that_do_not_fit_the_reservation_are_refused(
@@ -476,8 +503,8 @@ def test_staged_pages_that_do_not_fit_the_reservation_are_refused(
 
     async def run() -> list[TokenChunk]:
         await reusing_handoff(prefill, decode, req)
-        chunks, held = await reusing_handoff(prefill, decode, req, skip=0)
-        assert held == 2
+        chunks, reply = await reusing_handoff(prefill, decode, req, skip=0)
+        assert reply["cached_pages"] == 2
         return chunks
 
     chunks = asyncio.run(run())
@@ -495,12 +522,12 @@ def test_decode_prefix_reuse_off_pulls_every_page_every_time(
     prefill, decode = hosts["prefill"], host("decode", decode_prefix_reuse=False)
     req = GenerateRequest(request_id="nr", prompt_ids=list(range(7000, 7070)), params=GREEDY)
 
-    async def run() -> list[tuple[list[TokenChunk], int]]:
+    async def run() -> list[tuple[list[TokenChunk], dict[str, object]]]:
         return [await reusing_handoff(prefill, decode, req) for _ in range(2)]
 
-    (one, held_one), (two, held_two) = asyncio.run(run())
+    (one, reply_one), (two, reply_two) = asyncio.run(run())
     stats = decode.stats()
-    assert (held_one, held_two) == (0, 0)
+    assert (reply_one["cached_pages"], reply_two["cached_pages"]) == (0, 0)
     assert (stats.pulled_pages, stats.reused_pages) == (2 * 5, 0)
     colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
     assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
