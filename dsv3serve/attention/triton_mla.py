@@ -4,12 +4,11 @@ The fast backend for an fp8 KV cache (``attention_backend='flashinfer'`` with
 ``kv_cache_dtype='fp8_e4m3'``), which flashinfer's MLA kernels cannot read as the pool lays
 it out; it reads bf16 pools too (for comparison with flashinfer).
 
-- Absorbed form: over an fp8 pool, :func:`dsv3serve.kernels.mla_decode_fp8.mla_decode_fp8`
-  (``fp8_kernel='mma'``, the default: q and the probabilities rounded to e4m3, FP8
-  tensor-core dots straight on the e4m3 rows); over a bf16 pool, or an fp8 one with
-  ``fp8_kernel='dequant'``, :func:`dsv3serve.kernels.mla_decode.mla_decode` (rows
-  dequantised in registers, bf16 dots). Both read the pool in place. Causal, bottom-right
-  aligned for several new tokens per sequence (verify). KV is indexed by page when every
+- Absorbed form: :func:`dsv3serve.kernels.mla_decode.mla_decode` (fp8 rows dequantised in
+  registers, bf16 dots; ``fp8_kernel='dequant'``, the default), or over an fp8 pool with
+  ``fp8_kernel='mma'`` :func:`dsv3serve.kernels.mla_decode_fp8.mla_decode_fp8` (q and the
+  probabilities rounded to e4m3, FP8 tensor-core dots straight on the e4m3 rows). Both
+  read the pool in place. Causal, bottom-right aligned for several new tokens per sequence (verify). KV is indexed by page when every
   sequence fills its pages in order, else token by token (each slot a page of one row).
 - MHA form (prefill, extend): on CUDA, flashinfer's ragged prefill
   (:class:`~dsv3serve.attention.flashinfer_mha.FlashInferExtend`) over the latents
@@ -118,12 +117,15 @@ class TritonMLAAttention(PooledAttentionBackend):
         config: MLADecodeConfig | None = None,
         paged: bool = True,
         extend: AttentionBackend | None = None,
-        fp8_kernel: str = "mma",
+        fp8_kernel: str = "dequant",
         fp8_config: FP8MLAConfig | None = None,
     ) -> None:
         """``extend``: the MHA-form backend (default: flashinfer on CUDA, else torch).
-        ``fp8_kernel`` (fp8 pools): ``mma`` (FP8 tensor-core kernel, ``fp8_config``) or
-        ``dequant`` (the bf16 kernel over dequantised rows, ``config``)."""
+        ``fp8_kernel`` (fp8 pools): ``dequant`` (the default: the bf16 kernel over
+        dequantised rows, ``config``) or ``mma`` (the FP8 tensor-core kernel, ``fp8_config``;
+        not the default until it is timed against flashinfer and its accuracy cost, ~4-6%
+        relative error in the attention output from rounding q and P to e4m3, is judged on
+        a model)."""
         if pool.kv_dim != dims.kv_cache_dim:
             raise ValueError(
                 f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + "

@@ -139,7 +139,7 @@ def _backend(kernel: str, pool: MLAKVPool, index: str, cfg: Config) -> Attention
     from dsv3serve.attention.triton_mla import TritonMLAAttention
 
     if isinstance(cfg, FP8MLAConfig):
-        return TritonMLAAttention(pool, DIMS, fp8_config=cfg)
+        return TritonMLAAttention(pool, DIMS, fp8_config=cfg, fp8_kernel="mma")
     return TritonMLAAttention(pool, DIMS, config=cfg, fp8_kernel="dequant")
 
 

@@ -61,7 +61,7 @@ def _check(case, attn: TritonMLAAttention, out: torch.Tensor, q: tuple, layer: i
 
 
 def _run(case, cfg: FP8MLAConfig, dims: MLADims = DIMS, layer: int = 1) -> TritonMLAAttention:
-    attn = TritonMLAAttention(case.pool, dims, fp8_config=cfg)
+    attn = TritonMLAAttention(case.pool, dims, fp8_config=cfg, fp8_kernel="mma")
     attn.plan(case.batch)
     q = _queries(case.batch.num_tokens, dims)
     out = attn.forward_absorbed(*q, layer, dims.softmax_scale)
@@ -101,7 +101,9 @@ def test_cuda_graph_replay_follows_a_new_plan() -> None:
     with other contexts and pages: the output is the second batch's attention."""
     first = fp8_case(DIMS, [1] * 4, [10, 100, 1000, 64], PAGE, device="cuda", seed=1)
     second = fp8_case(DIMS, [1] * 4, [3000, 7, 129, 2048], PAGE, device="cuda", seed=2)
-    attn = TritonMLAAttention(second.pool, DIMS, cuda_graph=CudaGraphLimits(8, 1024))
+    attn = TritonMLAAttention(
+        second.pool, DIMS, cuda_graph=CudaGraphLimits(8, 1024), fp8_kernel="mma"
+    )
     q = _queries(4)
     attn.plan(first.batch)
     attn.forward_absorbed(*q, 0, DIMS.softmax_scale)  # compile outside capture

@@ -73,7 +73,7 @@ def _queries(tokens: int, dims: MLADims = DIMS) -> tuple[torch.Tensor, torch.Ten
 
 def _compare(case, cfg: FP8MLAConfig, dims: MLADims = DIMS, **kw) -> TritonMLAAttention:
     """The backend's output against the oracle, exact and with q rounded as the kernel does."""
-    attn = TritonMLAAttention(case.pool, dims, fp8_config=cfg, **kw)
+    attn = TritonMLAAttention(case.pool, dims, fp8_config=cfg, fp8_kernel="mma", **kw)
     attn.plan(case.batch)
     q_nope, q_pe = _queries(case.batch.num_tokens, dims)
     got = attn.forward_absorbed(q_nope, q_pe, 1, dims.softmax_scale)
