@@ -8,8 +8,9 @@ it out; it reads bf16 pools too (for comparison with flashinfer).
   registers, bf16 dots; ``fp8_kernel='dequant'``, the default), or over an fp8 pool with
   ``fp8_kernel='mma'`` :func:`dsv3serve.kernels.mla_decode_fp8.mla_decode_fp8` (q and the
   probabilities rounded to e4m3, FP8 tensor-core dots straight on the e4m3 rows). Both
-  read the pool in place. Causal, bottom-right aligned for several new tokens per sequence (verify). KV is indexed by page when every
-  sequence fills its pages in order, else token by token (each slot a page of one row).
+  read the pool in place. Causal, bottom-right aligned for several new tokens per sequence
+  (verify). KV is indexed by page when every sequence fills its pages in order, else token
+  by token (each slot a page of one row).
 - MHA form (prefill, extend): on CUDA, flashinfer's ragged prefill
   (:class:`~dsv3serve.attention.flashinfer_mha.FlashInferExtend`) over the latents
   ``MLAKVPool.read`` dequantises to bf16 for just the slots a step needs; elsewhere (CPU
