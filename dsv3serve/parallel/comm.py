@@ -113,6 +113,10 @@ class GroupComm(Comm):
         return x
 
     def all_gather(self, x: Tensor, dim: int) -> Tensor:
+        if dim == 0:  # straight into one buffer: no per-rank parts to concatenate
+            out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+            return out
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

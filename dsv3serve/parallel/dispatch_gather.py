@@ -25,6 +25,25 @@ from dsv3serve.parallel.dispatch_pack import check_routing
 from dsv3serve.parallel.uniform import check_uniform, uniform_rows
 
 
+def pack_rows(x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """Each token's hidden row, top-k ids (int64) and weights (float32) side by side as raw
+    bytes [T, H * x.element_size() + 12 * K] (uint8): one all-gather moves all three."""
+    return torch.cat([p.contiguous().view(torch.uint8) for p in (x, ids, weights)], 1)
+
+
+def unpack_rows(buf: Tensor, x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`pack_rows` over gathered rows [N, bytes]: hidden [N, H] of ``x``'s
+    dtype, ids [N, k] int64, weights [N, k] float32."""
+    hidden = x.shape[1] * x.element_size()
+    cuts = (0, hidden, hidden + 8 * k, hidden + 12 * k)
+    dtypes = (x.dtype, torch.int64, torch.float32)
+    xs, ids, weights = (
+        buf[:, lo:hi].contiguous().view(dtype)
+        for lo, hi, dtype in zip(cuts[:-1], cuts[1:], dtypes, strict=True)
+    )
+    return xs, ids, weights
+
+
 @dataclass(frozen=True)
 class _Gathered:
     """A uniform dispatch's state: the rows each rank sent."""
@@ -49,9 +68,8 @@ class UniformGatherDispatcher(Dispatcher):
             return self.inner.dispatch(x, topk_ids, topk_weights)
         check_routing(x, topk_ids, topk_weights)
         rows = check_uniform(x.shape[0], "dispatch")
-        xs = self.comm.all_gather(x.contiguous(), 0)
-        ids = self.comm.all_gather(topk_ids.long().contiguous(), 0)
-        weights = self.comm.all_gather(topk_weights.float().contiguous(), 0)
+        packed = pack_rows(x, topk_ids.long(), topk_weights.float())
+        xs, ids, weights = unpack_rows(self.comm.all_gather(packed, 0), x, topk_ids.shape[1])
         local = ids - self.comm.rank * self.num_local_experts
         held = (ids >= 0) & (local >= 0) & (local < self.num_local_experts)
         return Dispatched(

@@ -17,7 +17,7 @@ from shard_util import run_ranks
 
 from dsv3serve.parallel.comm import GroupComm, make_comm
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
-from dsv3serve.parallel.dispatch_gather import UniformGatherDispatcher
+from dsv3serve.parallel.dispatch_gather import UniformGatherDispatcher, pack_rows, unpack_rows
 from dsv3serve.parallel.dispatch_ref import local_experts, moe_reference
 from dsv3serve.parallel.uniform import uniform_batch, uniform_rows
 
@@ -124,3 +124,20 @@ def test_uniform_batch_is_scoped() -> None:
     assert uniform_rows() is None
     with pytest.raises(ValueError, match="at least 1 row"), uniform_batch(0):
         pass
+
+
+@pytest.mark.parametrize("tokens", [0, 5])
+def test_packed_rows_round_trip_over_a_gather(tokens: int) -> None:
+    """The uniform dispatch sends hidden rows, ids and weights as one byte row per token;
+    unpacking the gathered rows of two ranks gives back each rank's exact values."""
+
+    def one() -> tuple[torch.Tensor, ...]:
+        x = torch.randn(tokens, 24).bfloat16()
+        return x, torch.randint(-1, 16, (tokens, 4)), torch.rand(tokens, 4)
+
+    ranks = [one(), one()]
+    gathered = torch.cat([pack_rows(*r) for r in ranks])
+    assert gathered.dtype == torch.uint8 and gathered.shape == (2 * tokens, 24 * 2 + 12 * 4)
+    xs, ids, weights = unpack_rows(gathered, ranks[0][0], 4)
+    for got, part in zip((xs, ids, weights), zip(*ranks, strict=True), strict=True):
+        torch.testing.assert_close(got, torch.cat(part), rtol=0, atol=0)
