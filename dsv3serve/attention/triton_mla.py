@@ -126,7 +126,7 @@ class TritonMLAAttention(PooledAttentionBackend):
         dequantised rows, ``config``) or ``mma`` (the FP8 tensor-core kernel, ``fp8_config``;
         not the default until it is timed against flashinfer and its accuracy cost, ~4-6%
         relative error in the attention output from rounding q and P to e4m3, is judged on
-        a model)."""
+        a model; no engine flag selects it yet, only the MLA bench and the tests)."""
         if pool.kv_dim != dims.kv_cache_dim:
             raise ValueError(
                 f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + "

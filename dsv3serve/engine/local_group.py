@@ -94,8 +94,10 @@ class LocalGroup:
             proc.kill()
         for proc in self.processes:
             proc.join(FOLLOWER_KILL_WAIT_S)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():  # abort: a destroy can block on a communicator whose
+            # peers are gone, or that CUDA graphs still hold (seen on two H100s)
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            (abort or dist.destroy_process_group)()
         self.workdir.cleanup()
 
 

@@ -467,6 +467,7 @@ class DecoderLayer(nn.Module):
         norm, which also quantises for a dense MLP's gate and up GEMMs (a MoE reads bf16, so
         for it the kernel writes no FP8)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        x = x.contiguous()  # the fused kernels read rows densely (a no-op for every caller now)
         attn = self.self_attn(x, ctx, add_rmsnorm_quant(x, None, n1.weight, n1.eps))
         dense_q = self.dense_quantized
         post = add_rmsnorm_quant(attn.contiguous(), x, n2.weight, n2.eps, not dense_q, dense_q)
