@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -159,8 +160,9 @@ class AsyncEngine:
     async def generate(self, req: Request) -> AsyncIterator[TokenOutput]:
         """Stream outputs of all ``n`` sequences of ``req`` until each has finished."""
         stream = self._stream(req, lambda e: e.add_request(req), req.params.n, _Admission())
-        async for out in stream:
-            yield out
+        async with aclosing(stream) as outs:  # closing us closes it now, not at collection
+            async for out in outs:
+                yield out
 
     async def generate_imported(
         self,
@@ -194,8 +196,9 @@ class AsyncEngine:
                 cached_tokens=cached_tokens,
             )
 
-        async for out in self._stream(req, admit, 1, _Admission()):
-            yield out
+        async with aclosing(self._stream(req, admit, 1, _Admission())) as outs:
+            async for out in outs:
+                yield out
 
     async def prefill(self, req: Request) -> tuple[TokenOutput, KVExport | None]:
         """Prefill side of PD: run ``req`` (n=1) to its first token and keep its KV.

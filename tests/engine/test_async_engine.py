@@ -43,6 +43,21 @@ def test_concurrent_streams_match_offline_and_early_exit_aborts() -> None:
     assert not engine.has_unfinished()
 
 
+def test_closing_a_stream_queues_its_abort_before_returning() -> None:
+    """The abort is queued by ``aclose()`` itself, ahead of any later command; it used to
+    wait for the inner stream's collection, so a command queued next could run first."""
+    engine = make_engine()
+    aeng = AsyncEngine(engine)
+
+    async def live_after_close() -> int:
+        stream = aeng.generate(Request("g", GREEDY, prompt_ids=prompts(1, seed=3)[0]))
+        await anext(stream)
+        await stream.aclose()
+        return await aeng.mutate(lambda e: e.num_live_sequences)
+
+    assert asyncio.run(live_after_close()) == 0
+
+
 class FailingRunnerFake:
     """Stands in for a group leader whose collective fails after ``ok_steps`` steps (a
     dead rank): a real rank death is tested through Ray in the worker-group tests."""
