@@ -3,10 +3,11 @@ ranges it stages (pages of finished chunks) go to the decode replica holding the
 reservation, which pulls each at once.
 
 Pulls of one attempt go one at a time, in order (each range starts where the one before
-ended); the first that fails stops the rest, and the handoff after the prefill pulls what
-is missing (the decode side checks that the handle covers it). Before the handoff the
-router waits for the pull in flight (:meth:`RangeForwarder.drain`), so the decode side
-knows what landed when it takes over.
+ended). The first that fails stops the rest: that range and every later one are
+:attr:`RangeForwarder.missed`, and the handoff names them (``DecodeRequest.kv_ranges``)
+so the decode side pulls them before the final pages; they stay staged with the attempt.
+Before the handoff the router waits for the pull in flight (:meth:`RangeForwarder.drain`),
+so the decode side knows what landed when it takes over.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ class RangeForwarder:
         self._queue: list[KVHandle] = []
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
-        self.pulled_pages = 0
+        self.missed: list[KVHandle] = []  # ranges not pulled, in order (after a failure)
 
     def feed(self, kv: KVHandle) -> None:
-        """Queue ``kv`` for a pull after those before it (none after a failure)."""
+        """Queue ``kv`` for a pull after those before it; after a failure it is missed."""
         if self.failure is not None:
+            self.missed.append(kv)
             return
         self._queue.append(kv)
         if self._task is None or self._task.done():
@@ -48,11 +50,9 @@ class RangeForwarder:
                 result = parse(PullResult, await self.decode.pull_kv.remote(encode(msg)))
             except Exception as exc:  # the decode replica died: the handoff will say so
                 result = PullResult(ok=False, error=f"{type(exc).__name__}: {exc}")
-            if result.ok:
-                self.pulled_pages += kv.num_pages
-            else:
+            if not result.ok:
                 self.failure = result.error or "range pull failed"
-                self._queue.clear()
+                self.missed, self._queue = [kv, *self._queue], []
 
     async def drain(self) -> None:
         """Wait until every queued range was pulled (or the pulls stopped at a failure)."""

@@ -30,13 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from dsv3serve.metrics import Identity, Metrics
+from kv_transfer.handle import KVHandle
 from router.config import RouterSettings
 from router.fan_out import fan_out
 from router.migration import DecodeLost, Migrator
@@ -61,6 +64,7 @@ from workers.protocol import (
 from workers.protocol import decode as parse
 
 RESERVE_RETRY_S = 0.05
+logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
 PROBE_INTERVAL_S = 0.25
 
@@ -155,17 +159,18 @@ class PDBackend:
         self.decode.acquire(d, tokens)  # the rank was acquired by _reserve_until
         try:
             try:
-                result, p, attempt = await self._prefill(req, cached_pages, d)
+                prefilled = await self._prefill(req, cached_pages, d)
             except BaseException:
                 self._cancel_reservation(d, req.request_id)
                 raise
+            result = prefilled.result
             if result.kv is None:
                 self._cancel_reservation(d, req.request_id)
                 if result.first.error is not None:
                     raise error_from_chunk(result.first)
                 yield result.first
                 return
-            async with aclosing(self._decode(d, p, attempt, req, result)) as chunks:
+            async with aclosing(self._decode(d, prefilled, req)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
@@ -227,11 +232,11 @@ class PDBackend:
 
     async def _prefill(
         self, req: GenerateRequest, skip_pages: int = 0, d: int | None = None
-    ) -> tuple[PrefillResult, int, str]:
+    ) -> _Prefilled:
         """Prefill on the policy's replica, retrying when one fails or times out; returns
         the result, the replica and the attempt id its KV is staged under (all prompt
-        pages but the first ``skip_pages``; with overlap, those after the ranges decode
-        replica ``d`` pulled while it ran)."""
+        pages but the first ``skip_pages``; with overlap, those after its ranges, which
+        decode replica ``d`` pulled while it ran or pulls at the handoff)."""
         deadline = time.monotonic() + self.settings.prefill_retry_wait_s
         failures: list[str] = []
         tried: list[int] = []
@@ -243,8 +248,8 @@ class PDBackend:
             attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
             forwarder = self._forwarder(d, req.request_id, attempt_id)
             outcome = await self._try_prefill((p, rank), req, attempt_id, skip_pages, forwarder)
-            if isinstance(outcome, PrefillResult):
-                return outcome, p, attempt_id
+            if not isinstance(outcome, str):
+                return _Prefilled(outcome[0], p, attempt_id, outcome[1])
             failures.append(f"{self.prefill.names[p]}: {outcome}")
             tried.append(p)
         raise BackendUnavailable("prefill failed: " + "; ".join(failures))
@@ -268,12 +273,12 @@ class PDBackend:
         attempt_id: str,
         skip_pages: int = 0,
         forwarder: RangeForwarder | None = None,
-    ) -> PrefillResult | str:
-        """One attempt on ``target`` (replica, DP rank): the result, or why it failed (the
-        replica is then marked down). An attempt abandoned for any reason (failure,
-        timeout, client gone) is released there by its id: a no-op if the replica never
-        had it. With a ``forwarder`` its KV ranges go to decode while it runs; the result
-        comes once they landed (or their pulls stopped)."""
+    ) -> tuple[PrefillResult, list[KVHandle]] | str:
+        """One attempt on ``target`` (replica, DP rank): the result and the KV ranges decode
+        missed, or why it failed (the replica is then marked down). An attempt abandoned
+        for any reason (failure, timeout, client gone) is released there by its id: a
+        no-op if the replica never had it. With a ``forwarder`` its KV ranges go to decode
+        while it runs; the result comes once they landed (or their pulls stopped)."""
         p, rank = target
         msg = encode(
             PrefillRequest(request=req, attempt_id=attempt_id, skip_pages=skip_pages, dp_rank=rank)
@@ -293,7 +298,14 @@ class PDBackend:
                 await forwarder.stop()
             return _failure(exc)
         self.prefill_health.mark_up(p)
-        return result
+        if forwarder is None:
+            return result, []
+        if forwarder.failure is not None:
+            logger.warning(
+                "KV range pull of %s failed (%s); the handoff pulls its %d missed ranges",
+                attempt_id, forwarder.failure, len(forwarder.missed),
+            )  # fmt: skip
+        return result, forwarder.missed
 
     async def _prefill_on(
         self, target: Target, msg: bytes, tokens: int, forwarder: RangeForwarder | None = None
@@ -319,11 +331,12 @@ class PDBackend:
         return raw if isinstance(raw, PrefillResult) else parse(PrefillResult, raw)
 
     async def _decode(
-        self, d: int, p: int, attempt_id: str, req: GenerateRequest, result: PrefillResult
+        self, d: int, prefilled: _Prefilled, req: GenerateRequest
     ) -> AsyncIterator[TokenChunk]:
-        """Stream from decode replica ``d``; prefill attempt ``attempt_id`` on ``p`` is
-        released as soon as ``d`` answers (it has pulled the KV or given up). A failure of
-        ``d`` (it died, or answered 503) marks it down and raises DecodeLost."""
+        """Stream from decode replica ``d``; the prefill attempt is released as soon as
+        ``d`` answers (it has pulled the KV or given up). A failure of ``d`` (it died, or
+        answered 503) marks it down and raises DecodeLost."""
+        result, p, attempt_id = prefilled.result, prefilled.replica, prefilled.attempt_id
         first = result.first
         msg = DecodeRequest(
             request=req,
@@ -331,6 +344,7 @@ class PDBackend:
             first_logprob=first.logprobs[0] if first.logprobs else 0.0,
             first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
             kv=result.kv,
+            kv_ranges=prefilled.missed,
             draft=result.draft,
             cached_tokens=first.cached_tokens,
         )
@@ -356,6 +370,17 @@ class PDBackend:
         finally:
             if not released:
                 self._bg.submit(self.prefill.handles[p].release_kv.remote, attempt_id)
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """A prefill attempt that succeeded: its result, replica and attempt id, and the KV
+    ranges of its overlapped transfer that decode did not pull while it ran."""
+
+    result: PrefillResult
+    replica: int
+    attempt_id: str
+    missed: list[KVHandle]
 
 
 async def lost_on_503(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:

@@ -44,6 +44,7 @@ class KVIntake:
         self.metrics, self.group = metrics, group
         self.reserved: LeaseTable[KVReservation] = LeaseTable(self.unreserve)
         self.pulls = RangePulls()
+        self._range_faults = cfg.test_fail_range_pulls  # fault injection (tests only)
 
     @property
     def engine(self) -> Engine:
@@ -84,6 +85,7 @@ class KVIntake:
         if mismatch is not None:
             return PullResult(ok=False, error=mismatch)
         try:
+            self._inject_range_fault()
             stats = await self._pull(rid, msg.kv, res, done)
         except (TransferError, EngineDeadError) as exc:
             self.metrics.m.transfer_failed(failure_reason(exc))
@@ -93,6 +95,13 @@ class KVIntake:
         self.pulls.landed(rid, msg.attempt_id, done + msg.kv.num_pages)
         self.metrics.transferred(stats, msg.kv.num_pages, 0, overlapped=True)
         return PullResult(ok=True)
+
+    def _inject_range_fault(self) -> None:
+        """Tests only (``test_fail_range_pulls``): fail this range pull as a broken
+        transfer would, while faults are left."""
+        if self._range_faults > 0:
+            self._range_faults -= 1
+            raise TransferError("injected range-pull failure (test_fail_range_pulls)")
 
     async def take_over(self, msg: DecodeRequest) -> tuple[KVReservation, DraftState | None]:
         """The reservation, its pages filled with the prefill side's KV, and the draft state.
@@ -107,7 +116,8 @@ class KVIntake:
         res = self.reserved.take(rid)
         if res is None:
             raise HandoffError("the KV reservation expired before the transfer")
-        mismatch = staged_mismatch(msg.kv, res, self.pulls.pulled(rid, msg.kv.request_id))
+        pulled = await self._pull_missed(rid, msg, res)
+        mismatch = staged_mismatch(msg.kv, res, pulled)
         if mismatch is not None:
             self.unreserve(rid, res)
             raise HandoffError(mismatch)
@@ -121,6 +131,32 @@ class KVIntake:
             raise HandoffError(error)
         self.pulls.after_pulls(rid, lambda: None)  # done: its progress goes
         return res, draft
+
+    async def _pull_missed(self, rid: str, msg: DecodeRequest, res: KVReservation) -> int:
+        """Pull the attempt's ranges the overlapped transfer missed (``msg.kv_ranges``), in
+        order, after those that landed; returns the reservation pages its ranges now fill.
+        Raises HandoffError, the reservation freed, when one is out of order or fails."""
+        attempt = msg.kv.request_id
+        pulled = self.pulls.pulled(rid, attempt)
+        for kv in msg.kv_ranges:
+            mismatch = range_mismatch(kv, res, pulled)
+            if mismatch is not None:
+                self.unreserve(rid, res)
+                raise HandoffError(mismatch)
+            try:
+                stats = await self._pull(rid, kv, res, pulled)
+            except asyncio.CancelledError:
+                self.unreserve(rid, res)  # once the copy has ended
+                raise
+            except (TransferError, EngineDeadError) as exc:
+                self.unreserve(rid, res)
+                if isinstance(exc, TransferError):
+                    self.metrics.m.transfer_failed(failure_reason(exc))
+                raise HandoffError(f"KV range transfer failed: {exc}") from None
+            pulled += kv.num_pages
+            self.pulls.landed(rid, attempt, pulled)
+            self.metrics.transferred(stats, kv.num_pages, 0)
+        return pulled
 
     def _draft_state(self, msg: DecodeRequest) -> DraftState | None:
         """Where this engine's first draft chain starts; None without speculation here.

@@ -223,6 +223,8 @@ class DecodeRequest(_Msg):
     replica with speculative decoding needs it (it cannot rebuild the draft's KV).
     ``cached_tokens``: the prefill side's prefix-cache hit (prompt tokens it did not
     compute), reported in every chunk's ``cached_tokens``.
+    ``kv_ranges``: ranges of the attempt's overlapped transfer that were not pulled while
+    it ran (a pull failed), in order; pulled before ``kv``, which starts after them.
     """
 
     request: GenerateRequest
@@ -230,6 +232,7 @@ class DecodeRequest(_Msg):
     first_logprob: float = 0.0
     first_top_logprobs: list[tuple[int, float]] = []
     kv: KVHandle
+    kv_ranges: list[KVHandle] = []
     draft: DraftHandoff | None = None
     cached_tokens: int = Field(0, ge=0)
 

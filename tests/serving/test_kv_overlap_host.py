@@ -84,24 +84,33 @@ async def pull(decode: EngineHost, msg: PrefillRequest, kv: KVHandle) -> bool:
 
 
 async def run_overlapped(
-    prefill: EngineHost, decode: EngineHost, msg: PrefillRequest
+    prefill: EngineHost, decode: EngineHost, msg: PrefillRequest, pulls: int | None = None
 ) -> tuple[list[KVHandle], PrefillResult]:
-    """The router's part: each range pulled as it comes; the result."""
+    """The router's part: each range pulled as it comes (only the first ``pulls`` when
+    given: the rest stand for ranges whose pull failed); the result."""
     ranges: list[KVHandle] = []
     async for event in prefill.prefill_stream(msg):
         if event.kv_range is not None:
             ranges.append(event.kv_range)
-            assert await pull(decode, msg, event.kv_range)
+            if pulls is None or len(ranges) <= pulls:
+                assert await pull(decode, msg, event.kv_range)
         else:
             assert event.result is not None
             return ranges, event.result
     raise AssertionError("no result")
 
 
-async def hand_off(decode: EngineHost, msg: PrefillRequest, result: PrefillResult) -> list[int]:
+async def hand_off(
+    decode: EngineHost,
+    msg: PrefillRequest,
+    result: PrefillResult,
+    missed: tuple[KVHandle, ...] = (),
+) -> list[int]:
     assert result.kv is not None
     first = result.first.token_ids[0]
-    handoff = DecodeRequest(request=msg.request, first_token=first, kv=result.kv)
+    handoff = DecodeRequest(
+        request=msg.request, first_token=first, kv=result.kv, kv_ranges=list(missed)
+    )
     chunks = [c async for c in decode.decode(handoff)]
     assert not any(c.error for c in chunks), chunks
     return [t for c in chunks for t in c.token_ids]
@@ -133,6 +142,36 @@ def test_overlapped_handoff_equals_colocated_and_frees_everything(
     assert starts == [sum(sizes[:i]) for i in range(len(sizes))]  # contiguous, in order
     assert sum(sizes) == 21 and result.kv.num_pages < 21
     assert decode.stats().overlapped_pages - overlapped_before == sum(sizes[:-1])
+    assert nothing_held(prefill, decode)
+
+
+@pytest.mark.parametrize("pulls", [0, 1])
+def test_ranges_whose_pull_failed_are_pulled_at_the_handoff(
+    pair: tuple[EngineHost, EngineHost], colocated: EngineHost, pulls: int
+) -> None:
+    """A range the overlapped transfer did not pull (its pull failed) rides in the
+    handoff (``kv_ranges``): decode pulls it before the final pages, and the text stays
+    the colocated engine's (the handoff used to fail on a staged-pages mismatch)."""
+    prefill, decode = pair
+    before = decode.stats()
+    rid = "xy"[pulls]  # a prompt of its own (request() keys it by the first letter)
+
+    async def run() -> tuple[list[KVHandle], list[int]]:
+        msg = attempt(rid)
+        reserve(decode, rid)
+        ranges, result = await run_overlapped(prefill, decode, msg, pulls=pulls)
+        tokens = await hand_off(decode, msg, result, missed=tuple(ranges[pulls:]))
+        await prefill.release_kv(msg.attempt_id)
+        return ranges, tokens
+
+    ranges, tokens = asyncio.run(run())
+    assert len(ranges) > pulls + 1, "too few ranges to miss some"
+    assert tokens == colocated_tokens(colocated, rid)
+    after = decode.stats()
+    assert after.overlapped_pages - before.overlapped_pages == sum(
+        r.num_pages for r in ranges[:pulls]
+    )
+    assert after.pulled_pages - before.pulled_pages == 21
     assert nothing_held(prefill, decode)
 
 
