@@ -76,14 +76,16 @@ class RankBoard:
 
     # ---- reports ----------------------------------------------------------------------
     async def refresh(self) -> None:
-        """Poll every replica's ``load`` once; a replica that does not answer drops out
-        (its candidates come back with its next answer)."""
+        """Poll every replica's ``load`` once; a replica whose call fails drops out (its
+        candidates come back with its next answer). One that is only slow to answer (a
+        long step holds its engine) keeps its last reports: dropping them would route
+        blind, by the replica's own prefix cache alone."""
         handles = self.replicas.handles
         answers = await asyncio.gather(*(self._fetch(h) for h in handles), return_exceptions=True)
         for index, answer in enumerate(answers):
             if isinstance(answer, WorkerLoad) and answer.ranks:
                 self.reports[index] = reports_of(index, answer)
-            else:
+            elif not isinstance(answer, TimeoutError):
                 self.reports.pop(index, None)
 
     def start(self) -> None:

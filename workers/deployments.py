@@ -8,6 +8,7 @@ are imported inside the replica only, so the router process never loads them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
@@ -62,10 +63,10 @@ class EngineWorker:
         return encode(self.host.info())
 
     async def load(self) -> bytes:
-        return encode(self.host.load())
+        return encode(await asyncio.to_thread(self.host.load))  # off the loop: see read()
 
     async def stats(self) -> bytes:
-        return encode(self.host.stats())
+        return encode(await asyncio.to_thread(self.host.stats))
 
     async def group_in_sync(self) -> bool:
         """Whether every rank of this replica's group holds the same KV pool bytes."""
@@ -98,7 +99,7 @@ class EngineWorker:
 
     async def reserve(self, data: bytes) -> bytes:
         """Decode role: ReserveRequest in, ReserveResult out."""
-        return encode(self.host.reserve(parse(ReserveRequest, data)))
+        return encode(await self.host.reserve(parse(ReserveRequest, data)))
 
     async def pull_kv(self, data: bytes) -> bytes:
         """Decode role, overlapped transfer: PullRequest in (a KV range of a prefill still

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError, PrefillReleasedError
-from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport
+from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport, KVReservation
 from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
@@ -330,7 +330,7 @@ class EngineHost:
         await self.staging.release(attempt_id)
 
     # ---- decode ----------------------------------------------------------------------------
-    def reserve(self, msg: ReserveRequest) -> ReserveResult:
+    async def reserve(self, msg: ReserveRequest) -> ReserveResult:
         """Admission on the decode side: hold pages for the incoming KV under a lease.
 
         With ``msg.prompt_ids`` the prompt's prefix cached here is locked instead of
@@ -338,16 +338,19 @@ class EngineHost:
         """
         self._require("decode")
         self.check_health()  # a group with a dead rank takes no new work
-        res = self.aengine.call(lambda e: reserve_for(e, msg, self.cfg.decode_prefix_reuse))
+        reuse = self.cfg.decode_prefix_reuse
+
+        def reserve_here(e: Engine) -> tuple[KVReservation | None, int | None]:
+            res = reserve_for(e, msg, reuse)
+            return res, None if res is None else reservation_rank(e, res)
+
+        res, rank = await self.aengine.read(reserve_here)
         if res is None:
             return ReserveResult(ok=False)
         self.intake.hold(msg.request_id, res, msg.lease_s)
         self._start_reaper()  # a reservation no decode ever takes over expires with its lease
         return ReserveResult(
-            ok=True,
-            num_pages=len(res.pages),
-            cached_pages=res.num_cached_pages,
-            dp_rank=self.aengine.call(lambda e: reservation_rank(e, res)),
+            ok=True, num_pages=len(res.pages), cached_pages=res.num_cached_pages, dp_rank=rank
         )
 
     def cancel_reservation(self, request_id: str) -> None:

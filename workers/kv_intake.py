@@ -67,8 +67,8 @@ class KVIntake:
             self.pulls.after_pulls(request_id, lambda: self._free(res))
 
     def _free(self, res: KVReservation) -> None:
-        if self.aengine.dead is None:  # a dead engine frees nothing: the replica restarts
-            self.aengine.call(lambda e: e.release_prompt_kv(res))
+        # now, or queued while a step runs (a dead engine frees nothing: the replica restarts)
+        self.aengine.call_or_post(lambda e: e.release_prompt_kv(res))
 
     async def pull_range(self, msg: PullRequest) -> PullResult:
         """Pull a range that prefill attempt ``msg.attempt_id`` staged while it still runs
@@ -196,7 +196,7 @@ class KVIntake:
         if self.group is None:
             return None
         try:  # TP: every rank's pool; DP: the owning rank's only
-            self.aengine.call(lambda _: self.group.leader.replicate_pages(res.pages))
+            await self.aengine.read(lambda _: self.group.leader.replicate_pages(res.pages))
         except Exception as exc:
             self.unreserve(rid, res)
             return f"KV placement on the group failed: {exc}"
@@ -208,9 +208,8 @@ class KVIntake:
         """Pull ``handle`` into ``res.pages[offset:]`` (where the connector writes them);
         the copy is request ``rid``'s pull in flight until it ends, cancelled caller or
         not."""
-        landing = self._landing_pages(res.pages)[offset : offset + handle.num_pages]
-        task = asyncio.ensure_future(asyncio.to_thread(self.connector.receive, handle, landing))
-        self.pulls.begin(rid, task)
+        task = asyncio.ensure_future(self._copy(handle, res.pages, offset))
+        self.pulls.begin(rid, task)  # before any await: a release now waits for the copy
         m = self.metrics.m
         m.in_transfer.inc()
         try:
@@ -218,8 +217,13 @@ class KVIntake:
         finally:
             m.in_transfer.dec()
 
-    def _landing_pages(self, pages: list[int]) -> list[int]:
+    async def _copy(self, handle: KVHandle, pages: list[int], offset: int) -> TransferStats:
+        """The connector's copy of ``handle`` into ``pages[offset:]``, on a thread."""
+        landing = (await self._landing_pages(pages))[offset : offset + handle.num_pages]
+        return await asyncio.to_thread(self.connector.receive, handle, landing)
+
+    async def _landing_pages(self, pages: list[int]) -> list[int]:
         """Pages of this process's pool the connector writes a reservation's KV into."""
         if self.group is None or not self.cfg.engine.enable_dp_attention:
             return pages
-        return self.aengine.call(lambda _: self.group.leader.landing_pages(pages))
+        return await self.aengine.read(lambda _: self.group.leader.landing_pages(pages))

@@ -56,7 +56,11 @@ class PrefillRanges:
     def publish_ready(self, engine: Engine, attempt_id: str) -> KVHandle | None:
         """Step thread, between steps: stage the attempt's pages that became final since its
         last range; their handle (``first_page``: where they start), or None when there
-        are none new, or the attempt is broken or not open."""
+        are none new, or the attempt is broken or not open.
+
+        The copy (shm) runs outside the lock, so a :meth:`close` on the event loop never
+        waits for it; a range whose attempt was closed meanwhile is released at once.
+        Only the step thread publishes or drops, so nothing else changes ``ids``."""
         with self._lock:
             ranges = self._open.get(attempt_id)
             if ranges is None or ranges.broken:
@@ -66,9 +70,15 @@ class PrefillRanges:
                 return None
             first, new = ranges.end, pages[ranges.end :]
             range_id = f"{attempt_id}.r{len(ranges.ids)}"
-            handle = self.connector.publish(range_id, new, len(new) * self.page_size)
-            ranges.ids.append(range_id)
-            ranges.end = len(pages)
+        handle = self.connector.publish(range_id, new, len(new) * self.page_size)
+        with self._lock:
+            kept = self._open.get(attempt_id) is ranges
+            if kept:
+                ranges.ids.append(range_id)
+                ranges.end = len(pages)
+        if not kept:
+            self.connector.release(range_id)
+            return None
         return handle.model_copy(update={"first_page": first})
 
     def drop(self, attempt_id: str) -> None:
@@ -93,8 +103,8 @@ class PrefillRanges:
         """Release the attempt's ranges and forget it. Idempotent."""
         with self._lock:
             ranges = self._open.pop(attempt_id, None)
-            if ranges is not None:
-                self._release(ranges)
+        if ranges is not None:
+            self._release(ranges)
 
     def _release(self, ranges: _Ranges) -> None:
         for range_id in ranges.ids:

@@ -96,6 +96,12 @@ class AsyncEngine:
         with self._lock:
             return fn(self.engine)
 
+    async def read(self, fn: Callable[[Engine], T]) -> T:
+        """:meth:`call` on a worker thread: the event loop runs on while a step holds the
+        engine lock (a long prefill step would otherwise stall every stream here)."""
+        self.check_alive()
+        return await asyncio.to_thread(self.call, fn)
+
     async def mutate(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the step thread before the next step; returns its result.
 
@@ -126,6 +132,17 @@ class AsyncEngine:
             return
         self._commands.append(_Command(fn, None, None))
         self._ensure_loop()
+
+    def call_or_post(self, fn: Callable[[Engine], object]) -> None:
+        """Run ``fn(engine)`` now if no step holds the lock and no command waits, else
+        :meth:`post` it: never blocks the caller (frees of pages no sequence owns)."""
+        if self.dead is None and not self._commands and self._lock.acquire(blocking=False):
+            try:
+                fn(self.engine)
+            finally:
+                self._lock.release()
+            return
+        self.post(fn)
 
     async def settle(self) -> None:
         """Wait until every command queued before this call has run (a barrier: commands
@@ -214,7 +231,7 @@ class AsyncEngine:
             first = await anext(stream)
             if first.finished:
                 return first, None
-            export = self.call(lambda e: _export_of(e, req.request_id))
+            export = await self.read(lambda e: _export_of(e, req.request_id))
             if export is None:
                 raise PrefillReleasedError(f"request {req.request_id!r} ended while it prefilled")
             ticket.keep_export = True

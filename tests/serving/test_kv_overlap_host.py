@@ -72,9 +72,9 @@ def attempt(rid: str, k: int = 0) -> PrefillRequest:
     return PrefillRequest(request=request(rid), attempt_id=f"{rid}.p{k}.{uuid.uuid4().hex[:8]}")
 
 
-def reserve(decode: EngineHost, rid: str) -> None:
+async def reserve(decode: EngineHost, rid: str) -> None:
     msg = ReserveRequest(request_id=rid, num_tokens=PROMPT_LEN, lease_s=30)
-    assert decode.reserve(msg).ok
+    assert (await decode.reserve(msg)).ok
 
 
 async def pull(decode: EngineHost, msg: PrefillRequest, kv: KVHandle) -> bool:
@@ -128,7 +128,7 @@ def test_overlapped_handoff_equals_colocated_and_frees_everything(
 
     async def run() -> tuple[list[KVHandle], PrefillResult, list[int]]:
         msg = attempt("a")
-        reserve(decode, "a")
+        await reserve(decode, "a")
         ranges, result = await run_overlapped(prefill, decode, msg)
         tokens = await hand_off(decode, msg, result)
         await prefill.release_kv(msg.attempt_id)
@@ -158,7 +158,7 @@ def test_ranges_whose_pull_failed_are_pulled_at_the_handoff(
 
     async def run() -> tuple[list[KVHandle], list[int]]:
         msg = attempt(rid)
-        reserve(decode, rid)
+        await reserve(decode, rid)
         ranges, result = await run_overlapped(prefill, decode, msg, pulls=pulls)
         tokens = await hand_off(decode, msg, result, missed=tuple(ranges[pulls:]))
         await prefill.release_kv(msg.attempt_id)
@@ -182,7 +182,7 @@ def test_an_abort_after_a_range_was_pulled_frees_both_sides(
 
     async def run() -> None:
         msg = attempt("b")
-        reserve(decode, "b")
+        await reserve(decode, "b")
         events: AsyncIterator[PrefillEvent] = prefill.prefill_stream(msg)
         event = await anext(events)
         assert event.kv_range is not None and await pull(decode, msg, event.kv_range)
@@ -200,7 +200,7 @@ def test_a_reservation_given_back_mid_pull_is_freed_once_the_copy_ended() -> Non
 
     async def run() -> None:
         msg = attempt("c")
-        reserve(decode, "c")
+        await reserve(decode, "c")
         events = prefill.prefill_stream(msg)
         event = await anext(events)
         assert event.kv_range is not None
@@ -227,7 +227,7 @@ def test_a_retry_pulls_its_own_ranges_after_an_abandoned_attempt(
     prefill, decode = pair
 
     async def run() -> list[int]:
-        reserve(decode, "d")
+        await reserve(decode, "d")
         first_try = attempt("d", 0)
         events = prefill.prefill_stream(first_try)
         event = await anext(events)
@@ -254,7 +254,7 @@ def test_dropped_ranges_are_staged_again_with_the_result(
 
     async def run() -> tuple[PrefillResult, list[int]]:
         msg = attempt("e")
-        reserve(decode, "e")
+        await reserve(decode, "e")
         result = None
         async for event in prefill.prefill_stream(msg):
             if event.kv_range is not None:
@@ -277,7 +277,7 @@ def test_a_range_out_of_order_is_refused_and_keeps_the_reservation() -> None:
     decode = make_host("decode")
 
     async def run() -> None:
-        reserve(decode, "f")
+        await reserve(decode, "f")
         kv = KVHandle(
             request_id="f.p0.x.r0", connector="shm", num_tokens=PAGE, num_pages=1,
             page_size=PAGE, num_layers=1, kv_dim=576, dtype="bfloat16", nbytes=0,

@@ -19,10 +19,11 @@ PROMPT = list(range(1, 19))  # 4 full pages of the first 17 tokens
 
 
 class FakeHandle:
-    """A replica stand-in whose ``load`` answer is set by the test (None: it is dead)."""
+    """A replica stand-in whose ``load`` answer is set by the test (None: it is dead;
+    ``slow``: it does not answer in time)."""
 
-    def __init__(self, ranks: list[RankLoad] | None) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: list[RankLoad] | None, slow: bool = False) -> None:
+        self.ranks, self.slow = ranks, slow
 
 
 def load_of(rank: int, running: int = 0, hashes: list[int] | None = None) -> RankLoad:
@@ -33,6 +34,8 @@ def load_of(rank: int, running: int = 0, hashes: list[int] | None = None) -> Ran
 
 
 async def fake_fetch(handle: FakeHandle) -> WorkerLoad:
+    if handle.slow:
+        raise TimeoutError("load did not answer within LOAD_TIMEOUT_S")
     if handle.ranks is None:
         raise ConnectionError("replica gone")
     return WorkerLoad(
@@ -64,6 +67,17 @@ def test_requests_this_router_sent_count_until_a_report_shows_them() -> None:
     assert asyncio.run(_order(b, [7, 8, 9]))[0] == (0, 1)
     b.release(0, 0)
     assert asyncio.run(_order(b, [7, 8, 9]))[0] == (0, 0) and not b.inflight
+
+
+def test_a_slow_replica_keeps_its_last_reports_and_a_failed_one_drops_out() -> None:
+    handles = [FakeHandle([load_of(0, running=3), load_of(1)]), FakeHandle([load_of(0)])]
+    b = board(handles)
+    asyncio.run(b.refresh())
+    handles[0].slow = True  # a long step holds its engine: the poll times out
+    handles[1].ranks = None  # its call fails: gone
+    asyncio.run(b.refresh())
+    assert sorted(b.reports) == [0] and [r.running for r in b.reports[0]] == [3, 0]
+    assert asyncio.run(_order(b, [7, 8, 9])) == [(0, 1), (0, 0), (1, None)]
 
 
 def test_a_down_replica_is_tried_after_every_reported_one() -> None:

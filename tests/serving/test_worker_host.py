@@ -74,7 +74,9 @@ async def handoff(
     prefill side's draft state unless it is ``"sent"``."""
     num_tokens = len(req.prompt_ids)
     rid = req.request_id
-    assert decode.reserve(ReserveRequest(request_id=rid, num_tokens=num_tokens, lease_s=5)).ok
+    assert (
+        await decode.reserve(ReserveRequest(request_id=rid, num_tokens=num_tokens, lease_s=5))
+    ).ok
     result = await prefill.prefill(attempt(req))
     assert result.kv is not None and result.kv.num_tokens == num_tokens
     first = result.first
@@ -133,7 +135,9 @@ def test_unused_reservation_is_freed_when_its_lease_expires(hosts: dict[str, Eng
 
     async def run() -> None:
         decode._start_reaper()
-        assert decode.reserve(ReserveRequest(request_id="r", num_tokens=100, lease_s=0.3)).ok
+        assert (
+            await decode.reserve(ReserveRequest(request_id="r", num_tokens=100, lease_s=0.3))
+        ).ok
         assert decode.stats().reservations == 1
         await asyncio.sleep(0.8)
 
@@ -147,7 +151,7 @@ def test_decode_after_released_kv_fails_cleanly_and_frees_the_reservation(
     prefill, decode = hosts["prefill"], hosts["decode"]
 
     async def run() -> list[TokenChunk]:
-        assert decode.reserve(ReserveRequest(request_id="x", num_tokens=40, lease_s=5)).ok
+        assert (await decode.reserve(ReserveRequest(request_id="x", num_tokens=40, lease_s=5))).ok
         result = await prefill.prefill(attempt(request("x")))
         await prefill.release_kv(
             result.kv.request_id
@@ -215,7 +219,9 @@ def test_closing_a_stream_counts_each_unfinished_sequence_as_abort(
 
 def test_calls_for_another_role_are_refused(hosts: dict[str, EngineHost]) -> None:
     with pytest.raises(WrongRoleError):
-        hosts["prefill"].reserve(ReserveRequest(request_id="y", num_tokens=4, lease_s=1))
+        asyncio.run(
+            hosts["prefill"].reserve(ReserveRequest(request_id="y", num_tokens=4, lease_s=1))
+        )
     with pytest.raises(WrongRoleError):
         asyncio.run(collect(hosts["decode"].generate(request("y"))))
 
@@ -423,7 +429,7 @@ async def reusing_handoff(
     the chunks and the decode side's reserve reply as it goes over the wire."""
     rid, ids = req.request_id, req.prompt_ids
     reserve = ReserveRequest(request_id=rid, num_tokens=len(ids), lease_s=5, prompt_ids=ids)
-    reserved = decode.reserve(reserve)
+    reserved = await decode.reserve(reserve)
     assert reserved.ok
     msg = attempt(req).model_copy(update={"skip_pages": reserved.cached_pages})
     if skip is not None:
