@@ -219,7 +219,7 @@ class PDBackend:
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
                     continue
                 finally:
-                    self.decode_ranks.release(d, rank)
+                    self.decode_ranks.release(d, rank, ended=False)
                 reserved = parse(ReserveResult, raw)
                 if reserved.ok:  # the caller releases this rank when the request ends
                     self.decode_ranks.acquire(d, reserved.dp_rank)

@@ -3,8 +3,10 @@
 
 A :class:`RankBoard` holds one replica set's last reports, refreshed every
 ``interval_s`` by a background poll, and this router's own in-flight requests per
-(replica, rank): between two polls a rank's load is the larger of what it reported and
-what this router has sent it, so a burst of requests spreads before the next report.
+(replica, rank): between two polls a rank's load is the larger of what it reported, less
+the requests of this router that ended there since the poll was sent, and what this
+router has in flight there, so a burst of requests spreads before the next report and a
+request that just ended does not weigh on its rank until then.
 Replicas with no report yet, or marked down, come after every reported candidate (by
 the router's own load), with no rank named: their DP scheduler picks.
 """
@@ -72,6 +74,7 @@ class RankBoard:
         self._fetch = fetch
         self.reports: dict[int, list[RankReport]] = {}
         self.inflight: Counter[tuple[int, int]] = Counter()
+        self.ended: Counter[tuple[int, int]] = Counter()  # since the last poll was sent
         self._task: asyncio.Task[None] | None = None
 
     # ---- reports ----------------------------------------------------------------------
@@ -81,10 +84,12 @@ class RankBoard:
         long step holds its engine) keeps its last reports: dropping them would route
         blind, by the replica's own prefix cache alone."""
         handles = self.replicas.handles
+        ended = Counter(self.ended)  # what the answers will count no more
         answers = await asyncio.gather(*(self._fetch(h) for h in handles), return_exceptions=True)
         for index, answer in enumerate(answers):
             if isinstance(answer, WorkerLoad) and answer.ranks:
                 self.reports[index] = reports_of(index, answer)
+                self.ended -= Counter({k: n for k, n in ended.items() if k[0] == index})
             elif not isinstance(answer, TimeoutError):
                 self.reports.pop(index, None)
 
@@ -104,8 +109,9 @@ class RankBoard:
 
     # ---- choice -----------------------------------------------------------------------
     def _effective(self, report: RankReport) -> RankReport:
-        sent = self.inflight[(report.replica, report.dp_rank)]
-        return replace(report, running=max(report.running, sent - report.waiting))
+        key = (report.replica, report.dp_rank)
+        reported = report.running - self.ended[key]
+        return replace(report, running=max(reported, self.inflight[key] - report.waiting, 0))
 
     def order(self, prompt_ids: Sequence[int]) -> list[Target]:
         """Targets for ``prompt_ids``, best first: scored reported ranks of up replicas,
@@ -129,12 +135,14 @@ class RankBoard:
         if dp_rank is not None:
             self.inflight[(replica, dp_rank)] += 1
 
-    def release(self, replica: int, dp_rank: int | None) -> None:
-        """That request ended there."""
+    def release(self, replica: int, dp_rank: int | None, ended: bool = True) -> None:
+        """That request ended there (``ended`` False: it was only asked, never ran)."""
         if dp_rank is not None:
             self.inflight[(replica, dp_rank)] -= 1
             if self.inflight[(replica, dp_rank)] <= 0:
                 del self.inflight[(replica, dp_rank)]
+            if ended:
+                self.ended[(replica, dp_rank)] += 1
 
 
 def replica_targets(order: Sequence[int]) -> list[Target]:

@@ -151,12 +151,16 @@ def test_concurrent_requests_land_on_both_decode_ranks(
     app: tuple[str, str], expected: dict[str, str]
 ) -> None:
     name, url = app
-    before = kv_digests(name)
+    before, placed_before = kv_digests(name), worker_stats(name, "decode-0").rank_requests
     with ThreadPoolExecutor(2) as pool:
         texts = list(pool.map(lambda rid: stream_chat(url, PROMPTS[rid]), ("left", "right")))
     assert texts == [expected["left"], expected["right"]]
     after = kv_digests(name)
-    assert after[0] != before[0] and after[1] != before[1], "one DP rank took both requests"
+    placed = worker_stats(name, "decode-0")
+    assert after[0] != before[0] and after[1] != before[1], (
+        f"one DP rank took both requests: placed {placed_before} -> {placed.rank_requests}, "
+        f"fallbacks {placed.rank_fallbacks}"
+    )
     assert wait_until(lambda: nothing_held(name), FREED_WITHIN_S), held(name)
 
 

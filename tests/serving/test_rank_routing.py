@@ -69,6 +69,25 @@ def test_requests_this_router_sent_count_until_a_report_shows_them() -> None:
     assert asyncio.run(_order(b, [7, 8, 9]))[0] == (0, 0) and not b.inflight
 
 
+def test_a_request_that_ended_since_the_poll_no_longer_weighs_on_its_rank() -> None:
+    """Rank 1's report still counts this router's request that has just ended there; a
+    burst sent now must not all go to rank 0 (the report is stale until the next poll)."""
+    handles = [FakeHandle([load_of(0), load_of(1)])]
+    b = board(handles)
+    asyncio.run(b.refresh())
+    b.acquire(0, 1)  # a request runs on rank 1 ...
+    handles[0].ranks = [load_of(0), load_of(1, running=1)]
+    asyncio.run(b.refresh())  # ... and is reported
+    b.release(0, 1)  # it ended; no poll since
+    b.acquire(0, 0)  # the first of a burst went to rank 0
+    assert asyncio.run(_order(b, [7, 8, 9]))[0] == (0, 1)
+    b.release(0, 0, ended=False)  # only asked, never ran: no correction
+    handles[0].ranks = [load_of(0), load_of(1)]
+    asyncio.run(b.refresh())  # the next report no longer counts it: nothing to correct
+    assert not b.ended and not b.inflight
+    assert [c for c in asyncio.run(_order(b, [7, 8, 9]))] == [(0, 0), (0, 1)]
+
+
 def test_a_slow_replica_keeps_its_last_reports_and_a_failed_one_drops_out() -> None:
     handles = [FakeHandle([load_of(0, running=3), load_of(1)]), FakeHandle([load_of(0)])]
     b = board(handles)
