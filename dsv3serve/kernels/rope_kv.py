@@ -17,9 +17,10 @@ Inputs, per new token ``t`` (T tokens; DeepSeek-V3: R 512, P 64, H 128 heads):
 RoPE rotates interleaved pairs ``(x0, x1), (x2, x3), ...`` in place:
 ``(e, o) -> (e*c - o*s, o*c + e*s)`` in float32, rounded to bf16 (DeepSeek's layout, as
 :class:`~dsv3serve.layers.rotary.RotaryEmbedding`). Each cache row becomes ``[c_kv |
-rope(k_pe)]``; in an e4m3 pool it is stored as the pool does it: ``s = max(amax / 448,
-1e-12)`` over the row's 576 bf16 values, ``e4m3(clamp(x / s, +-448))`` (IEEE divisions), and
-``s`` in the scale buffer. Returns the rotated ``q_pe`` as a new contiguous [T, H, P] tensor.
+rope(k_pe)]``; in an e4m3 pool it is stored as the pool does it: ``s = max(amax *
+fl32(1/448), 1e-12)`` over the row's 576 bf16 values, ``e4m3(clamp(x / s, +-448))`` (an IEEE
+division), and ``s`` in the scale buffer. Returns the rotated ``q_pe`` as a new contiguous
+[T, H, P] tensor.
 
 It replaces the two rotations (each a handful of elementwise kernels), the concatenation
 and the cache's scatter (and, for e4m3, its amax and quantisation) with one launch.
@@ -71,7 +72,7 @@ def _write_row_body(lat, cs, sn, kv_row, s_ptr, slot, R, P,
     if FP8:
         amax = tl.max(tl.abs(c.to(tl.float32)), axis=0)
         amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(re), tl.abs(ro)).to(tl.float32), 0))
-        s = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + QMAX), MIN_SCALE)
+        s = tl.maximum(amax * (1.0 / QMAX), MIN_SCALE)  # the pool's multiply, not a division
         c = tl.minimum(tl.maximum(tl.math.div_rn(c.to(tl.float32), s), -QMAX), QMAX)
         re = tl.minimum(tl.maximum(tl.math.div_rn(re.to(tl.float32), s), -QMAX), QMAX)
         ro = tl.minimum(tl.maximum(tl.math.div_rn(ro.to(tl.float32), s), -QMAX), QMAX)
@@ -195,7 +196,7 @@ def rope_kv_write_ref(
         flat[slots] = rows.to(flat.dtype)
     else:
         values = rows.float()
-        scale = (values.abs().amax(dim=-1) / CACHE_FP8_MAX).clamp_min(CACHE_MIN_SCALE)
+        scale = (values.abs().amax(dim=-1) * (1.0 / CACHE_FP8_MAX)).clamp_min(CACHE_MIN_SCALE)
         q = (values / scale[:, None]).clamp(-CACHE_FP8_MAX, CACHE_FP8_MAX)
         flat[slots] = q.to(flat.dtype)
         scale_buffer.view(-1)[slots] = scale

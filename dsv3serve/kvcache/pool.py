@@ -35,7 +35,10 @@ class MLAKVPool:
       ``[512:576]`` the rotated rope key ``k_pe``.
     - fp8 (``torch.float8_e4m3fn``), our documented fp8 layout: the row stores
       ``q = x / s`` in e4m3, and ``scale_buffer(l)``, ``[num_pages, page_size]`` float32,
-      stores ``s = max(|x|) / 448`` of that token's 576 values; ``x ~= q.float() * s``.
+      stores ``s = max(|x|) * fl32(1/448)`` of that token's 576 values (a multiply, so
+      every device and the fused RoPE write, ``kernels/rope_kv.py``, get the same bits;
+      torch's CUDA division by a scalar multiplies by its reciprocal anyway), floored at
+      1e-12; ``x ~= q.float() * s``.
       bf16 and float32 pools have no scale buffer.
 
     ``read`` returns ``compute_dtype`` (default: bf16 for fp8 storage, else the storage
@@ -107,7 +110,7 @@ class MLAKVPool:
             return
         values = latent.float()
         # Floor the scale so all-zero rows stay finite even where subnormals flush to 0.
-        scale = (values.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp_min(_MIN_SCALE)
+        scale = (values.abs().amax(dim=-1) * (1.0 / FP8_E4M3_MAX)).clamp_min(_MIN_SCALE)
         quantized = (values / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         flat_kv[slots] = quantized.to(self.dtype)
         self._scale[layer].view(self.num_slots)[slots] = scale

@@ -2,9 +2,10 @@
 (used by the interpreter and the GPU tests); bounds in tests/support/mla_fusion_cases.py.
 
 The pool starts poisoned (NaN, 0xFF for e4m3): rows the kernel must not touch stay
-poisoned, the rows it writes hold no NaN. An e4m3 row is checked exactly against the pool's
-quantisation (on CPU, IEEE divisions) of the kernel's own bf16 row, which the same kernel
-writes into a bf16 pool; that bf16 row is checked against the reference by the RoPE bound.
+poisoned, the rows it writes hold no NaN. An e4m3 row is checked exactly against what a real
+``MLAKVPool.write`` on the same device stores for the kernel's own bf16 row, which the same
+kernel writes into a bf16 pool; that bf16 row is checked against the reference by the RoPE
+bound.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from mla_fusion_cases import assert_rope_close, poison_, rope_magnitude
 
 from dsv3serve.config import YarnScaling
-from dsv3serve.kernels.rope_kv import CACHE_FP8_MAX, CACHE_MIN_SCALE
+from dsv3serve.kvcache.pool import MLAKVPool
 from dsv3serve.layers.rotary import RotaryEmbedding
 
 PAGE_SIZE = 4
@@ -74,11 +75,14 @@ def rope_inputs(
 
 
 def _pool_quantised(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``MLAKVPool.write`` stores for bf16 ``rows`` [T, D] (computed on CPU)."""
-    values = rows.cpu().float()
-    scale = (values.abs().amax(dim=-1) / CACHE_FP8_MAX).clamp_min(CACHE_MIN_SCALE)
-    q = (values / scale[:, None]).clamp(-CACHE_FP8_MAX, CACHE_FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
+    """What a real e4m3 ``MLAKVPool.write`` stores for bf16 ``rows`` [T, D] on their
+    device: the rows and their scales (the unfused path the kernel must equal)."""
+    t, d = rows.shape
+    pool = MLAKVPool(1, -(-t // PAGE_SIZE), PAGE_SIZE, d, torch.float8_e4m3fn, rows.device)
+    pool.write(0, torch.arange(t, device=rows.device), rows)
+    scales = pool.scale_buffer(0)
+    assert scales is not None
+    return pool.kv_buffer(0).view(-1, d)[:t], scales.view(-1)[:t]
 
 
 def _assert_untouched(kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -115,10 +119,10 @@ def check_against_reference(case: RopeCase, kernel: RopeWrite, ref: RopeWrite) -
         fp8.run(kernel)
         _assert_untouched(fp8.kv, case.slots)
         q, scale = _pool_quantised(rows)
-        got = fp8.kv.view(-1, fp8.kv.shape[-1])[case.slots].cpu()
-        assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), "e4m3 rows differ"
+        got = fp8.kv.view(-1, fp8.kv.shape[-1])[case.slots]
         assert fp8.scales is not None
-        assert torch.equal(fp8.scales.view(-1)[case.slots].cpu(), scale), "row scales differ"
+        assert torch.equal(fp8.scales.view(-1)[case.slots], scale), "row scales differ"
+        assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), "e4m3 rows differ"
         assert fp8.scales.isnan().sum() == fp8.scales.numel() - len(case.slots), (
             "the kernel wrote scales outside its slots"
         )
