@@ -27,6 +27,8 @@ from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine
 from kv_transfer.handle import KVHandle
 
+IDLE_POLL_S = 0.01
+
 
 @dataclass
 class _Ranges:
@@ -116,7 +118,8 @@ async def ranges_while(
     prefill: asyncio.Future[Any], aengine: AsyncEngine, ranges: PrefillRanges, attempt_id: str
 ) -> AsyncIterator[KVHandle]:
     """Each range of ``attempt_id`` published after an engine step, until ``prefill`` (the
-    attempt's prefill) is done."""
+    attempt's prefill) is done. While the engine is idle (the prefill is not admitted
+    yet) it looks again every ``IDLE_POLL_S`` instead of spinning."""
     while not prefill.done():
         step = asyncio.ensure_future(aengine.next_step())
         try:
@@ -125,6 +128,9 @@ async def ranges_while(
             step.cancel()
         if prefill.done():
             return
+        if not aengine.stepping:  # no step ran: nothing can have become final
+            await asyncio.wait({prefill}, timeout=IDLE_POLL_S)
+            continue
         handle = await aengine.mutate(lambda e: ranges.publish_ready(e, attempt_id))
         if handle is not None:
             yield handle

@@ -163,6 +163,11 @@ class AsyncEngine:
             if waiter in self._step_waiters:
                 self._step_waiters.remove(waiter)
 
+    @property
+    def stepping(self) -> bool:
+        """Whether the step loop runs now (it stops when no command and no work is left)."""
+        return self._loop_task is not None and not self._loop_task.done()
+
     def _wake_step_waiters(self) -> None:
         waiters, self._step_waiters = self._step_waiters, []
         for waiter in waiters:

@@ -84,15 +84,15 @@ async def pull(decode: EngineHost, msg: PrefillRequest, kv: KVHandle) -> bool:
 
 
 async def run_overlapped(
-    prefill: EngineHost, decode: EngineHost, msg: PrefillRequest, pulls: int | None = None
+    prefill: EngineHost, decode: EngineHost, msg: PrefillRequest, pull_ranges: bool = True
 ) -> tuple[list[KVHandle], PrefillResult]:
-    """The router's part: each range pulled as it comes (only the first ``pulls`` when
-    given: the rest stand for ranges whose pull failed); the result."""
+    """The router's part: each range pulled as it comes (unless ``pull_ranges`` is
+    False); the result."""
     ranges: list[KVHandle] = []
     async for event in prefill.prefill_stream(msg):
         if event.kv_range is not None:
             ranges.append(event.kv_range)
-            if pulls is None or len(ranges) <= pulls:
+            if pull_ranges:
                 assert await pull(decode, msg, event.kv_range)
         else:
             assert event.result is not None
@@ -145,27 +145,31 @@ def test_overlapped_handoff_equals_colocated_and_frees_everything(
     assert nothing_held(prefill, decode)
 
 
-@pytest.mark.parametrize("pulls", [0, 1])
+@pytest.mark.parametrize("missed", ["all", "last"])
 def test_ranges_whose_pull_failed_are_pulled_at_the_handoff(
-    pair: tuple[EngineHost, EngineHost], colocated: EngineHost, pulls: int
+    pair: tuple[EngineHost, EngineHost], colocated: EngineHost, missed: str
 ) -> None:
     """A range the overlapped transfer did not pull (its pull failed) rides in the
     handoff (``kv_ranges``): decode pulls it before the final pages, and the text stays
     the colocated engine's (the handoff used to fail on a staged-pages mismatch)."""
     prefill, decode = pair
     before = decode.stats()
-    rid = "xy"[pulls]  # a prompt of its own (request() keys it by the first letter)
+    rid = {"all": "x", "last": "y"}[missed]  # a prompt of its own (keyed by the letter)
 
     async def run() -> tuple[list[KVHandle], list[int]]:
         msg = attempt(rid)
         await reserve(decode, rid)
-        ranges, result = await run_overlapped(prefill, decode, msg, pulls=pulls)
+        ranges, result = await run_overlapped(prefill, decode, msg, pull_ranges=False)
+        assert ranges, "no range was staged while the prefill ran"
+        pulls = 0 if missed == "all" else len(ranges) - 1  # the rest: their pulls failed
+        for kv in ranges[:pulls]:  # staged until the attempt is released
+            assert await pull(decode, msg, kv)
         tokens = await hand_off(decode, msg, result, missed=tuple(ranges[pulls:]))
         await prefill.release_kv(msg.attempt_id)
         return ranges, tokens
 
     ranges, tokens = asyncio.run(run())
-    assert len(ranges) > pulls + 1, "too few ranges to miss some"
+    pulls = 0 if missed == "all" else len(ranges) - 1
     assert tokens == colocated_tokens(colocated, rid)
     after = decode.stats()
     assert after.overlapped_pages - before.overlapped_pages == sum(
@@ -290,4 +294,34 @@ def test_a_range_out_of_order_is_refused_and_keeps_the_reservation() -> None:
 
     asyncio.run(run())
     assert nothing_held(decode)
+    decode.close()
+
+
+def test_the_range_stream_waits_for_steps_instead_of_spinning_before_admission() -> None:
+    """While the prefill is not admitted yet (here: its fault-injected delay) no step runs,
+    so nothing can become final: the stream looks again every IDLE_POLL_S instead of
+    asking the step thread in a busy loop (it asked thousands of times in half a second)."""
+    prefill, decode = make_host("prefill", test_prefill_delay_s=0.5), make_host("decode")
+    ranges = prefill.staging.ranges
+    asks = 0
+    publish = ranges.publish_ready
+
+    def counted(engine: object, attempt_id: str) -> KVHandle | None:
+        nonlocal asks
+        asks += 1
+        return publish(engine, attempt_id)  # type: ignore[arg-type]
+
+    ranges.publish_ready = counted  # type: ignore[method-assign]
+
+    async def run() -> None:
+        msg = attempt("g")
+        await reserve(decode, "g")
+        _, result = await run_overlapped(prefill, decode, msg)
+        await hand_off(decode, msg, result)
+        await prefill.release_kv(msg.attempt_id)
+
+    asyncio.run(run())
+    assert asks <= 3 * 6, f"{asks} asks for a prefill of 6 chunks"
+    assert nothing_held(prefill, decode)
+    prefill.close()
     decode.close()
