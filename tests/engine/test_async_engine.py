@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from test_engine import GREEDY, drain, make_engine, prompts, run_alone
 
@@ -56,6 +58,39 @@ def test_closing_a_stream_queues_its_abort_before_returning() -> None:
         return await aeng.mutate(lambda e: e.num_live_sequences)
 
     assert asyncio.run(live_after_close()) == 0
+
+
+def test_read_waits_for_a_held_engine_lock_off_the_event_loop() -> None:
+    """A long step holds the engine lock: ``read`` waits for it on a worker thread while
+    the event loop runs on (``call`` would block the loop, and every stream, that long)."""
+    aeng = AsyncEngine(make_engine())
+    held = threading.Event()
+
+    def long_step() -> None:
+        with aeng._lock:  # what the step thread holds through a step
+            held.set()
+            time.sleep(0.3)
+
+    async def main() -> tuple[int, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        thread = threading.Thread(target=long_step)
+        thread.start()
+        held.wait()
+        live = await aeng.read(lambda e: e.num_live_sequences)
+        ticker.cancel()
+        thread.join()
+        return ticks, live
+
+    ticks, live = asyncio.run(main())
+    assert live == 0 and ticks >= 10, f"the loop ticked {ticks} times in 0.3 s"
 
 
 class FailingRunnerFake:
