@@ -53,10 +53,54 @@ _COMPLETIONS: dict[str, Refusal] = {
     "best_of": Refusal("best_of is not supported (use n)", lambda v: v == 1),
 }
 
+# vLLM's and SGLang's extensions that this server does not honour (those it honours, such
+# as top_k, min_p, stop_token_ids, regex or chat_template_kwargs, are request fields). A
+# client moving from either sends them expecting an effect: an unknown name that no
+# server uses is still ignored, as vLLM ignores it.
+_GUIDED = "use response_format (json_schema, json_object), regex or ebnf"
+_EXTENSIONS: dict[str, Refusal] = {
+    "guided_json": _never(_GUIDED),
+    "guided_regex": _never(_GUIDED),
+    "guided_choice": _never(_GUIDED),
+    "guided_grammar": _never(_GUIDED),
+    "guided_decoding_backend": _never(_GUIDED),
+    "guided_whitespace_pattern": _never(_GUIDED),
+    "structured_outputs": _never(_GUIDED),
+    "structural_tag": _never("structural tags are not supported"),
+    "json_schema": _never(_GUIDED),  # SGLang's top-level field
+    "bad_words": Refusal("bad_words is not supported (use logit_bias)", lambda v: v == []),
+    "allowed_token_ids": _never("allowed_token_ids is not supported (use logit_bias)"),
+    "truncate_prompt_tokens": _never("prompts are never truncated: a long one gets 400"),
+    "include_stop_str_in_output": Refusal("stop strings are never included", lambda v: v is False),
+    "no_stop_trim": Refusal("stop strings are always trimmed", lambda v: v is False),
+    "spaces_between_special_tokens": Refusal(
+        "special tokens are decoded without added spaces", lambda v: v is True
+    ),
+    "return_tokens_as_token_ids": Refusal("tokens are returned as text", lambda v: v is False),
+    "return_hidden_states": Refusal("hidden states are not returned", lambda v: v is False),
+    "use_beam_search": Refusal("beam search is not supported", lambda v: v is False),
+    "length_penalty": Refusal("beam search is not supported", lambda v: v == 1),
+    "priority": Refusal("requests have no priorities", lambda v: v == 0),
+    "request_id": _never("the server assigns request ids"),
+    "lora_request": _never("LoRA adapters are not supported"),
+    "lora_path": _never("LoRA adapters are not supported"),
+    "kv_transfer_params": _never("the KV transfer is internal to the PD app"),
+    "mm_processor_kwargs": _never("only text input is supported"),
+}
+_CHAT_EXTENSIONS: dict[str, Refusal] = {
+    "echo": Refusal("echoing the last message is not supported", lambda v: v is False),
+    "add_generation_prompt": Refusal("the assistant turn is always opened", lambda v: v is True),
+    "continue_final_message": Refusal(
+        "a final assistant message is not continued", lambda v: v is False
+    ),
+    "chat_template": _never("the model's own chat template is used"),
+    "documents": _never("documents are not passed to the chat template"),
+}
+
 REFUSED: Mapping[str, Mapping[str, Refusal]] = MappingProxyType(
     {
-        "chat": MappingProxyType(_SHARED | _CHAT),
-        "completion": MappingProxyType(_SHARED | _COMPLETIONS),
+        "chat": MappingProxyType(_SHARED | _CHAT | _EXTENSIONS | _CHAT_EXTENSIONS),
+        "completion": MappingProxyType(_SHARED | _COMPLETIONS | _EXTENSIONS),
     }
 )
 

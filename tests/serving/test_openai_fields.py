@@ -109,6 +109,37 @@ REFUSED_VALUES: dict[str, Any] = {
     "web_search_options": {},
     "best_of": 2,
     "suffix": "the end",
+    # vLLM's and SGLang's extensions
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "structured_outputs": {"choice": ["yes", "no"]},
+    "structural_tag": '{"type": "structural_tag"}',
+    "json_schema": '{"type": "object"}',
+    "bad_words": ["hi"],
+    "allowed_token_ids": [1, 2],
+    "truncate_prompt_tokens": 4,
+    "include_stop_str_in_output": True,
+    "no_stop_trim": True,
+    "spaces_between_special_tokens": False,
+    "return_tokens_as_token_ids": True,
+    "return_hidden_states": True,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "priority": 1,
+    "request_id": "mine",
+    "lora_request": {"lora_name": "a"},
+    "lora_path": "a",
+    "kv_transfer_params": {"do_remote_decode": True},
+    "mm_processor_kwargs": {"size": 1},
+    "echo": True,
+    "add_generation_prompt": False,
+    "continue_final_message": True,
+    "chat_template": "{{ messages }}",
+    "documents": [{"text": "doc"}],
 }
 # Values that ask for nothing beyond what the server does: accepted.
 NO_OP_VALUES: list[tuple[str, str, Any]] = [
@@ -116,6 +147,10 @@ NO_OP_VALUES: list[tuple[str, str, Any]] = [
     ("chat", "service_tier", "auto"),
     ("chat", "modalities", ["text"]),
     ("completion", "best_of", 1),
+    ("chat", "echo", False),
+    ("chat", "add_generation_prompt", True),
+    ("completion", "include_stop_str_in_output", False),
+    ("completion", "priority", 0),
 ]
 
 
