@@ -56,7 +56,8 @@ _COMPLETIONS: dict[str, Refusal] = {
 # vLLM's and SGLang's extensions that this server does not honour (those it honours, such
 # as top_k, min_p, stop_token_ids, regex or chat_template_kwargs, are request fields). A
 # client moving from either sends them expecting an effect: an unknown name that no
-# server uses is still ignored, as vLLM ignores it.
+# server uses is still ignored, as vLLM ignores it. vLLM's ``request_id`` is ignored on
+# purpose: the server assigns every id (tests/serving/test_openai_api_errors.py).
 _GUIDED = "use response_format (json_schema, json_object), regex or ebnf"
 _EXTENSIONS: dict[str, Refusal] = {
     "guided_json": _never(_GUIDED),
@@ -81,7 +82,6 @@ _EXTENSIONS: dict[str, Refusal] = {
     "use_beam_search": Refusal("beam search is not supported", lambda v: v is False),
     "length_penalty": Refusal("beam search is not supported", lambda v: v == 1),
     "priority": Refusal("requests have no priorities", lambda v: v == 0),
-    "request_id": _never("the server assigns request ids"),
     "lora_request": _never("LoRA adapters are not supported"),
     "lora_path": _never("LoRA adapters are not supported"),
     "kv_transfer_params": _never("the KV transfer is internal to the PD app"),

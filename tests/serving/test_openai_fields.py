@@ -130,7 +130,6 @@ REFUSED_VALUES: dict[str, Any] = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "priority": 1,
-    "request_id": "mine",
     "lora_request": {"lora_name": "a"},
     "lora_path": "a",
     "kv_transfer_params": {"do_remote_decode": True},
