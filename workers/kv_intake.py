@@ -126,9 +126,7 @@ class KVIntake:
         except DraftMismatchError as exc:
             self.unreserve(rid, res)
             raise HandoffError(str(exc)) from None
-        error = await self._receive(rid, msg.kv, res)
-        if error is not None:
-            raise HandoffError(error)
+        await self._receive(rid, msg.kv, res)
         self.pulls.after_pulls(rid, lambda: None)  # done: its progress goes
         return res, draft
 
@@ -143,16 +141,7 @@ class KVIntake:
             if mismatch is not None:
                 self.unreserve(rid, res)
                 raise HandoffError(mismatch)
-            try:
-                stats = await self._pull(rid, kv, res, pulled)
-            except asyncio.CancelledError:
-                self.unreserve(rid, res)  # once the copy has ended
-                raise
-            except (TransferError, EngineDeadError) as exc:
-                self.unreserve(rid, res)
-                if isinstance(exc, TransferError):
-                    self.metrics.m.transfer_failed(failure_reason(exc))
-                raise HandoffError(f"KV range transfer failed: {exc}") from None
+            stats = await self._pull_or_free(rid, kv, res, pulled, "KV range transfer")
             pulled += kv.num_pages
             self.pulls.landed(rid, attempt, pulled)
             self.metrics.transferred(stats, kv.num_pages, 0)
@@ -178,29 +167,36 @@ class KVIntake:
         num_tokens = len(msg.request.prompt_ids) + 1
         return draft_from_wire(msg.draft, num_tokens, size, runner.dtype, runner.device)
 
-    async def _receive(self, rid: str, handle: KVHandle, res: KVReservation) -> str | None:
-        """Pull ``handle`` into its place in ``res.pages``; on failure free the reservation
-        and return the reason. A cancelled caller does not interrupt the copy: the pages
-        are freed only after the transfer thread has stopped writing into them."""
-        try:
-            stats = await self._pull(rid, handle, res, handle.first_page - res.num_cached_pages)
-        except asyncio.CancelledError:
-            self.unreserve(rid, res)  # once the copy has ended
-            raise
-        except Exception as exc:  # TransferError, or a dead engine: give the pages back
-            self.unreserve(rid, res)
-            if isinstance(exc, TransferError):
-                self.metrics.m.transfer_failed(failure_reason(exc))
-            return f"KV transfer failed: {exc}"
+    async def _receive(self, rid: str, handle: KVHandle, res: KVReservation) -> None:
+        """Pull ``handle`` into its place in ``res.pages`` and place it on the group; on
+        failure free the reservation and raise HandoffError."""
+        offset = handle.first_page - res.num_cached_pages
+        stats = await self._pull_or_free(rid, handle, res, offset, "KV transfer")
         self.metrics.transferred(stats, handle.num_pages, res.num_cached_pages)
         if self.group is None:
-            return None
+            return
         try:  # TP: every rank's pool; DP: the owning rank's only
             await self.aengine.read(lambda _: self.group.leader.replicate_pages(res.pages))
         except Exception as exc:
             self.unreserve(rid, res)
-            return f"KV placement on the group failed: {exc}"
-        return None
+            raise HandoffError(f"KV placement on the group failed: {exc}") from None
+
+    async def _pull_or_free(
+        self, rid: str, handle: KVHandle, res: KVReservation, offset: int, what: str
+    ) -> TransferStats:
+        """:meth:`_pull`, the reservation taken over: on any failure it is freed and
+        HandoffError raised. A cancelled caller does not interrupt the copy: the pages are
+        freed only after the transfer thread has stopped writing into them."""
+        try:
+            return await self._pull(rid, handle, res, offset)
+        except asyncio.CancelledError:
+            self.unreserve(rid, res)  # once the copy has ended
+            raise
+        except Exception as exc:  # TransferError, a dead engine, or a connector's bug
+            self.unreserve(rid, res)
+            if isinstance(exc, TransferError):
+                self.metrics.m.transfer_failed(failure_reason(exc))
+            raise HandoffError(f"{what} failed: {exc}") from None
 
     async def _pull(
         self, rid: str, handle: KVHandle, res: KVReservation, offset: int

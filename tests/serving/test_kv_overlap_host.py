@@ -179,6 +179,31 @@ def test_ranges_whose_pull_failed_are_pulled_at_the_handoff(
     assert nothing_held(prefill, decode)
 
 
+def test_a_missed_range_that_cannot_be_pulled_fails_the_handoff_and_frees_it(
+    pair: tuple[EngineHost, EngineHost],
+) -> None:
+    """The prefill side released the attempt (its ranges with it) before the handoff: the
+    missed range's pull fails, the decode side answers 503 and holds nothing."""
+    prefill, decode = pair
+
+    async def run() -> list:
+        msg = attempt("z")
+        await reserve(decode, "z")
+        ranges, result = await run_overlapped(prefill, decode, msg, pull_ranges=False)
+        assert ranges and result.kv is not None
+        await prefill.release_kv(msg.attempt_id)  # as if its lease ran out
+        first = result.first.token_ids[0]
+        handoff = DecodeRequest(
+            request=msg.request, first_token=first, kv=result.kv, kv_ranges=ranges
+        )
+        return [c async for c in decode.decode(handoff)]
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 1 and chunks[0].error_status == 503, chunks
+    assert "KV range transfer failed" in (chunks[0].error or "")
+    assert nothing_held(prefill, decode)
+
+
 def test_an_abort_after_a_range_was_pulled_frees_both_sides(
     pair: tuple[EngineHost, EngineHost],
 ) -> None:

@@ -85,7 +85,7 @@ def test_a_request_that_ended_since_the_poll_no_longer_weighs_on_its_rank() -> N
     handles[0].ranks = [load_of(0), load_of(1)]
     asyncio.run(b.refresh())  # the next report no longer counts it: nothing to correct
     assert not b.ended and not b.inflight
-    assert [c for c in asyncio.run(_order(b, [7, 8, 9]))] == [(0, 0), (0, 1)]
+    assert asyncio.run(_order(b, [7, 8, 9])) == [(0, 0), (0, 1)]
 
 
 def test_a_slow_replica_keeps_its_last_reports_and_a_failed_one_drops_out() -> None:
