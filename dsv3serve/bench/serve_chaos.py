@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 from dsv3serve.bench.serve_args import BenchServeError, ChaosEvent
 from dsv3serve.bench.serve_client import RequestResult, httpx
+from router.launch import LOOPBACK, use_loopback_ray
 
 BIN_S = 1.0
 BASELINE_BINS = 5
@@ -55,8 +57,28 @@ def kill_replica(app: str, deployment: str) -> str:
     raise BenchServeError(f"--chaos: no replica actor of Serve app {app!r}, {deployment!r}")
 
 
+def loopback_gcs_running() -> bool:
+    """Whether a GCS on this machine was started in loopback mode, as ``dsv3serve serve``
+    starts its local cluster (``router.launch.init_local_ray``)."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and cmd[0].endswith("gcs_server") and f"--node-ip-address={LOOPBACK}" in cmd:
+            return True
+    return False
+
+
 def connect(address: str) -> None:
-    """Join the Ray cluster that runs the app (as a driver; it starts nothing)."""
+    """Join the Ray cluster that runs the app (as a driver; it starts nothing).
+
+    ``auto`` finds the local cluster. Ray combines the GCS port it finds with this node's
+    routable address, where a loopback cluster (``dsv3serve serve``'s) does not listen, and
+    then retries without end; so with such a cluster running, this driver resolves in
+    loopback mode too (before ray is imported).
+    """
+    if address == "auto" and "ray" not in sys.modules and loopback_gcs_running():
+        use_loopback_ray()
     import ray
 
     if not ray.is_initialized():

@@ -2,7 +2,8 @@
 
 What a run moved from prefill to decode (pages and bytes pulled) and what decode-side
 prefix reuse spared it (prompt pages the decode replica's own cache held, not pulled), and
-how many of the pulled pages moved while their prefill still ran (overlapped transfer):
+how many of the pulled pages moved while their prefill still ran (overlapped transfer),
+and how many pulls there were and how long they took in all:
 the difference of the counters summed over decode replicas, after minus before.
 """
 
@@ -19,6 +20,9 @@ KV_COUNTERS = {
     "kv_pages_reused": "dsv3serve:kv_transfer_reused_pages_total",
     "kv_pages_overlapped": "dsv3serve:kv_transfer_overlapped_pages_total",
     "kv_bytes_pulled": "dsv3serve:kv_transfer_bytes_total",
+    # every pull (an overlapped range or the final pages) is one observation
+    "kv_pulls": "dsv3serve:kv_transfer_latency_seconds_count",
+    "kv_pull_seconds": "dsv3serve:kv_transfer_latency_seconds_sum",
 }
 
 

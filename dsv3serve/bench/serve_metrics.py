@@ -139,8 +139,11 @@ def format_table(summary: dict[str, Any], header: dict[str, Any]) -> str:
         "kv_pages_reused": "KV pages reused by decode (not pulled)",
         "kv_pages_overlapped": "KV pages pulled while prefill ran",
         "kv_bytes_pulled": "KV bytes pulled by decode",
+        "kv_pulls": "KV pulls (ranges and final pages)",
     }
     rows += [_line(label, int(summary[key])) for key, label in kv.items() if key in summary]
+    if "kv_pull_seconds" in summary:
+        rows.append(_line("KV pull time, all pulls (s)", summary["kv_pull_seconds"]))
     rows += _latency_lines("TTFT", "ttft", summary)
     rows += _latency_lines("TPOT", "tpot", summary)
     rows += _latency_lines("ITL", "itl", summary)

@@ -28,20 +28,40 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--context-length", type=int, default=None, help="longest request to hold")
+    p.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        help="config.json fields to replace, as the engine's hf_overrides (JSON), e.g. "
+        '\'{"num_hidden_layers": 12, "num_nextn_predict_layers": 0}\'',
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=run_plan)
 
 
-def model_config(model: str) -> ModelConfig:
-    """``tiny`` (FP8), a preset name, or a checkpoint directory's config.json."""
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def model_config(model: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """``tiny`` (FP8), a preset name, or a checkpoint directory's config.json, with
+    ``overrides`` (the engine's ``hf_overrides``) replacing its fields."""
     from dsv3serve.model.presets import PRESETS
     from dsv3serve.model.tiny import FP8_QUANT_CONFIG, TINY_CONFIG
 
     if model == "tiny":
-        return ModelConfig.from_dict({**TINY_CONFIG, "quantization_config": FP8_QUANT_CONFIG})
-    if model in PRESETS:
-        return ModelConfig.from_dict(PRESETS[model])
-    return ModelConfig.from_hf(Path(model))
+        data = {**TINY_CONFIG, "quantization_config": FP8_QUANT_CONFIG}
+    elif model in PRESETS:
+        data = dict(PRESETS[model])
+    else:
+        data = json.loads((Path(model) / "config.json").read_text())
+    return ModelConfig.from_dict({**data, **(overrides or {})})
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -64,7 +84,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
     return plan(
-        model_config(args.model),
+        model_config(args.model, args.hf_overrides),
         parallel,
         args.gpu_memory_gb,
         args.mem_fraction_static,

@@ -80,6 +80,8 @@ def test_kv_counters_sum_the_decode_replicas_only() -> None:
         "kv_pages_reused": 2,
         "kv_pages_overlapped": 0,
         "kv_bytes_pulled": 1000,
+        "kv_pulls": 1,
+        "kv_pull_seconds": 0.1,
     }
     before = parse_kv_counters("")
     assert kv_moved(before, parse_kv_counters(text))["kv_pages_pulled"] == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,24 +14,27 @@ from plan_util import plan_published
 from ray.serve.schema import ServeDeploySchema
 
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.plan.report import plan_table
 from router.config import ConfigError, ServingConfig
 from router.launch import load_deploy_file, local_pd_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 FILES = sorted(DEPLOY.glob("*.yaml"))
-# GPU memory (GB, as the planner counts) of each GPU deploy file's cards.
+# GPU memory (GB, as the planner counts) of each GPU deploy file's cards: the files for the
+# published checkpoint, and the test beds (dummy full-width weights, fewer layers).
 GPU_FILES = {
     "h200x8-colocated.yaml": 141,
     "two-node-h200-pd.yaml": 141,
     "two-node-h100-ep16.yaml": 80,
 }
+TESTBED_FILES = {"h200x2-pd.yaml": 141, "h200x2-dp2ep2.yaml": 141}
 
 
 def test_the_expected_deploy_files_exist() -> None:
     names = {f.name for f in FILES}
     assert {"local-pd.yaml", "local-colocated.yaml", *GPU_FILES} <= names
     gpu_files = {f.name for f in FILES if serving_config(f).engine.device.startswith("cuda")}
-    assert gpu_files == set(GPU_FILES), "give every GPU deploy file its GPU memory here"
+    assert gpu_files == set(GPU_FILES) | set(TESTBED_FILES), "give every GPU file its memory here"
 
 
 def serving_config(path: Path) -> ServingConfig:
@@ -92,6 +96,46 @@ def test_gpu_deploy_file_layouts_fit_the_published_model(name: str, gpu_memory_g
         # multi-rank groups run without CUDA graphs and overlap: the files must say so
         assert engine.disable_cuda_graph and not engine.overlap_schedule
         plan_published(engine, gpu_memory_gb)
+
+
+@pytest.mark.parametrize(("name", "gpu_memory_gb"), sorted(TESTBED_FILES.items()))
+def test_testbed_files_run_dummy_full_width_layers_on_one_host_of_two_gpus(
+    name: str, gpu_memory_gb: int
+) -> None:
+    """The two-GPU test beds: the published widths with fewer layers and dummy weights, one
+    GPU per rank, two GPUs in all, the GPU backends on, and the plan fits."""
+    cfg = serving_config(DEPLOY / name)
+    gpus = 0.0
+    for role in cfg.roles():
+        group, engine = getattr(cfg, role), cfg.worker_config(role).engine
+        gpus += group.num_replicas * engine.tp_size * group.num_gpus
+        assert (engine.model, engine.load_format) == ("deepseek-v3", "dummy")
+        assert set(engine.hf_overrides or {}) <= {"num_hidden_layers", "num_nextn_predict_layers"}
+        assert (engine.attention_backend, engine.moe_backend) == ("flashinfer", "triton")
+        assert engine.overlap_schedule
+        plan_published(engine, gpu_memory_gb)
+    assert gpus == 2
+    if cfg.mode == "pd":
+        assert cfg.kv_connector == "torch_dist"
+        assert not cfg.worker_config("decode").engine.disable_cuda_graph
+
+
+@pytest.mark.parametrize("name", sorted(TESTBED_FILES))
+def test_testbed_header_pastes_the_plan_of_its_decode_or_colocated_layout(name: str) -> None:
+    text, cfg = (DEPLOY / name).read_text(), serving_config(DEPLOY / name)
+    engine = cfg.worker_config("decode" if cfg.mode == "pd" else "colocated").engine
+    p = engine.parallel
+    overrides = json.dumps(engine.hf_overrides)
+    flags = f"--tp-size {p.tp_size}"
+    flags += f" --dp-size {p.dp_size} --enable-dp-attention" if p.enable_dp_attention else ""
+    command = (
+        f"# $ dsv3serve plan --model deepseek-v3 --hf-overrides '{overrides}' {flags} "
+        f"--ep-size {p.ep_size} --gpu-memory-gb {TESTBED_FILES[name]} "
+        f"--cuda-graph-max-bs {engine.cuda_graph_max_bs}\n"
+    )
+    assert command in text
+    printed = plan_table(plan_published(engine, TESTBED_FILES[name]), "deepseek-v3")
+    assert "\n".join("# " + line for line in printed.splitlines()) in text
 
 
 @pytest.mark.parametrize("name", sorted(GPU_FILES))

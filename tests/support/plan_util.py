@@ -11,10 +11,11 @@ from dsv3serve.plan.planner import Plan, plan
 
 def plan_published(engine: EngineConfig, gpu_memory_gb: float) -> Plan:
     """``engine``'s layout and memory knobs (as the engine's own check on a GPU rank, plus
-    its prefill chunk) on GPUs of ``gpu_memory_gb``; raises ``PlanError`` if it won't fit."""
+    its prefill chunk) on GPUs of ``gpu_memory_gb``, with the engine's ``hf_overrides``
+    (e.g. fewer layers) applied; raises ``PlanError`` if it won't fit."""
     chunk = engine.chunked_prefill_size
     return plan(
-        ModelConfig.from_dict(PRESETS["deepseek-v3"]),
+        ModelConfig.from_dict(PRESETS["deepseek-v3"] | (engine.hf_overrides or {})),
         engine.parallel,
         gpu_memory_gb,
         engine.mem_fraction_static,
