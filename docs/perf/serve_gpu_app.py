@@ -46,6 +46,8 @@ class App:
             elapsed = time.monotonic() - self.t0
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited ({self.proc.returncode}):\n{self._tail()}")
+            if "EngineDeadError" in self.log_path.read_text(errors="replace"):
+                raise RuntimeError(f"an engine died while starting:\n{self._tail()}")
             if elapsed > timeout_s:
                 raise RuntimeError(f"no answer in {timeout_s:.0f} s:\n{self._tail()}")
             try:
