@@ -19,10 +19,16 @@ from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
-from dsv3serve.kvcache.pool import MLAKVPool, pages_for_memory_fraction
+from dsv3serve.kvcache.pool import (
+    MLAKVPool,
+    bytes_per_page,
+    cuda_kv_budget_bytes,
+    pages_for_memory_fraction,
+)
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
 from dsv3serve.page_table import slots_of
+from dsv3serve.plan.planner import PlanSettings, reserves
 
 if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
@@ -212,10 +218,31 @@ class ModelRunner:
     def _kv_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
 
+    def _reserved_bytes(self) -> int:
+        """What the planner sets aside beside the KV (``dsv3serve.plan``): the decode graphs
+        and the activations of the largest prefill step (``max_num_batched_tokens`` tokens
+        when that exceeds the chunk: one step may hold several chunks)."""
+        step = max(self.cfg.chunked_prefill_size, self.cfg.max_num_batched_tokens)
+        settings = PlanSettings(
+            gpu_memory_gb=1.0,  # not used by the reserves
+            cuda_graph_max_bs=self._graph_max_bs(),
+            disable_cuda_graph=self.cfg.disable_cuda_graph,
+            chunked_prefill_size=step,
+        )
+        graph, activation = reserves(settings, self.cfg.parallel.world_size)
+        return graph + activation
+
     def _make_pool(self) -> MLAKVPool:
         layers, page = self.model.num_kv_layers, self.cfg.page_size
         if self.cfg.num_kv_tokens is not None:
             num_pages = -(-self.cfg.num_kv_tokens // page) + self._scratch_pages
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = cuda_kv_budget_bytes(
+                free, total, self.cfg.mem_fraction_static, self._reserved_bytes()
+            )
+            per_page = bytes_per_page(layers, page, self._kv_dtype(), self.model_cfg.kv_cache_dim)
+            num_pages = budget // per_page
         else:
             num_pages = pages_for_memory_fraction(
                 self.cfg.mem_fraction_static,

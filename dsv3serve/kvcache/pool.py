@@ -13,6 +13,7 @@ __all__ = [
     "MLA_KV_DIM",
     "MLAKVPool",
     "bytes_per_page",
+    "cuda_kv_budget_bytes",
     "pages_for_memory_fraction",
     "pages_for_tokens",
 ]
@@ -170,6 +171,26 @@ def pages_for_memory_fraction(
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     budget = int(_free_memory_bytes(torch.device(device)) * fraction)
     return budget // bytes_per_page(num_layers, page_size, dtype, kv_dim)
+
+
+def cuda_kv_budget_bytes(free: int, total: int, fraction: float, reserved: int) -> int:
+    """The KV pool's bytes on a GPU under SGLang's ``mem_fraction_static``: the weights and
+    the KV together take ``fraction`` of the GPU's ``total`` memory, so the pool gets that
+    share less what is in use now (``total - free``: the weights, the CUDA context) and less
+    ``reserved`` (the CUDA graphs and the activations of the largest step, which come later).
+
+    Raises ValueError, naming ``mem_fraction_static``, when nothing is left for the pool.
+    """
+    budget = int(total * fraction) - (total - free) - reserved
+    if budget <= 0:
+        raise ValueError(
+            f"mem_fraction_static {fraction}: {total * fraction / 1e9:.1f} GB of the GPU's "
+            f"{total / 1e9:.1f} GB, less {(total - free) / 1e9:.1f} GB in use and "
+            f"{reserved / 1e9:.1f} GB reserved for graphs and activations, leaves nothing "
+            "for the KV cache; raise mem_fraction_static or use a layout that holds fewer "
+            "weights per GPU"
+        )
+    return budget
 
 
 def _free_memory_bytes(device: torch.device) -> int:
