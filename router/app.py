@@ -144,6 +144,7 @@ class Router:
             max_json_depth=settings.max_json_depth,
             vocab_size=info.vocab_size,
             reasoning_parser=settings.reasoning_parser,
+            special_tokens_in_content=settings.special_tokens_in_content,
         )
         return OpenAIServer(api, tokenizer, backend)
 

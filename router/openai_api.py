@@ -70,6 +70,11 @@ class APIConfig(BaseModel):
     reasoning_parser: ReasoningParserName | None = Field(
         None, description="split <think> reasoning into reasoning_content (SGLang's names)"
     )
+    special_tokens_in_content: bool = Field(
+        False,
+        description="special-token strings in chat messages become the tokens (vLLM's and "
+        "SGLang's behaviour); False: they stay text, as with OpenAI",
+    )
 
 
 # ---- prompt and sampling parameters ----------------------------------------------------
@@ -298,7 +303,12 @@ class OpenAIServer:
         self._check_model(req.model)
         plan = None
         if isinstance(req, ChatCompletionRequest):
-            plan = plan_chat(self.tokenizer, req, self.config.reasoning_parser)
+            plan = plan_chat(
+                self.tokenizer,
+                req,
+                self.config.reasoning_parser,
+                self.config.special_tokens_in_content,
+            )
             ids, prompt_param, extra = plan.prompt_ids, "messages", plan.sampling_extra
         else:
             ids = completion_prompt_ids(self.tokenizer, req, self.vocab_size)

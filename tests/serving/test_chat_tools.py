@@ -236,7 +236,8 @@ def test_real_generation_sees_the_tools_and_streams_like_whole(
     kw = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "temperature": 0, "max_tokens": 8}
     whole = client.chat.completions.create(**kw)
     tools = [ToolDef.model_validate(t) for t in TOOLS]
-    system = {"role": "system", "content": tools_system_prompt(tools, "auto", True)}
+    text = tools_system_prompt(tools, "auto", True)
+    system = {"role": "system", "content": text, "trusted": True}  # its markers are tokens
     prompt = served.engine.tokenizer.encode_chat([*CHAT, system])
     assert whole.usage.prompt_tokens == len(prompt)
     (streamed,), _ = read_stream(client.chat.completions.create(stream=True, **kw))
