@@ -264,7 +264,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions body. A batch of prompts must hold exactly one."""
+    """POST /v1/completions body. A list of prompts is split into one body per prompt
+    before it gets here (``router/completion_batch.py``)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
