@@ -69,6 +69,17 @@ def replica_name(role: Role, index: int) -> str:
     return f"{role}-{index}"
 
 
+def _utility(name: str) -> Callable[[OpenAIServer, Request], Awaitable[Response]]:
+    """The ``UtilityAPI`` endpoint ``name`` of a server, for ``Router._v1`` (defined before
+    the class: Serve pickles the class where it is decorated)."""
+
+    async def endpoint(server: OpenAIServer, request: Request) -> Response:
+        method: Callable[[Request], Awaitable[Response]] = getattr(server.utility, name)
+        return await method(request)
+
+    return endpoint
+
+
 @serve.deployment(name=ROUTER_NAME, max_ongoing_requests=4096)
 @serve.ingress(ingress)
 class Router:
@@ -233,16 +244,6 @@ class Router:
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
     ) -> pb.HealthResponse:
         return await self.grpc.health(grpc_context)
-
-
-def _utility(name: str) -> Callable[[OpenAIServer, Request], Awaitable[Response]]:
-    """The ``UtilityAPI`` endpoint ``name`` of a server, for ``Router._v1``."""
-
-    async def endpoint(server: OpenAIServer, request: Request) -> Response:
-        method: Callable[[Request], Awaitable[Response]] = getattr(server.utility, name)
-        return await method(request)
-
-    return endpoint
 
 
 def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
