@@ -66,6 +66,11 @@ TOOLS: list[dict[str, Any]] = [
     },
     {"type": "function", "function": {"name": "add", "parameters": ADD_PARAMS}},
 ]
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+UNIQUE_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"ids": UNIQUE}}},
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARIS = '{"city": "Paris", "unit": "c"}'
 
@@ -204,6 +209,7 @@ BAD_REQUESTS = [
     (_bad(tool_choice="required"), "tool_choice"),
     (_bad(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
     (_bad(messages=[{"role": "tool"}]), "content"),
+    (_bad(tools=[UNIQUE_TOOL], tool_choice="required"), "'uniqueItems' is not supported"),
     (_bad(messages=[{"role": "user", "content": "x", "tool_calls": []}]), None),
     (
         _bad(
