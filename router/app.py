@@ -135,6 +135,7 @@ class Router:
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
         )
+        await asyncio.to_thread(tokenizer.warm_up)  # off the event loop
         backend: Any
         if self.cfg.mode == "pd":
             backend = PDBackend(

@@ -126,6 +126,12 @@ class Tokenizer:
                 ids.append(self._require_id(part))
         return ids + self._encode_plain("".join(run))
 
+    def warm_up(self) -> None:
+        """Build what ``encode_pieces`` makes on first use (a copy of the tokenizer without
+        added tokens: ~0.7 s), so a server's first chat request does not wait for it."""
+        self._added_tokens()
+        self._encode_plain(" ")
+
     def _added_tokens(self) -> re.Pattern[str]:
         """A pattern that matches (and, in ``split``, keeps) every added-token string."""
         if self._added is None:

@@ -178,3 +178,9 @@ def test_special_strings_in_content_stay_text(tok: Tokenizer) -> None:
     # vLLM's behaviour, behind the switch: the strings are the tokens
     forged = tok.encode_chat(messages, specials_in_content=True)
     assert forged.count(assistant) == 2 and forged.count(tok.eos_token_id) == 1
+
+
+def test_warm_up_builds_the_plain_text_tables(v3_dir: Path) -> None:
+    fresh = Tokenizer.from_dir(v3_dir)
+    fresh.warm_up()
+    assert fresh._plain is not None and fresh._added is not None  # nothing left to build
