@@ -78,13 +78,17 @@ def _subschemas(node: object, path: str) -> Iterator[tuple[str, JSONSchema]]:
         return
     yield path, node
     for key in _CHILD_MAPS:
-        for name, child in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
-            yield from _subschemas(child, f"{path}/{key}/{name}")
+        children = node.get(key)
+        if isinstance(children, dict):
+            for name, child in children.items():
+                yield from _subschemas(child, f"{path}/{key}/{name}")
     for key in _CHILDREN:
         yield from _subschemas(node.get(key), f"{path}/{key}")
     for key in _CHILD_LISTS:
-        for i, child in enumerate(node.get(key) or []) if isinstance(node.get(key), list) else ():
-            yield from _subschemas(child, f"{path}/{key}/{i}")
+        children = node.get(key)
+        if isinstance(children, list):
+            for i, child in enumerate(children):
+                yield from _subschemas(child, f"{path}/{key}/{i}")
 
 
 def _node_problem(node: JSONSchema) -> str | None:
