@@ -25,6 +25,7 @@ STR = {"type": "string"}
 INTS = {"type": "array", "items": {"type": "integer"}}
 EMAIL = STR | {"format": "email"}
 REF = {"$defs": {"s": STR}, "$ref": "#/$defs/s"}
+OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 ANY_INTS = {"additionalProperties": {"type": "integer"}}
 AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 
@@ -98,7 +99,7 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, Any]] = {
     "maxLength' beside 'anyOf": ({"maxLength": 2, "anyOf": [STR, {"type": "null"}]}, "a", "abc"),
     "maxLength' beside 'enum": (STR | {"enum": ["abcd", "a"], "maxLength": 2}, "a", "abcd"),
     "enum' holds a value whose type": (STR | {"enum": ["a", 1]}, "a", 1),
-    "required' names 'c'": ({"type": "object", "properties": AB, "required": ["a", "c"]}, None, {"a": 1}),
+    "required' names 'c'": (OBJ_AB | {"required": ["a", "c"]}, None, {"a": 1}),
 }  # fmt: skip
 
 
