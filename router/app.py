@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.grpc_util import RayServegRPCContext
@@ -25,7 +26,7 @@ from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
 from router.grpc_api import GenerationService
 from router.metered import MeteredBackend
-from router.metrics_server import serve_metrics
+from router.metrics_server import TEXT_FORMAT, MergedCollector, serve_metrics
 from router.openai_api import APIConfig, OpenAIServer, new_app
 from router.pd import PDBackend
 from router.policy import ReplicaSet
@@ -68,6 +69,17 @@ def replica_name(role: Role, index: int) -> str:
     return f"{role}-{index}"
 
 
+def _utility(name: str) -> Callable[[OpenAIServer, Request], Awaitable[Response]]:
+    """The ``UtilityAPI`` endpoint ``name`` of a server, for ``Router._v1`` (defined before
+    the class: Serve pickles the class where it is decorated)."""
+
+    async def endpoint(server: OpenAIServer, request: Request) -> Response:
+        method: Callable[[Request], Awaitable[Response]] = getattr(server.utility, name)
+        return await method(request)
+
+    return endpoint
+
+
 @serve.deployment(name=ROUTER_NAME, max_ongoing_requests=4096)
 @serve.ingress(ingress)
 class Router:
@@ -83,10 +95,14 @@ class Router:
         self.metrics = Metrics(Identity("router", rank.name, settings.served_model_name))
         self.auth = APIKeyAuth.from_env(settings.api_key_env)
         self.grpc = GenerationService(self.server, self.auth, self.metrics)
+        handles = [h for role in self.cfg.roles() for h in workers[role]]
+        # GET /metrics on the API port (as vLLM and SGLang serve it): the answering
+        # replica's series and every worker's, merged at each scrape.
+        self.api_metrics = CollectorRegistry(auto_describe=False)
+        self.api_metrics.register(MergedCollector(self.metrics.registry, handles))
         if settings.metrics_port is not None:
             # Every replica exposes its own counters; the first also merges the workers'
             # (once, so a sum over scrape targets counts each worker series once).
-            handles = [h for role in self.cfg.roles() for h in workers[role]]
             serve_metrics(
                 self.metrics.registry,
                 handles if rank.rank == 0 else [],
@@ -119,6 +135,7 @@ class Router:
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
         )
+        await asyncio.to_thread(tokenizer.warm_up)  # off the event loop
         backend: Any
         if self.cfg.mode == "pd":
             backend = PDBackend(
@@ -144,6 +161,7 @@ class Router:
             max_json_depth=settings.max_json_depth,
             vocab_size=info.vocab_size,
             reasoning_parser=settings.reasoning_parser,
+            special_tokens_in_content=settings.special_tokens_in_content,
         )
         return OpenAIServer(api, tokenizer, backend)
 
@@ -173,9 +191,30 @@ class Router:
     async def models(self, request: Request) -> Response:
         return await self._v1(request, OpenAIServer.models)
 
-    @ingress.get("/health")
+    @ingress.get("/v1/models/{model:path}")
+    async def model(self, request: Request) -> Response:
+        return await self._v1(request, _utility("model"))
+
+    @ingress.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._v1(request, _utility("tokenize"))
+
+    @ingress.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._v1(request, _utility("detokenize"))
+
+    @ingress.api_route("/health", methods=["GET", "HEAD"])
     async def health(self, request: Request) -> Response:
         return self._count(await (await self.server()).health(request))
+
+    @ingress.get("/version")
+    async def version(self, request: Request) -> Response:
+        return await (await self.server()).utility.version(request)
+
+    @ingress.get("/metrics")
+    async def prometheus(self, request: Request) -> Response:
+        body = await asyncio.to_thread(generate_latest, self.api_metrics)
+        return Response(body, media_type=TEXT_FORMAT)
 
     # ---- gRPC: dsv3serve.v1.Generation (Serve calls the method named like the RPC) ------
     async def Generate(

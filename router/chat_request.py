@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.sampling_params import SamplingParams
-from dsv3serve.tokenizer.chat_template import THINK_START
+from dsv3serve.tokenizer.chat_template import THINK_START, Piece
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.chat_output import OutputParsing, ReasoningMode
 from router.chat_tools import NamedToolChoice
@@ -59,11 +59,12 @@ class ChatPlan:
         )
 
 
-def render_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> str:
-    """The prompt text: the conversation and the offered tools through the template."""
+def render_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[Piece]:
+    """The prompt: the conversation and the offered tools through the template, as
+    markup and message-content pieces."""
     text_with_calls = tokenizer.chat_flavor == "deepseek-r1"
     try:
-        return tokenizer.apply_chat_template(
+        return tokenizer.chat_pieces(
             body.template_messages(text_with_calls), True, thinking=body.thinking
         )
     except ValueError as exc:
@@ -96,14 +97,19 @@ def _max_tool_calls(body: ChatCompletionRequest) -> int | None:
 
 
 def plan_chat(
-    tokenizer: Tokenizer, body: ChatCompletionRequest, parser: ReasoningParserName | None
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    parser: ReasoningParserName | None,
+    specials_in_content: bool = False,
 ) -> ChatPlan:
-    """Render, tokenize and decide the constraint and output split of ``body``."""
-    prompt = render_prompt(tokenizer, body)
-    opens_reasoning = prompt.endswith(THINK_START + "\n")
+    """Render, tokenize and decide the constraint and output split of ``body``.
+    ``specials_in_content``: special-token strings in messages become the tokens (vLLM's
+    behaviour) instead of staying text."""
+    pieces = render_prompt(tokenizer, body)
+    opens_reasoning = "".join(piece.text for piece in pieces).endswith(THINK_START + "\n")
     reads_tools = bool(body.tools) and body.effective_tool_choice != "none"
     return ChatPlan(
-        prompt_ids=tokenizer.encode(prompt, add_bos=False),
+        prompt_ids=tokenizer.encode_prompt(pieces, specials_in_content),
         opens_reasoning=opens_reasoning,
         sampling_extra=_constraint(body, opens_reasoning),
         reasoning=reasoning_mode(parser, body, opens_reasoning),

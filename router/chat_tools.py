@@ -14,6 +14,7 @@ import json
 import re
 from typing import Any, Literal
 
+from dsv3serve.engine.schema_support import schema_problem
 from dsv3serve.tokenizer.chat_template import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
@@ -93,6 +94,20 @@ def tool_problem(tools: list[ToolDef] | None, choice: ToolChoice | None) -> tupl
             "tool_choice",
             f"tool_choice names function {choice.function.name!r}, which is not in tools ({names})",
         )
+    return _parameters_problem(tools or [], choice)
+
+
+def _parameters_problem(tools: list[ToolDef], choice: ToolChoice) -> tuple[str, str] | None:
+    """A tool whose arguments the grammar must hold to its ``parameters`` schema (a forced
+    call, or a ``strict`` tool) when the schema uses a keyword the grammar would drop."""
+    for index, tool in enumerate(tools):
+        function = tool.function
+        named = isinstance(choice, NamedToolChoice) and choice.function.name == function.name
+        enforced = named or choice == "required" or (choice == "auto" and function.strict)
+        problem = schema_problem(function.parameters) if enforced else None
+        if problem is not None:
+            param = f"tools[{index}].function.parameters"
+            return param, f"invalid {param}: {problem}"
     return None
 
 

@@ -113,6 +113,12 @@ class RouterSettings(BaseModel):
         description="split <think> reasoning into reasoning_content (SGLang's "
         "--reasoning-parser names); None: never split",
     )
+    special_tokens_in_content: bool = Field(
+        False,
+        description="special-token strings typed into chat messages (BOS, EOS, role "
+        "markers) become those tokens, as vLLM and SGLang tokenise them; False: they stay "
+        "text, as with OpenAI, so a message cannot forge a turn",
+    )
     api_key_env: str | None = Field(
         None,
         min_length=1,

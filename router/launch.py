@@ -189,17 +189,28 @@ def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = AP
         '.choices[0].message.content)"\n\n'
     )
     if grpc_port is not None:
-        grpc_body = (
-            '{"messages": [{"role": "user", "content": "Hello!"}], "sampling": {"max_tokens": 32}}'
-        )
         text += (
             f"gRPC (dsv3serve.v1.Generation, router/proto/generate.proto) on port {grpc_port}:\n\n"
-            f"  grpcurl -plaintext -H 'application: {app}' -d '{grpc_body}' \\\n"
-            f"    127.0.0.1:{grpc_port} dsv3serve.v1.Generation/ChatCompleteStream\n\n"
-            "With an API key set, add -H 'Authorization: Bearer <key>' (curl, grpcurl) or\n"
-            "api_key='<key>' (openai).\n\n"
+            f"  {grpc_example(grpc_port, app)}\n\n"
+            "With an API key set, add -H 'Authorization: Bearer <key>' (curl), "
+            "api_key='<key>' (openai)\nor ('authorization', 'Bearer <key>') to the gRPC "
+            "metadata.\n\n"
         )
     return text + "Ctrl-C stops it."
+
+
+def grpc_example(port: int, app: str = APP_NAME, python: str = sys.executable) -> str:
+    """A shell command that streams one chat completion over gRPC with the grpcio and
+    stubs the project installs (no grpcurl needed) and prints its text."""
+    code = (
+        "import grpc; from router.proto import generate_pb2 as pb, generate_pb2_grpc as rpc; "
+        f"stub = rpc.GenerationStub(grpc.insecure_channel('127.0.0.1:{port}')); "
+        "request = pb.ChatRequest(messages=[pb.ChatMessage(role='user', content='Hello!')], "
+        "sampling=pb.SamplingOptions(max_tokens=32)); "
+        "print(''.join(m.choice.text for m in stub.ChatCompleteStream(request, "
+        f"metadata=[('application', '{app}')])))"
+    )
+    return f'{python} -c "{code}"'
 
 
 def check_grpc(port: int, app: str, api_key: str) -> str:

@@ -28,6 +28,7 @@ from router.admission import Admission, Slot
 from router.body import BodyLimits, read_json_object
 from router.chat_output import OutputParsing
 from router.chat_request import ReasoningParserName, plan_chat
+from router.completion_batch import batch_prompts, run_batch, split_batch
 from router.errors import (
     INTERNAL_ERROR,
     APIError,
@@ -41,6 +42,7 @@ from router.errors import (
 from router.openai_fields import refused_field
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.openai_response import ResponseBuilder, ResponseMeta
+from router.openai_utility import ModelFacts, UtilityAPI
 from router.sse import SSEResponse, StreamGuard, close_quietly, stream_events
 from workers.backend import BackendError, GenerationBackend, error_from_chunk
 from workers.protocol import GenerateRequest, TokenChunk
@@ -69,6 +71,11 @@ class APIConfig(BaseModel):
     max_n: int = Field(16, ge=1)
     reasoning_parser: ReasoningParserName | None = Field(
         None, description="split <think> reasoning into reasoning_content (SGLang's names)"
+    )
+    special_tokens_in_content: bool = Field(
+        False,
+        description="special-token strings in chat messages become the tokens (vLLM's and "
+        "SGLang's behaviour); False: they stay text, as with OpenAI",
     )
 
 
@@ -245,6 +252,14 @@ class OpenAIServer:
         self.body_limits = BodyLimits(
             config.max_body_bytes, config.body_read_timeout_s, config.max_json_depth
         )
+        self.facts = ModelFacts(
+            config.served_model_name,
+            config.max_model_len,
+            self.vocab_size,
+            self.created,
+            config.special_tokens_in_content,
+        )
+        self.utility = UtilityAPI(self.facts, tokenizer, self.body_limits)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -256,10 +271,7 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one served model."""
-        name = self.config.served_model_name
-        card = {"id": name, "object": "model", "created": self.created, "owned_by": "dsv3serve"}
-        card |= {"root": name, "max_model_len": self.config.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self.facts.card()]})
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 when the backend is healthy, else 503."""
@@ -274,6 +286,10 @@ class OpenAIServer:
     async def _handle(self, request: Request, kind: Kind) -> Response:
         try:
             body = await read_json_object(request, self.body_limits)
+            prompts = batch_prompts(body) if kind == "completion" else None
+            if prompts is not None:
+                batch = [self.prepare(one, kind) for one in split_batch(body, prompts)]
+                return await run_until_disconnect(request, self._run_batch(batch))
             prepared = self.prepare(body, kind)
             return await run_until_disconnect(request, self._run(prepared))
         except APIError as err:
@@ -295,10 +311,15 @@ class OpenAIServer:
         problem = refused_field(body, kind) or req.unsupported()
         if problem is not None:
             raise bad_request(problem[1], problem[0])
-        self._check_model(req.model)
+        self.facts.check_model(req.model)
         plan = None
         if isinstance(req, ChatCompletionRequest):
-            plan = plan_chat(self.tokenizer, req, self.config.reasoning_parser)
+            plan = plan_chat(
+                self.tokenizer,
+                req,
+                self.config.reasoning_parser,
+                self.config.special_tokens_in_content,
+            )
             ids, prompt_param, extra = plan.prompt_ids, "messages", plan.sampling_extra
         else:
             ids = completion_prompt_ids(self.tokenizer, req, self.vocab_size)
@@ -334,16 +355,6 @@ class OpenAIServer:
             echo=echo,
             parsing=parsing,
         )
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist.",
-                "NotFoundError",
-                "model",
-                "model_not_found",
-            )
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -387,14 +398,23 @@ class OpenAIServer:
         return StreamGuard(slot, chunks), first
 
     async def _run(self, prepared: Prepared) -> Response:
+        if not prepared.stream:
+            return JSONResponse(await self._whole(prepared))
         guard, first = await self.open(prepared)
         builder = ResponseBuilder(prepared.meta)
-        if prepared.stream:
-            return SSEResponse(stream_events(builder, first, guard, prepared.include_usage), guard)
+        return SSEResponse(stream_events(builder, first, guard, prepared.include_usage), guard)
+
+    async def _whole(self, prepared: Prepared) -> dict[str, Any]:
+        """The whole (non-streaming) response body of ``prepared``."""
+        guard, first = await self.open(prepared)
         try:
-            return JSONResponse(await collect(builder, first, guard.chunks))
+            return await collect(ResponseBuilder(prepared.meta), first, guard.chunks)
         finally:
             await guard.close()
+
+    async def _run_batch(self, batch: list[Prepared]) -> Response:
+        """A list of completions prompts, one response (``router/completion_batch.py``)."""
+        return JSONResponse(await run_batch(batch, self._whole))
 
 
 def new_app() -> FastAPI:
@@ -418,11 +438,15 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
     """A FastAPI app with the OpenAI routes mounted on ``server``'s methods."""
     app = new_app()
     routes = [
-        ("/v1/chat/completions", server.chat_completions, "POST"),
-        ("/v1/completions", server.completions, "POST"),
-        ("/v1/models", server.models, "GET"),
-        ("/health", server.health, "GET"),
+        ("/v1/chat/completions", server.chat_completions, ["POST"]),
+        ("/v1/completions", server.completions, ["POST"]),
+        ("/v1/models", server.models, ["GET"]),
+        ("/v1/models/{model:path}", server.utility.model, ["GET"]),
+        ("/health", server.health, ["GET", "HEAD"]),
+        ("/version", server.utility.version, ["GET"]),
+        ("/tokenize", server.utility.tokenize, ["POST"]),
+        ("/detokenize", server.utility.detokenize, ["POST"]),
     ]
-    for path, endpoint, method in routes:
-        app.add_api_route(path, endpoint, methods=[method], response_model=None)
+    for path, endpoint, methods in routes:
+        app.add_api_route(path, endpoint, methods=methods, response_model=None)
     return app

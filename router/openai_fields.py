@@ -27,8 +27,9 @@ def _never(reason: str) -> Refusal:
     return Refusal(reason)
 
 
+# OpenAI's ``user`` (an end-user id for abuse monitoring) is accepted and ignored, as vLLM
+# does: it changes no output (tests/serving/test_openai_fields.py).
 _SHARED: dict[str, Refusal] = {
-    "user": _never("end-user ids are not recorded by this server"),
     "prompt_logprobs": _never("prompt logprobs are not computed by this server"),
 }
 _CHAT: dict[str, Refusal] = {

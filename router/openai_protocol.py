@@ -242,12 +242,13 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self, text_with_calls: bool = True) -> list[Message]:
         """The conversation as the DeepSeek chat template takes it, the tools (unless
-        ``tool_choice`` is ``none``) offered in a last system message."""
+        ``tool_choice`` is ``none``) offered in a last system message (server-written,
+        so its tool-call markers are tokens: ``trusted``)."""
         messages = [m.as_template_message(text_with_calls) for m in self.messages]
         choice = self.effective_tool_choice
         if self.tools and choice != "none":
             text = tools_system_prompt(self.tools, choice, self.parallel_tool_calls)
-            messages.append({"role": "system", "content": text})
+            messages.append({"role": "system", "content": text, "trusted": True})
         return messages
 
     @property
@@ -263,7 +264,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions body. A batch of prompts must hold exactly one."""
+    """POST /v1/completions body. A list of prompts is split into one body per prompt
+    before it gets here (``router/completion_batch.py``)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None

@@ -296,7 +296,7 @@ class PDBackend:
             self.prefill_health.mark_down(p)
             if forwarder is not None:  # the next attempt's ranges start after this one's
                 await forwarder.stop()
-            return _failure(exc)
+            return prefill_failure(exc, self.settings.prefill_timeout_s)
         self.prefill_health.mark_up(p)
         if forwarder is None:
             return result, []
@@ -398,10 +398,12 @@ async def lost_on_503(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenC
         raise DecodeLost(exc.message) from None
 
 
-def _failure(exc: Exception) -> str:
-    """Why a prefill attempt failed, for the 503's message."""
+def prefill_failure(exc: Exception, timeout_s: float) -> str:
+    """Why a prefill attempt failed, for the 503's message (a time-out says what it
+    waited for and how long; asyncio's TimeoutError carries no message)."""
     if isinstance(exc, TimeoutError):
-        return f"timed out ({exc})"
+        detail = f": {exc}" if str(exc) else ""
+        return f"no prefill result within prefill_timeout_s ({timeout_s:g} s){detail}"
     return type(exc).__name__  # the replica died or its call failed
 
 

@@ -5,8 +5,9 @@ router to the engine, where ``engine/grammar.py`` compiles it with xgrammar into
 mask applied at every sampling step. Kinds, with what ``text`` holds:
 
 - ``json_schema``: a JSON Schema document (OpenAI ``response_format.json_schema.schema``);
-  ``strict`` disallows properties and items the schema does not list;
-- ``json_object``: any JSON object (``text`` empty);
+  ``strict`` disallows properties and items the schema does not list; a schema using a
+  keyword the grammar would not enforce is refused (``engine/schema_support.py``);
+- ``json_object``: any JSON object (``text`` empty), written compactly;
 - ``regex``: a regular expression the whole output matches (SGLang's ``regex``);
 - ``ebnf``: an EBNF grammar whose start rule is ``root`` (SGLang's ``ebnf``, GBNF syntax);
 - ``structural_tag``: an xgrammar structural tag (JSON): free text with constrained
@@ -22,6 +23,8 @@ import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+from dsv3serve.engine.schema_support import schema_problem
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
 _JSON_KINDS = ("json_schema", "structural_tag")
@@ -45,7 +48,10 @@ class Constraint(BaseModel):
         if not self.text.strip():
             raise ValueError(f"{self.kind} needs a non-empty text")
         if self.kind in _JSON_KINDS:
-            _check_json_object(self.kind, self.text)
+            value = _check_json_object(self.kind, self.text)
+            problem = schema_problem(value) if self.kind == "json_schema" else None
+            if problem is not None:
+                raise ValueError(problem)
         return self
 
     @classmethod
@@ -54,10 +60,12 @@ class Constraint(BaseModel):
         return cls(kind="json_schema", text=json.dumps(schema), strict=strict)
 
 
-def _check_json_object(kind: str, text: str) -> None:
+def _check_json_object(kind: str, text: str) -> dict:
+    """``text`` parsed; ValueError unless it is a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{kind} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{kind} must be a JSON object, got {type(value).__name__}")
+    return value

@@ -26,6 +26,7 @@ from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.intake import InvalidRequestError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
+_ANY_OBJECT = '{"type": "object"}'  # non-strict: any properties with any JSON values
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[15:21:41] /project/cpp/x.cc:83: "
 
 
@@ -71,15 +72,17 @@ class GrammarCompiler:
     def new_state(self, constraint: Constraint) -> GrammarState:
         """A fresh matcher over ``constraint``'s compiled grammar, for one sequence.
 
-        A ``json_schema`` state also bans every token holding a raw control character
-        (U+0000..U+001F): JSON strings may not contain them, and xgrammar's rule for
-        length-bounded strings lets them through; compact JSON needs none elsewhere.
+        A JSON state (``json_schema``, ``json_object``) also bans every token holding a raw
+        control character (U+0000..U+001F): JSON strings may not contain them, and
+        xgrammar's rule for length-bounded strings lets them through; compact JSON needs
+        none elsewhere.
         """
         compiled = self.compile(constraint)
         matcher = self._xgr.GrammarMatcher(
             compiled, override_stop_tokens=[self.tokenizer.eos_token_id]
         )
-        ban = self._control_ban() if constraint.kind == "json_schema" else None
+        is_json = constraint.kind in ("json_schema", "json_object")
+        ban = self._control_ban() if is_json else None
         return GrammarState(matcher, self.vocab_size, ban)
 
     def _control_ban(self) -> torch.Tensor:
@@ -101,8 +104,10 @@ class GrammarCompiler:
                 return compiler.compile_json_schema(
                     c.text, any_whitespace=False, strict_mode=c.strict
                 )
-            if c.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if c.kind == "json_object":  # OpenAI's contract: an object, never a bare value
+                return compiler.compile_json_schema(
+                    _ANY_OBJECT, any_whitespace=False, strict_mode=False
+                )
             if c.kind == "regex":
                 return compiler.compile_regex(c.text)
             if c.kind == "ebnf":

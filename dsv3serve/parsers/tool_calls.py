@@ -171,9 +171,11 @@ class ToolCallParser:
     def _arguments(self, out: _Out, final: bool) -> bool:
         end = self._buffer.find(ARGUMENTS_END)
         if end < 0:
-            held = 0 if final else partial_tag_len(self._buffer, ARGUMENTS_END)
+            # A tail that may start the end marker is held back; at the end of an output
+            # cut off inside the call (max_tokens) it is the marker's start: dropped.
+            held = partial_tag_len(self._buffer, ARGUMENTS_END)
             self._add_arguments(out, self._buffer[: len(self._buffer) - held])
-            self._buffer = self._buffer[len(self._buffer) - held :]
+            self._buffer = "" if final else self._buffer[len(self._buffer) - held :]
             return False
         self._add_arguments(out, self._buffer[:end])
         self._buffer = self._buffer[end + len(ARGUMENTS_END) :]

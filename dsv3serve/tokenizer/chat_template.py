@@ -8,6 +8,11 @@ output was already rendered"), so a second tool-calling assistant turn is render
 without its `<｜Assistant｜><｜tool▁calls▁begin｜>` prefix, and V3 closes the call list
 after every call but the first. Those quirks are reproduced on purpose: the prompt
 must be the one the model was served with everywhere else.
+
+``render_chat_pieces`` gives the same prompt as :class:`Piece` spans that say which text
+came from the messages (``is_content``) and which is template markup, so a tokenizer can
+keep special-token strings typed into a message from becoming special tokens. A message
+with ``"trusted": True`` (server-written, e.g. the tools prompt) renders as markup.
 """
 
 from __future__ import annotations
@@ -39,15 +44,34 @@ THINK_END = "</think>"
 _ROLES = ("system", "user", "assistant", "tool")
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A span of a rendered prompt: message text (``is_content``) or template markup."""
+
+    text: str
+    is_content: bool
+
+
 @dataclass
 class _RenderState:
     """Mirror of the template's `namespace`; lives for one `render_chat` call."""
 
     flavor: ChatFlavor
-    parts: list[str] = field(default_factory=list)
+    parts: list[Piece] = field(default_factory=list)
     after_tool_output: bool = False  # ns.is_tool
     tool_call_rendered: bool = False  # ns.is_first (never reset by the template)
     tool_output_rendered: bool = False  # not ns.is_output_first (never reset either)
+
+    def mark(self, text: str) -> None:
+        """Append template markup."""
+        self.parts.append(Piece(text, False))
+
+    def say(self, text: str, trusted: bool = False) -> None:
+        """Append text taken from a message (markup when the message is ``trusted``)."""
+        self.parts.append(Piece(text, not trusted))
+
+    def extend(self, pieces: Sequence[Piece]) -> None:
+        self.parts.extend(pieces)
 
 
 def _text(message: Message, index: int, *, optional: bool = False) -> str | None:
@@ -74,33 +98,47 @@ def _strip_reasoning(content: str) -> str:
     return content.split(THINK_END)[-1]
 
 
-def _system_prompt(messages: Sequence[Message]) -> str:
-    return "\n\n".join(_text(m, i) or "" for i, m in enumerate(messages) if m["role"] == "system")
+def _render_system(state: _RenderState, messages: Sequence[Message]) -> None:
+    """Every system message's text, joined with a blank line."""
+    system = [(i, m) for i, m in enumerate(messages) if m["role"] == "system"]
+    for n, (index, message) in enumerate(system):
+        if n:
+            state.mark("\n\n")
+        state.say(_text(message, index) or "", trusted=message.get("trusted") is True)
 
 
-def _format_call(call: Mapping[str, Any]) -> str:
+def _format_call(call: Mapping[str, Any]) -> list[Piece]:
     function = call["function"]
     arguments = function["arguments"]
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return (
-        f"{TOOL_CALL_BEGIN}{call.get('type', 'function')}{TOOL_SEP}{function['name']}\n"
-        f"```json\n{arguments}\n```{TOOL_CALL_END}"
-    )
+    return [
+        Piece(TOOL_CALL_BEGIN, False),
+        Piece(str(call.get("type", "function")), True),
+        Piece(TOOL_SEP, False),
+        Piece(function["name"], True),
+        Piece("\n```json\n", False),
+        Piece(arguments, True),
+        Piece("\n```" + TOOL_CALL_END, False),
+    ]
 
 
 def _render_user(state: _RenderState, message: Message, index: int) -> None:
     state.after_tool_output = False
-    state.parts.append(USER_TAG + (_text(message, index) or ""))
+    state.mark(USER_TAG)
+    state.say(_text(message, index) or "")
 
 
 def _render_tool_calls_v3(state: _RenderState, calls: Sequence[Mapping[str, Any]]) -> None:
     for call in calls:
         if not state.tool_call_rendered:
-            state.parts.append(ASSISTANT_TAG + TOOL_CALLS_BEGIN + _format_call(call))
+            state.mark(ASSISTANT_TAG + TOOL_CALLS_BEGIN)
+            state.extend(_format_call(call))
             state.tool_call_rendered = True
         else:
-            state.parts.append("\n" + _format_call(call) + TOOL_CALLS_END + EOS_TOKEN)
+            state.mark("\n")
+            state.extend(_format_call(call))
+            state.mark(TOOL_CALLS_END + EOS_TOKEN)
 
 
 def _render_tool_calls_r1(
@@ -108,22 +146,28 @@ def _render_tool_calls_r1(
 ) -> None:
     for call in calls:
         if not state.tool_call_rendered:
-            prefix = ASSISTANT_TAG + (content or "") + TOOL_CALLS_BEGIN
-            state.parts.append(prefix + _format_call(call))
+            state.mark(ASSISTANT_TAG)
+            state.say(content or "")
+            state.mark(TOOL_CALLS_BEGIN)
             state.tool_call_rendered = True
         else:
-            state.parts.append("\n" + _format_call(call))
-    state.parts.append(TOOL_CALLS_END + EOS_TOKEN)
+            state.mark("\n")
+        state.extend(_format_call(call))
+    state.mark(TOOL_CALLS_END + EOS_TOKEN)
 
 
 def _render_assistant_text(state: _RenderState, content: str) -> None:
     if state.after_tool_output:
-        state.parts.append(TOOL_OUTPUTS_END + content + EOS_TOKEN)
+        state.mark(TOOL_OUTPUTS_END)
+        state.say(content)
+        state.mark(EOS_TOKEN)
         state.after_tool_output = False
         return
     if state.flavor == "deepseek-r1":
         content = _strip_reasoning(content)
-    state.parts.append(ASSISTANT_TAG + content + EOS_TOKEN)
+    state.mark(ASSISTANT_TAG)
+    state.say(content)
+    state.mark(EOS_TOKEN)
 
 
 def _render_assistant(state: _RenderState, message: Message, index: int) -> None:
@@ -149,12 +193,14 @@ def _render_assistant(state: _RenderState, message: Message, index: int) -> None
 
 def _render_tool(state: _RenderState, message: Message, index: int) -> None:
     state.after_tool_output = True
-    body = TOOL_OUTPUT_BEGIN + (_text(message, index) or "") + TOOL_OUTPUT_END
     if not state.tool_output_rendered:
-        state.parts.append(TOOL_OUTPUTS_BEGIN + body)
+        state.mark(TOOL_OUTPUTS_BEGIN)
         state.tool_output_rendered = True
-    else:
-        state.parts.append(("\n" if state.flavor == "deepseek-v3" else "") + body)
+    elif state.flavor == "deepseek-v3":
+        state.mark("\n")
+    state.mark(TOOL_OUTPUT_BEGIN)
+    state.say(_text(message, index) or "")
+    state.mark(TOOL_OUTPUT_END)
 
 
 def _check_roles(messages: Sequence[Message]) -> None:
@@ -172,6 +218,25 @@ def render_chat(
     thinking: bool | None = None,
     bos_token: str = BOS_TOKEN,
 ) -> str:
+    """The prompt of ``render_chat_pieces`` as one string (its arguments are the same)."""
+    pieces = render_chat_pieces(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        flavor=flavor,
+        thinking=thinking,
+        bos_token=bos_token,
+    )
+    return "".join(piece.text for piece in pieces)
+
+
+def render_chat_pieces(
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    flavor: ChatFlavor = "deepseek-v3",
+    thinking: bool | None = None,
+    bos_token: str = BOS_TOKEN,
+) -> list[Piece]:
     """Render an OpenAI-style conversation into the DeepSeek prompt string.
 
     Args:
@@ -188,18 +253,20 @@ def render_chat(
             another one.
 
     Returns:
-        The prompt text, including the BOS token string.
+        The prompt's pieces (joined: the prompt text, starting with the BOS string).
     """
     _check_roles(messages)
-    state = _RenderState(flavor=flavor, parts=[bos_token, _system_prompt(messages)])
+    state = _RenderState(flavor=flavor)
+    state.mark(bos_token)
+    _render_system(state, messages)
     renderers = {"user": _render_user, "assistant": _render_assistant, "tool": _render_tool}
     for index, message in enumerate(messages):
         render = renderers.get(message["role"])
         if render is not None:
             render(state, message, index)
     if state.after_tool_output:
-        state.parts.append(TOOL_OUTPUTS_END)
+        state.mark(TOOL_OUTPUTS_END)
     elif add_generation_prompt:
         think = flavor == "deepseek-r1" if thinking is None else thinking
-        state.parts.append(ASSISTANT_TAG + (THINK_START + "\n" if think else ""))
-    return "".join(state.parts)
+        state.mark(ASSISTANT_TAG + (THINK_START + "\n" if think else ""))
+    return state.parts

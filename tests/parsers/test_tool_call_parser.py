@@ -88,9 +88,13 @@ def test_text_after_a_call_is_content() -> None:
     assert run([text]) == ("\nDone.", [{"name": "add", "arguments": "{}"}])
 
 
-def test_truncated_arguments_stay_arguments() -> None:
-    text = BEGIN + "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n" + '{"a": 1\n``'
-    assert run([text]) == ("", [{"name": "add", "arguments": '{"a": 1\n``'}])
+@pytest.mark.parametrize("cut", ["", "\n", "\n`", "\n``", "\n```"])
+def test_a_call_cut_off_keeps_its_arguments_without_the_end_marker(cut: str) -> None:
+    """Output ended by max_tokens inside a call: what was written of the arguments is
+    returned, and the part of the end marker written before the cut is not."""
+    text = BEGIN + "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n" + '{"a": 1' + cut
+    assert run([text]) == ("", [{"name": "add", "arguments": '{"a": 1'}])
+    assert run(list(text)) == run([text])  # streamed token by token: the same
 
 
 def test_streaming_releases_name_before_arguments_end() -> None:

@@ -57,15 +57,22 @@ def metadata(authorization: str | None) -> list[tuple[str, str]]:
 
 
 # ---- HTTP ------------------------------------------------------------------------------
-def test_health_needs_no_key(served: Served) -> None:
-    assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200
+def test_health_version_and_metrics_need_no_key(served: Served) -> None:
+    for route in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{served.url}{route}", timeout=60).status_code == 200, route
+    assert httpx.head(f"{served.url}/health", timeout=30).status_code == 200
+
+
+GETS = ("/v1/models", "/v1/models/tiny")
+KEYED = [*GETS, "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 
 @pytest.mark.parametrize("authorization", BAD_AUTHORIZATIONS)
-@pytest.mark.parametrize("route", ["/v1/models", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("route", KEYED)
 def test_http_without_the_key_is_401(served: Served, route: str, authorization: str) -> None:
     body = {"model": "tiny", "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}
-    method = "GET" if route == "/v1/models" else "POST"
+    body |= {"tokens": [1]}
+    method = "GET" if route in GETS else "POST"
     response = httpx.request(
         method, served.url + route, json=body, headers=headers(authorization), timeout=30
     )

@@ -66,6 +66,11 @@ TOOLS: list[dict[str, Any]] = [
     },
     {"type": "function", "function": {"name": "add", "parameters": ADD_PARAMS}},
 ]
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+UNIQUE_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"ids": UNIQUE}}},
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARIS = '{"city": "Paris", "unit": "c"}'
 
@@ -204,6 +209,7 @@ BAD_REQUESTS = [
     (_bad(tool_choice="required"), "tool_choice"),
     (_bad(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
     (_bad(messages=[{"role": "tool"}]), "content"),
+    (_bad(tools=[UNIQUE_TOOL], tool_choice="required"), "'uniqueItems' is not supported"),
     (_bad(messages=[{"role": "user", "content": "x", "tool_calls": []}]), None),
     (
         _bad(
@@ -236,7 +242,8 @@ def test_real_generation_sees_the_tools_and_streams_like_whole(
     kw = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "temperature": 0, "max_tokens": 8}
     whole = client.chat.completions.create(**kw)
     tools = [ToolDef.model_validate(t) for t in TOOLS]
-    system = {"role": "system", "content": tools_system_prompt(tools, "auto", True)}
+    text = tools_system_prompt(tools, "auto", True)
+    system = {"role": "system", "content": text, "trusted": True}  # its markers are tokens
     prompt = served.engine.tokenizer.encode_chat([*CHAT, system])
     assert whole.usage.prompt_tokens == len(prompt)
     (streamed,), _ = read_stream(client.chat.completions.create(stream=True, **kw))

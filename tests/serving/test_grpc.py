@@ -2,12 +2,16 @@
 
 One PD app (router, prefill and decode replicas, KV through shared memory) answers both
 the official ``openai`` client over HTTP and a ``grpcio`` client over gRPC. The router
-admits at most two requests, so two held streams overload it.
+admits at most two requests, so two held streams overload it. The same app serves the
+routes vLLM clients call beside generation (``/metrics`` on the API port, ``HEAD
+/health``, ``models.retrieve``, ``/version``, ``/tokenize``): their wiring in the Serve
+ingress is checked here, their behaviour in tests/serving/test_openai_utility.py.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from serving_util import (
 )
 
 from router.grpc_api import grpc_code
+from router.launch import grpc_example
 from router.proto import generate_pb2 as pb
 from router.proto.generate_pb2_grpc import GenerationStub
 
@@ -49,6 +54,7 @@ class Served:
     url: str
     stub: GenerationStub
     metrics_url: str
+    grpc_port: int
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,8 @@ def served() -> Iterator[Served]:
         running_app(base, APP, cfg) as url,
         grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
     ):
-        yield Served(url, GenerationStub(channel), f"http://127.0.0.1:{metrics_port}/metrics")
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield Served(url, GenerationStub(channel), metrics_url, grpc_port)
 
 
 def http_client(url: str) -> openai.OpenAI:
@@ -107,6 +114,33 @@ def grpc_answers(metrics_url: str, status: str) -> float:
 def test_health(served: Served) -> None:
     reply = served.stub.Health(pb.HealthRequest(), metadata=META, timeout=30)
     assert (reply.status, reply.model, reply.max_model_len) == ("ok", "tiny", MAX_MODEL_LEN)
+
+
+def test_the_printed_grpc_example_streams_a_reply(served: Served) -> None:
+    """The Python line ``dsv3serve serve`` prints (and the README shows) instead of grpcurl."""
+    line = grpc_example(served.grpc_port, APP)
+    done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+
+
+def test_api_port_serves_what_vllm_clients_call(served: Served) -> None:
+    client = http_client(served.url)
+    assert client.models.retrieve("tiny").id == "tiny"
+    head = httpx.head(served.url + "/health", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert httpx.get(served.url + "/version", timeout=30).json()["version"]
+    tokens = httpx.post(served.url + "/tokenize", json={"prompt": "hi"}, timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 2  # BOS, "hi"
+    text = httpx.post(served.url + "/detokenize", json=tokens, timeout=30).json()["prompt"]
+    assert text.endswith("hi")
+    scrape = httpx.get(served.url + "/metrics", timeout=60)
+    assert scrape.headers["content-type"].startswith("text/plain; version=0.0.4")
+    roles = {
+        sample.labels.get("role")
+        for family in text_string_to_metric_families(scrape.text)
+        for sample in family.samples
+    }
+    assert {"router", "prefill", "decode"} <= roles, roles  # the router's and the workers'
 
 
 def test_streamed_greedy_completion_equals_http(served: Served) -> None:

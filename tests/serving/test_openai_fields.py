@@ -54,6 +54,7 @@ _COMMON: dict[str, list[str]] = {
     "stream_options": [GREEDY, ERRORS],
     "logit_bias": [f"{CONTROLS}::test_logit_bias_bans_and_forces_tokens", MAPPED],
     "max_tokens": [GREEDY, ERRORS],
+    "user": ["test_openai_fields::test_user_is_accepted_and_changes_nothing"],  # ignored
 }
 HONOURED: dict[str, dict[str, list[str]]] = {
     "chat": _COMMON
@@ -89,7 +90,6 @@ REFUSED_BY_REQUEST: dict[str, set[str]] = {"completion": {"suffix"}}
 
 # A value of each refused field that asks for something the server does not do.
 REFUSED_VALUES: dict[str, Any] = {
-    "user": "user-1",
     "prompt_logprobs": 1,
     "audio": {"voice": "alloy", "format": "mp3"},
     "modalities": ["text", "audio"],
@@ -214,6 +214,17 @@ def test_no_op_values_are_accepted(served: Served, kind: str, field: str, value:
     path, body = request(kind, **{field: value})
     response = httpx.post(served.url + path, json=body, timeout=30)
     assert response.status_code == 200, response.text
+
+
+def test_user_is_accepted_and_changes_nothing(served: Served) -> None:
+    client = served.client()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    chat |= {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.chat.completions.create(**chat).choices[0].message.content
+    assert client.chat.completions.create(**chat, user="u-1").choices[0].message.content == plain
+    legacy = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "temperature": 0}
+    text = client.completions.create(**legacy).choices[0].text
+    assert client.completions.create(**legacy, user="u-1").choices[0].text == text
 
 
 def test_sampling_fields_reach_the_engine(served: Served) -> None:

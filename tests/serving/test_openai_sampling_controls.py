@@ -4,6 +4,7 @@ uvicorn over the tiny engine, called with the official ``openai`` client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from typing import Any
 
@@ -55,6 +56,49 @@ def test_json_schema_outputs_always_validate(served: Served) -> None:
     wait_idle(served)
 
 
+# Every keyword the issue names, at once; strings and arrays bounded so the random model
+# ends its output (it never closes an unbounded string by itself).
+FIVE_KEYWORDS = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "code": {"type": "string", "minLength": 4, "maxLength": 6},
+        "score": {"type": "integer", "minimum": -5, "maximum": 7},
+        "color": {"enum": ["red", "green", 3]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    },
+    "required": ["name", "code", "score", "color", "tags"],
+    "additionalProperties": False,
+}
+SEEDS = 20
+# The quote tokens ('"', '":', '",', '"}', ' "') pulled up: the random tiny model then
+# closes its strings; which tokens may come next is still the grammar's alone.
+QUOTES = {4: 10, 3362: 10, 1760: 10, 62773: 10, 582: 10}
+
+
+def seeded(fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """``fields`` at temperature 1, once per seed."""
+    return [fields | {"temperature": 1.0, "max_tokens": 120, "seed": s} for s in range(SEEDS)]
+
+
+def test_json_object_is_an_object_for_every_seed(served: Served) -> None:
+    replies = chat_all(
+        served, seeded({"response_format": {"type": "json_object"}, "logit_bias": QUOTES})
+    )
+    texts = [reply.choices[0].message.content for reply in replies]
+    assert all(isinstance(json.loads(text), dict) for text in texts), texts
+    assert any(json.loads(text) for text in texts), texts  # not only empty objects
+    wait_idle(served)
+
+
+def test_strict_schema_keywords_hold_for_every_seed(served: Served) -> None:
+    replies = chat_all(served, seeded({"response_format": response_format(FIVE_KEYWORDS, 0)}))
+    for reply in replies:
+        text = reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop" and valid(text, FIVE_KEYWORDS), text
+    wait_idle(served)
+
+
 def test_json_object_regex_and_ebnf(client: openai.OpenAI) -> None:
     greedy = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 30}
     as_object = client.chat.completions.create(
@@ -75,6 +119,7 @@ def test_json_object_regex_and_ebnf(client: openai.OpenAI) -> None:
 
 
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 
 
 @pytest.mark.parametrize(
@@ -83,6 +128,15 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
         # Grammars compile on the engine, whose refusals carry no param.
         ({"response_format": BAD_SCHEMA}, None, 'invalid json_schema: Unsupported type "objectx"'),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema must"),
+        (
+            {
+                "response_format": response_format(
+                    {"type": "object", "properties": {"ids": UNIQUE}}, 0
+                )
+            },
+            "response_format",
+            "invalid response_format: 'uniqueItems' is not supported (at #/properties/ids)",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", "'json_schema'"),
         ({"extra_body": {"regex": "a(b"}}, None, "invalid regex: Regex parsing error"),
         ({"extra_body": {"ebnf": "root ::= x"}}, None, "invalid ebnf: EBNF parser error"),

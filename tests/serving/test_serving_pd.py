@@ -29,6 +29,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampling_params import SamplingParams
+from router.pd import prefill_failure
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"
@@ -325,3 +326,10 @@ def test_a_repeated_prompt_reuses_the_decode_cache_and_reports_cached_tokens(
     assert all(wait_until(lambda w=w: holds_nothing(worker_stats(PD, w)), 5) for w in PD_WORKERS)
     colocated = [client(apps[COLOCATED]).chat.completions.create(**kw) for _ in range(2)]
     assert [r.usage.prompt_tokens_details.cached_tokens for r in colocated] == cached
+
+
+def test_a_prefill_time_out_says_what_timed_out() -> None:
+    """asyncio's TimeoutError has no message: the 503 read "timed out ()"."""
+    said = prefill_failure(asyncio.TimeoutError(), 30.0)
+    assert said == "no prefill result within prefill_timeout_s (30 s)", said
+    assert prefill_failure(RuntimeError("x"), 30.0) == "RuntimeError"
