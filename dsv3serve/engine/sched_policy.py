@@ -130,7 +130,7 @@ class StepPolicy:
         st.waiting.popleft()
         st.running.append(seq)
         seq.status = SequenceStatus.RUNNING
-        st.kv.record_prefix_query(len(tokens), match.num_tokens)
+        st.kv.record_prefix_query(len(tokens), match.num_tokens, match.host_tokens)
         if seq.num_admissions == 0:
             seq.num_cached_tokens = match.num_tokens
         seq.num_admissions += 1
