@@ -37,8 +37,10 @@ from dsv3serve.engine.sequence import SchedulerConfig
 from dsv3serve.engine.spec.forwards import SpecForwards
 from dsv3serve.engine.spec.loop import SpecDecoder
 from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.kvcache.host_pool import HostKVPool
+from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.kvcache.radix_cache import PrefixMatch
-from dsv3serve.metrics import EngineState, Metrics
+from dsv3serve.metrics import EngineState, Metrics, with_tier_state
 from dsv3serve.settings import export_compile_caches
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
@@ -73,7 +75,10 @@ class Engine:
         self.model_cfg = ModelConfig.from_hf(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         runner = ModelRunner(cfg, model_dir, self.model_cfg)
-        self.scheduler = Scheduler(_scheduler_config(cfg, self.model_cfg, runner.num_pages))
+        self.host_pool = _host_pool(cfg, runner)
+        host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
+        sched_cfg = _scheduler_config(cfg, self.model_cfg, runner.num_pages, host_pages)
+        self.scheduler = Scheduler(sched_cfg, self.host_pool)
         self.sampler = Sampler(make_generator(cfg.seed, runner.device))
         self.spec: SpecDecoder | None = None
         self._spec_stats = SpecStats(cfg.spec_num_steps)
@@ -188,14 +193,17 @@ class Engine:
     def engine_state(self) -> EngineState:
         """Scrape-time engine gauges and counters."""
         s = self.scheduler
-        return EngineState(
+        state = EngineState(
             running=s.num_running,
             waiting=s.num_waiting,
             kv_usage=s.kv.usage,
             prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
             prefix_hits=s.prefix_hit_tokens,
             preemptions=s.num_preemptions,
+            prefill_tokens=s.num_prefill_tokens,
         )
+        tier = s.kv.host_tier if isinstance(s, Scheduler) else None
+        return state if tier is None else with_tier_state(state, tier)
 
     # ---- disaggregation hooks (engine/pd_hooks.py) ------------------------------------
     def export_kv(self, request_id: str) -> KVExport:
@@ -276,7 +284,16 @@ class Engine:
         self._pd.import_kv(req, pages, first, NO_PREFIX if prefix is None else prefix)
 
 
-def _scheduler_config(cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int) -> SchedulerConfig:
+def _host_pool(cfg: EngineConfig, runner: ModelRunner) -> HostKVPool | None:
+    pool = runner.pool
+    page_bytes = bytes_per_page(pool.num_layers, pool.page_size, pool.dtype, pool.kv_dim)
+    pages = cfg.host_tier_pages(runner.num_pages, page_bytes)
+    return HostKVPool(pool, pages) if pages else None
+
+
+def _scheduler_config(
+    cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int, host_pages: int
+) -> SchedulerConfig:
     max_len = cfg.max_model_len or model_cfg.max_position_embeddings
     return SchedulerConfig(
         page_size=cfg.page_size,
@@ -288,4 +305,5 @@ def _scheduler_config(cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int)
         policy=cfg.schedule_policy,
         enable_prefix_cache=cfg.enable_prefix_caching,
         num_lookahead_tokens=cfg.spec_num_steps,
+        num_host_pages=host_pages,
     )

@@ -179,6 +179,8 @@ class StepPolicy:
     def _add_item(self, seq: Sequence, num_tokens: int, plan: StepPlan, is_decode: bool) -> None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
         slots = self.state.slots(seq, start, end)
+        if not is_decode:
+            self.state.num_prefill_tokens += num_tokens
         sample = end == seq.num_tokens
         plan.add(
             ScheduledItem(

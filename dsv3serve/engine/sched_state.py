@@ -39,6 +39,7 @@ class SchedState:
     finished_here: list[Sequence] = field(default_factory=list)
     arrivals: int = 0
     num_preemptions: int = 0
+    num_prefill_tokens: int = 0  # tokens scheduled as prefill (recomputes count again)
     # called on the step thread before a sequence's pages go back or are swapped for the
     # prefix cache's copies (see ``Scheduler.set_pages_dropped_hook``)
     on_pages_dropped: Callable[[Sequence], None] = field(default=lambda _seq: None)

@@ -69,6 +69,12 @@ class Scheduler:
         return self._state.num_preemptions
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (and recomputed) tokens scheduled as prefill so far: the prefill work the
+        prefix cache did not save."""
+        return self._state.num_prefill_tokens
+
+    @property
     def num_running(self) -> int:
         """Sequences in the running set."""
         return len(self._state.running)

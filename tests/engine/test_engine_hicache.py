@@ -1,0 +1,76 @@
+"""The hierarchical cache in the offline engine on the tiny model (CPU): a host tier of
+real host tensors (``HostKVPool``) under a device pool the prefixes overflow."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import GREEDY, drain, make_engine, prompts
+
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.request import Request
+
+# 24 pages of 4 tokens; 6 conversations of a 32-token prefix need 48 and more
+POOL = {"num_kv_tokens": 96, "chunked_prefill_size": 16, "max_num_batched_tokens": 32}
+HICACHE = {"enable_hierarchical_cache": True, "hicache_ratio": 3.0}
+
+
+def _two_passes(engine: Engine) -> tuple[dict[str, list[int]], int]:
+    """Two passes over 6 prefixes (new suffixes the second time), one request at a time:
+    every output and the prefill tokens the second pass computed."""
+    prefixes = prompts(6, seed=11, lo=32, hi=32)
+    results: dict[str, list[int]] = {}
+    for turn, suffix in enumerate(([5, 6], [7, 8, 9])):
+        if turn == 1:
+            before = engine.scheduler.num_prefill_tokens
+        for i, prefix in enumerate(prefixes):
+            engine.add_request(Request(f"t{turn}-{i}", GREEDY, prompt_ids=prefix + suffix))
+            drain(engine, results)
+            engine.scheduler.check_invariants()
+    return results, engine.scheduler.num_prefill_tokens - before
+
+
+def test_host_tier_keeps_greedy_tokens_and_saves_80_percent_of_the_second_prefill() -> None:
+    off_outputs, off_tokens = _two_passes(make_engine(**POOL))
+    engine = make_engine(**POOL, **HICACHE)
+    on_outputs, on_tokens = _two_passes(engine)
+    assert on_outputs == off_outputs
+    assert on_tokens <= 0.2 * off_tokens, (on_tokens, off_tokens)
+    state = engine.engine_state()
+    assert state.host_hits > 0 and state.host_loaded_pages > 0
+    assert state.host_load_seconds > 0 and state.host_pages == engine.host_pool.num_pages
+
+
+def test_host_pool_pages_round_trip_bit_exact() -> None:
+    engine = make_engine(**POOL, **HICACHE)
+    pool, host = engine.runner.pool, engine.host_pool
+    assert host is not None
+    before = [pool.kv_buffer(layer)[3].clone() for layer in range(pool.num_layers)]
+    host.backup([3], [7])
+    for layer in range(pool.num_layers):
+        pool.kv_buffer(layer)[3].fill_(0)
+    host.load([7], [5])
+    for layer in range(pool.num_layers):
+        assert pool.kv_buffer(layer)[5].equal(before[layer])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"hicache_ratio": 2.0}, "set enable_hierarchical_cache"),
+        ({**HICACHE, "hicache_size": 1}, "found both"),
+        ({**HICACHE, "enable_prefix_caching": False}, "prefix caching disabled"),
+        ({**HICACHE, "hicache_ratio": 0}, "greater than 0"),
+    ],
+)
+def test_hicache_config_is_validated(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="tiny", **fields)
+
+
+def test_hicache_size_sets_the_host_pages_by_bytes() -> None:
+    cfg = EngineConfig(model="tiny", enable_hierarchical_cache=True, hicache_size=2)
+    assert cfg.host_tier_pages(100, 10**6) == 2000
+    ratio = EngineConfig(model="tiny", enable_hierarchical_cache=True)
+    assert ratio.host_tier_pages(100, 10**6) == 200
+    assert EngineConfig(model="tiny").host_tier_pages(100, 10**6) == 0
