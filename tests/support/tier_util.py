@@ -1,4 +1,5 @@
-"""A fake page copier for the host tier over ``FakeKVModel``'s slot dictionary."""
+"""Fake page copiers for the host tier: over ``FakeKVModel``'s slot dictionary, and one
+that copies nothing."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ class FakeSlotCopier:
                 value = source.get(src * size + offset)
                 if value is not None:
                     destination[dst * size + offset] = value
+
+
+class NullCopier:
+    """Counts the copies the host tier asks for; there is no KV to move (a fake)."""
+
+    def __init__(self) -> None:
+        self.backed_up = 0
+        self.loaded = 0
+
+    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self.backed_up += len(device_pages)
+
+    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        self.loaded += len(host_pages)
