@@ -235,7 +235,9 @@ class Engine:
 
     def reserve_kv(self, num_tokens: int) -> list[int] | None:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
-        return self._pd.reserve_kv(num_tokens)
+        pages = self._pd.reserve_kv(num_tokens)
+        self._sync_host_copies()
+        return pages
 
     def reserve_prompt_kv(
         self, prompt_ids: list[int], salt: str = "", dp_rank: int | None = None
@@ -243,7 +245,15 @@ class Engine:
         """Decode side: reserve pages for the part of ``prompt_ids`` whose KV is not cached
         here; the cached prefix is locked for the request (None when full). ``dp_rank``:
         the DP-attention rank a router chose (a DP scheduler's; ignored without one)."""
-        return self._pd.reserve_prompt(prompt_ids, salt, dp_rank)
+        reservation = self._pd.reserve_prompt(prompt_ids, salt, dp_rank)
+        self._sync_host_copies()
+        return reservation
+
+    def _sync_host_copies(self) -> None:
+        """A reservation's pages may have been backed up to the host tier on a side stream
+        (or its prefix loaded back): the KV connector writes them outside the streams."""
+        if self.host_pool is not None:
+            self.host_pool.synchronize()
 
     def release_reservation(self, pages: list[int]) -> None:
         """Decode side: give back reserved pages that will not be used."""

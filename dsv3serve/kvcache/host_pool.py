@@ -55,6 +55,12 @@ class HostKVPool:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def synchronize(self) -> None:
+        """Wait until every queued copy is done (before pages go to a reader outside the
+        device's streams, e.g. a KV connector writing reserved pages)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def host_page(self, layer: int, page: int) -> torch.Tensor:
         """Layer ``layer``'s ``[page_size, kv_dim]`` rows of host page ``page`` (tests)."""
         return self._kv[layer][page]
