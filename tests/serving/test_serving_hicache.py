@@ -3,9 +3,11 @@
 other chats comes back from the host tier.
 
 Two PD apps run the same traffic on pools of 16 pages: one with the host tier, one
-without. Without it the second turn finds nothing cached (so the first turn really was
-evicted); with it the prefill side loads the first turn back, reports ``cached_tokens``
-and streams the same text.
+without. Without it the second turn finds at most the page every chat shares (the chat
+template's head, kept warm by the pushes), so the first turn really was evicted; with it
+the prefill side loads the first turn back, reports more ``cached_tokens`` and streams
+the same text, and the decode side reuses more of the prompt's pages (loaded back from its
+own host tier) instead of pulling them.
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ from serving_util import (
 
 TIER, PLAIN = "hic", "nohic"
 SMALL_POOL = TINY_ENGINE | {"num_kv_tokens": 256}
-FIRST = [{"role": "user", "content": "Tell me, at length, about the tides of the open sea."}]
+FIRST = [
+    {
+        "role": "user",
+        "content": "Tell me, at length and in order, about the tides of the open sea: the "
+        "spring tides and the neap tides, the moon and the sun that pull them, the bays "
+        "where they run high, the shallows where they turn, and the sailors who read them.",
+    }
+]
 PUSH = [
-    f"Describe the {thing} of a {place}, one by one, with every detail you can think of."
+    f"Describe the {thing} of a {place}, one by one, with every detail you can think of: "
+    f"their names, their shapes, their colours, their sounds, their ages, where they come "
+    f"from, where they go, and what the people of the {place} say about the {thing}."
     for thing, place in [
         ("rivers", "valley"),
         ("birds", "forest"),
@@ -91,10 +102,12 @@ def _two_turns(url: str) -> tuple[str, int, int]:
 
 
 def test_an_evicted_first_turn_comes_back_from_the_host_tier(apps: dict[str, str]) -> None:
-    plain_text, plain_cached, _ = _two_turns(apps[PLAIN])
-    assert plain_cached == 0, "the pushes must evict the first turn from a plain pool"
-    text, cached, _reused = _two_turns(apps[TIER])
-    assert cached > 0 and cached % TINY_ENGINE["page_size"] == 0
+    page = TINY_ENGINE["page_size"]
+    plain_text, plain_cached, plain_reused = _two_turns(apps[PLAIN])
+    assert plain_cached <= page, "the pushes must evict the first turn from a plain pool"
+    text, cached, reused = _two_turns(apps[TIER])
+    assert cached >= plain_cached + 2 * page and cached % page == 0
+    assert reused > plain_reused, "the decode side reuses the first turn from its host tier"
     assert text == plain_text and text
     for app in (TIER, PLAIN):
         for worker in ("prefill-0", "decode-0"):
