@@ -220,12 +220,13 @@ class EngineState:
     preemptions: int
     placed: int | None = None  # DP attention: requests this rank took
     prefill_tokens: int = 0  # tokens prefilled (computed), cached ones not counted
-    host_hits: int | None = None  # hierarchical cache: prompt tokens loaded back from host
-    host_loaded_pages: int | None = None
-    host_load_seconds: float | None = None
-    host_backed_up_pages: int | None = None
-    host_pages: int | None = None  # the host tier's size in pages
-    host_used_pages: int | None = None
+    # hierarchical cache (all 0 without a host tier)
+    host_hits: int = 0  # prompt tokens loaded back from the host tier
+    host_loaded_pages: int = 0
+    host_load_seconds: float = 0.0
+    host_backed_up_pages: int = 0
+    host_pages: int = 0  # the host tier's size in pages
+    host_used_pages: int = 0
     fallbacks: int | None = None  # of those, ones a router sent to a rank that could not
 
 

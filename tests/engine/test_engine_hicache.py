@@ -4,11 +4,15 @@ real host tensors (``HostKVPool``) under a device pool the prefixes overflow."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from test_engine import GREEDY, drain, make_engine, prompts
+from tier_util import NullCopier
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
+from dsv3serve.kvcache.host_tier import HostTier
+from dsv3serve.metrics import EngineState, EngineStateCollector, Identity, with_tier_state
 
 # 24 pages of 4 tokens; 6 conversations of a 32-token prefix need 48 and more
 POOL = {"num_kv_tokens": 96, "chunked_prefill_size": 16, "max_num_batched_tokens": 32}
@@ -74,3 +78,22 @@ def test_hicache_size_sets_the_host_pages_by_bytes() -> None:
     ratio = EngineConfig(model="tiny", enable_hierarchical_cache=True)
     assert ratio.host_tier_pages(100, 10**6) == 200
     assert EngineConfig(model="tiny").host_tier_pages(100, 10**6) == 0
+
+
+def test_host_tier_counters_are_exposed_to_prometheus() -> None:
+    tier = HostTier(8, NullCopier())
+    tier.stats.hit_tokens, tier.stats.loaded_pages, tier.stats.load_seconds = 64, 4, 0.25
+    assert tier.alloc() is not None
+    state = with_tier_state(EngineState(0, 0, 0.0, 100, 80, 0, prefill_tokens=20), tier)
+    registry = CollectorRegistry()
+    registry.register(EngineStateCollector(Identity("prefill", "0", "tiny"), lambda: state))
+    text = generate_latest(registry).decode()
+    for line in (
+        "dsv3serve:prefix_cache_host_hits_total",
+        "dsv3serve:hicache_loaded_pages_total",
+        "dsv3serve:hicache_load_seconds_total",
+        "dsv3serve:prefill_tokens_computed_total",
+        "dsv3serve:hicache_host_used_pages",
+    ):
+        assert any(row.startswith(line + "{") for row in text.splitlines()), line
+    assert 'hicache_host_pages{dp_rank="0",model="tiny",replica="0",role="prefill"} 8.0' in text
