@@ -5,11 +5,16 @@ when the pool is on CUDA): ``[num_host_pages, page_size, kv_dim]`` of the pool's
 dtype per layer, plus the fp8 scales. It is the :class:`~dsv3serve.kvcache.host_tier.PageCopier`
 of the engine's host tier.
 
-On CUDA the copies run on a side stream: it first waits for the work already queued on the
-current stream (a page's KV may still be being written there), and the current stream then
-waits for the copies, so a later forward neither overwrites a page being backed up nor
-reads one being loaded. ``load`` waits for its copies before it returns (its time is the
-load time reported). Off CUDA the copies are plain indexed copies.
+On CUDA the copies run on a side stream, one per run of pages consecutive on both sides
+and layer (``page_runs``), and the current (compute) stream then waits for them, so a
+later forward neither overwrites a page being backed up nor reads one being loaded.
+A backup does not wait for the compute stream: its source is a prefix-cache page nobody
+references, whose KV was final when it entered the tree (a page enters it once its step's
+token was read back, or, for an exported prefill, stays locked until the decode side
+pulled it), so it overlaps with the forward in flight. A load first waits for the compute
+stream's queued work (its destination may be a page a finished sequence's in-flight step
+still reads), and ``load`` waits for its copies before it returns (its time is the load
+time reported). Off CUDA the same copies run in place, synchronously.
 """
 
 from __future__ import annotations
@@ -47,11 +52,11 @@ class HostKVPool:
 
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Copy device page ``device_pages[i]`` into host page ``host_pages[i]``."""
-        self._copy(self._device_buffers(), self._host_buffers(), device_pages, host_pages)
+        self._copy(self._device_buffers(), self._host_buffers(), device_pages, host_pages, False)
 
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
         """Copy host page ``host_pages[i]`` into device page ``device_pages[i]``."""
-        self._copy(self._host_buffers(), self._device_buffers(), host_pages, device_pages)
+        self._copy(self._host_buffers(), self._device_buffers(), host_pages, device_pages, True)
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -80,35 +85,45 @@ class HostKVPool:
         destinations: list[torch.Tensor],
         source_pages: Sequence[int],
         destination_pages: Sequence[int],
+        after_compute: bool,
     ) -> None:
         if len(source_pages) != len(destination_pages):
             raise ValueError(
                 f"page copy: {len(source_pages)} source pages for "
                 f"{len(destination_pages)} destination pages"
             )
+        runs = page_runs(source_pages, destination_pages)
         if self._stream is None:
-            src = torch.tensor(list(source_pages), dtype=torch.int64)
-            dst = torch.tensor(list(destination_pages), dtype=torch.int64)
-            for source, destination in zip(sources, destinations, strict=True):
-                destination[dst] = source[src]
+            _copy_runs(sources, destinations, runs)
             return
-        self._copy_on_side_stream(sources, destinations, source_pages, destination_pages)
-
-    def _copy_on_side_stream(
-        self,
-        sources: list[torch.Tensor],
-        destinations: list[torch.Tensor],
-        source_pages: Sequence[int],
-        destination_pages: Sequence[int],
-    ) -> None:
-        assert self._stream is not None
         current = torch.cuda.current_stream(self.pool.device)
-        self._stream.wait_stream(current)
+        if after_compute:
+            self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            for source, destination in zip(sources, destinations, strict=True):
-                for s, d in zip(source_pages, destination_pages, strict=True):
-                    destination[d].copy_(source[s], non_blocking=True)
+            _copy_runs(sources, destinations, runs)
         current.wait_stream(self._stream)
+
+
+def _copy_runs(
+    sources: list[torch.Tensor],
+    destinations: list[torch.Tensor],
+    runs: list[tuple[int, int, int]],
+) -> None:
+    for source, destination in zip(sources, destinations, strict=True):
+        for s, d, n in runs:
+            destination[d : d + n].copy_(source[s : s + n], non_blocking=True)
+
+
+def page_runs(sources: Sequence[int], destinations: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(source, destination, length)`` runs of pages consecutive on both sides, in order:
+    one copy per run and layer instead of one per page."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(sources, destinations, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:

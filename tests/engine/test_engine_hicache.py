@@ -4,6 +4,7 @@ real host tensors (``HostKVPool``) under a device pool the prefixes overflow."""
 from __future__ import annotations
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from test_engine import GREEDY, drain, make_engine, prompts
 from tier_util import NullCopier
@@ -11,6 +12,7 @@ from tier_util import NullCopier
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
+from dsv3serve.kvcache.host_pool import page_runs
 from dsv3serve.kvcache.host_tier import HostTier
 from dsv3serve.metrics import EngineState, EngineStateCollector, Identity, with_tier_state
 
@@ -49,13 +51,17 @@ def test_host_pool_pages_round_trip_bit_exact() -> None:
     engine = make_engine(**POOL, **HICACHE)
     pool, host = engine.runner.pool, engine.host_pool
     assert host is not None
-    before = [pool.kv_buffer(layer)[3].clone() for layer in range(pool.num_layers)]
-    host.backup([3], [7])
     for layer in range(pool.num_layers):
-        pool.kv_buffer(layer)[3].fill_(0)
-    host.load([7], [5])
+        pool.kv_buffer(layer).copy_(torch.randn_like(pool.kv_buffer(layer).float()))
+    before = [pool.kv_buffer(layer)[[3, 4, 2]].clone() for layer in range(pool.num_layers)]
+    host.backup([3, 4, 2], [7, 8, 0])  # a run of two pages, then one
     for layer in range(pool.num_layers):
-        assert pool.kv_buffer(layer)[5].equal(before[layer])
+        pool.kv_buffer(layer)[2:5].fill_(0)
+    host.load([0, 7, 8], [9, 5, 6])
+    for layer in range(pool.num_layers):
+        assert pool.kv_buffer(layer)[5].equal(before[layer][0])
+        assert pool.kv_buffer(layer)[6].equal(before[layer][1])
+        assert pool.kv_buffer(layer)[9].equal(before[layer][2])
 
 
 @pytest.mark.parametrize(
@@ -97,3 +103,9 @@ def test_host_tier_counters_are_exposed_to_prometheus() -> None:
     ):
         assert any(row.startswith(line + "{") for row in text.splitlines()), line
     assert 'hicache_host_pages{dp_rank="0",model="tiny",replica="0",role="prefill"} 8.0' in text
+
+
+def test_page_runs_coalesce_pages_consecutive_on_both_sides() -> None:
+    assert page_runs([3, 4, 5, 9, 10], [7, 8, 9, 1, 2]) == [(3, 7, 3), (9, 1, 2)]
+    assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
+    assert page_runs([], []) == []
