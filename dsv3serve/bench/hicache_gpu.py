@@ -78,7 +78,7 @@ def _sync(device: str) -> None:
 def bandwidth(ns: argparse.Namespace) -> dict[str, Any]:
     """Load-back and backup GB/s of ``HostKVPool`` against a plain pinned H2D copy."""
     pages = ns.bw_pages
-    pool = MLAKVPool(ns.layers, 2 * pages, ns.page_size, torch.bfloat16, ns.device)
+    pool = MLAKVPool(ns.layers, 2 * pages, ns.page_size, dtype=torch.bfloat16, device=ns.device)
     host = HostKVPool(pool, pages)
     nbytes = host.nbytes
     host_ids, dev_ids = list(range(pages)), list(range(pages, 2 * pages))
@@ -105,8 +105,9 @@ def _engine(ns: argparse.Namespace, tier: bool) -> Any:
         "model": ns.model,
         "device": ns.device,
         "page_size": ns.page_size,
-        "num_kv_tokens": ns.prefix_len + 4 * ns.page_size,  # one prompt of the two fits
-        "max_model_len": ns.prefix_len + 2 * ns.page_size,
+        # one prompt and one page: the filler evicts every page of the prefix
+        "num_kv_tokens": ns.prefix_len + ns.page_size,
+        "max_model_len": ns.prefix_len + ns.page_size,
         "chunked_prefill_size": 8192,
         "disable_cuda_graph": True,
         "enable_hierarchical_cache": tier,
@@ -135,8 +136,8 @@ def ttft(ns: argparse.Namespace, tier: bool) -> dict[str, Any]:
     engine = _engine(ns, tier)
     rng = random.Random(0)
     vocab = engine.model_cfg.vocab_size
-    prefix = [rng.randrange(2, vocab) for _ in range(ns.prefix_len - 1)]
-    filler = [rng.randrange(2, vocab) for _ in range(ns.prefix_len)]
+    prefix = [rng.randrange(2, vocab) for _ in range(ns.prefix_len)]  # whole pages
+    filler = [rng.randrange(2, vocab) for _ in range(ns.prefix_len + 1)]
     cold = _ttft(engine, "cold", [*prefix, 11])
     _ttft(engine, "filler", filler)
     before = engine.scheduler.num_prefill_tokens
