@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from dsv3serve.kvcache.allocator import PageAllocator
 
 if TYPE_CHECKING:
-    from dsv3serve.kvcache.radix_cache import RadixNode
+    from dsv3serve.kvcache.radix_node import RadixNode
 
 CopyKind = Literal["backup", "load"]
 
