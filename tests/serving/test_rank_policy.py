@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 from tier_util import NullCopier
 
+from dsv3serve.engine.scheduler import Scheduler, SchedulerConfig
 from dsv3serve.kvcache.host_tier import HostTier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
 from router.rank_policy import RankReport, RoutingWeights, rank_candidates
+from workers.rank_report import rank_loads
 
 PAGE = 16
 PROMPT = list(range(100, 100 + 40 * PAGE + 5))  # 40 full pages and 5 tokens
@@ -148,3 +150,21 @@ def test_a_real_tiered_caches_summary_splits_device_and_host() -> None:
     assert not device and len(host) == 12
     (top,) = rank_candidates([report], PROMPT, PAGE)
     assert top.hit_tokens == sum(kv.peek_prefix_tiers(PROMPT, "", len(PROMPT) - 1)) == 12 * PAGE
+
+
+def test_a_replicas_rank_report_lists_host_only_prefixes_apart() -> None:
+    """``workers.rank_report.rank_loads`` over a scheduler with a host tier: the evicted
+    prefix moves from ``prefix_hashes`` to ``host_prefix_hashes``."""
+    config = SchedulerConfig(page_size=PAGE, num_pages=16, num_host_pages=32)
+    scheduler = Scheduler(config, NullCopier())
+    pages = scheduler.kv.allocate(4)
+    assert pages is not None
+    handle, _ = scheduler.kv.insert_prefix(PROMPT[: 4 * PAGE], pages, "", None)
+    scheduler.kv.release(handle, [])
+    (before,) = rank_loads(scheduler)
+    assert len(before.prefix_hashes) == 4 and before.host_prefix_hashes == []
+    scheduler.kv.evict_all()
+    (after,) = rank_loads(scheduler)
+    assert after.prefix_hashes == [] and sorted(after.host_prefix_hashes) == sorted(
+        before.prefix_hashes
+    )
