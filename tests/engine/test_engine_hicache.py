@@ -36,9 +36,13 @@ def _two_passes(engine: Engine) -> tuple[dict[str, list[int]], int]:
     return results, engine.scheduler.num_prefill_tokens - before
 
 
-def test_host_tier_keeps_greedy_tokens_and_saves_80_percent_of_the_second_prefill() -> None:
-    off_outputs, off_tokens = _two_passes(make_engine(**POOL))
-    engine = make_engine(**POOL, **HICACHE)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_host_tier_keeps_greedy_tokens_and_saves_80_percent_of_the_second_prefill(
+    overlap: bool,
+) -> None:
+    loop = {"force_overlap_schedule": overlap}
+    off_outputs, off_tokens = _two_passes(make_engine(**POOL, **loop))
+    engine = make_engine(**POOL, **HICACHE, **loop)
     on_outputs, on_tokens = _two_passes(engine)
     assert on_outputs == off_outputs
     assert on_tokens <= 0.2 * off_tokens, (on_tokens, off_tokens)
