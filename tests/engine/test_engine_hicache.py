@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_engine import GREEDY, drain, make_engine, prompts
 from tier_util import NullCopier
 
+from dsv3serve.cli import build_parser
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
@@ -113,3 +114,13 @@ def test_page_runs_coalesce_pages_consecutive_on_both_sides() -> None:
     assert page_runs([3, 4, 5, 9, 10], [7, 8, 9, 1, 2]) == [(3, 7, 3), (9, 1, 2)]
     assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
     assert page_runs([], []) == []
+
+
+def test_cli_flags_set_the_hicache_fields() -> None:
+    argv = ["generate", "--prompt", "x", "--enable-hierarchical-cache", "--hicache-size", "3"]
+    cfg = EngineConfig.from_args(build_parser().parse_args(argv))
+    assert cfg.enable_hierarchical_cache and cfg.hicache_size == 3 and cfg.hicache_ratio is None
+    plain = EngineConfig.from_args(build_parser().parse_args(["generate", "--prompt", "x"]))
+    assert not plain.enable_hierarchical_cache
+    with pytest.raises(ValueError, match="set enable_hierarchical_cache"):
+        EngineConfig.from_args(build_parser().parse_args([*argv[:3], "--hicache-ratio", "2"]))
