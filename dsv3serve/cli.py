@@ -35,6 +35,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--disable-prefix-caching", action="store_true")
     p.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="keep the prefix cache's evicted pages in a host-memory tier and load them back",
+    )
+    p.add_argument(
+        "--hicache-ratio", type=float, default=None, help="host tier / device KV pool (2.0)"
+    )
+    p.add_argument("--hicache-size", type=int, default=None, help="host tier in GB (1e9 B)")
+    p.add_argument(
         "--moe-backend",
         default="torch",
         choices=["torch", "triton"],

@@ -10,8 +10,8 @@ internal endpoint (``router/metrics_server.py``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -219,6 +219,14 @@ class EngineState:
     prefix_hits: int
     preemptions: int
     placed: int | None = None  # DP attention: requests this rank took
+    prefill_tokens: int = 0  # tokens prefilled (computed), cached ones not counted
+    # hierarchical cache (all 0 without a host tier)
+    host_hits: int = 0  # prompt tokens loaded back from the host tier
+    host_loaded_pages: int = 0
+    host_load_seconds: float = 0.0
+    host_backed_up_pages: int = 0
+    host_pages: int = 0  # the host tier's size in pages
+    host_used_pages: int = 0
     fallbacks: int | None = None  # of those, ones a router sent to a rank that could not
 
 
@@ -241,6 +249,18 @@ class EngineStateCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              state.prefix_hits, 1),
             ("num_preemptions", "Preempted sequences.", state.preemptions, 1),
+            ("prefill_tokens_computed", "Prompt tokens prefilled (not served by a cache).",
+             state.prefill_tokens, 1),
+            ("prefix_cache_host_hits", "Prompt tokens loaded back from the host tier "
+             "(part of prefix_cache_hits).", state.host_hits, 1),
+            ("hicache_loaded_pages", "Pages loaded back from the host tier.",
+             state.host_loaded_pages, 1),
+            ("hicache_load_seconds", "Time spent loading pages back from the host tier.",
+             state.host_load_seconds, 1),
+            ("hicache_backed_up_pages", "Evicted pages copied to the host tier.",
+             state.host_backed_up_pages, 1),
+            ("hicache_host_pages", "Pages of the host tier.", state.host_pages, 0),
+            ("hicache_host_used_pages", "Host-tier pages holding KV.", state.host_used_pages, 0),
             ("dp_rank_requests", "Requests this DP rank took (DP attention).",
              state.placed, 1),
             ("dp_rank_fallbacks", "Requests this DP rank took because the rank the router "
@@ -297,3 +317,39 @@ def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
         total += count
         out.append((bound, total))
     return out
+
+
+class TierReading(Protocol):
+    """What the metrics read of a host tier (``kvcache.host_tier.HostTier``)."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def used_pages(self) -> int: ...
+
+    @property
+    def stats(self) -> TierCounters: ...
+
+
+class TierCounters(Protocol):
+    """The host tier's cumulative counters (``kvcache.host_tier.TierStats``)."""
+
+    hit_tokens: int
+    loaded_pages: int
+    backed_up_pages: int
+    load_seconds: float
+
+
+def with_tier_state(state: EngineState, tier: TierReading) -> EngineState:
+    """``state`` with the hierarchical cache's counters of ``tier`` filled in."""
+    stats = tier.stats
+    return replace(
+        state,
+        host_hits=stats.hit_tokens,
+        host_loaded_pages=stats.loaded_pages,
+        host_load_seconds=stats.load_seconds,
+        host_backed_up_pages=stats.backed_up_pages,
+        host_pages=tier.num_pages,
+        host_used_pages=tier.used_pages,
+    )

@@ -70,6 +70,13 @@ class RouterSettings(BaseModel):
     rank_tokens_per_pool: float = Field(
         1024.0, ge=0, description="rank_aware: a full KV pool's price in tokens"
     )
+    rank_host_hit_value: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="rank_aware: a prompt token cached in a rank's host tier (hierarchical "
+        "cache), in tokens cached in its GPU pool",
+    )
     prefix_affinity_pages: int = Field(4, ge=1)
     affinity_imbalance_tokens: int = Field(32768, ge=0)
     prefill_timeout_s: float = Field(30.0, gt=0)

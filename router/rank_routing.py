@@ -42,6 +42,7 @@ def reports_of(replica: int, load: WorkerLoad) -> list[RankReport]:
             running=r.running,
             waiting=r.waiting,
             prefix_hashes=frozenset(r.prefix_hashes),
+            host_prefix_hashes=frozenset(r.host_prefix_hashes),
         )
         for r in load.ranks
     ]
@@ -150,11 +151,20 @@ def replica_targets(order: Sequence[int]) -> list[Target]:
     return [(i, None) for i in order]
 
 
+def routing_weights(settings: RouterSettings) -> RoutingWeights:
+    """The ``rank_aware`` policy's prices from the router's settings."""
+    return RoutingWeights(
+        settings.rank_tokens_per_request,
+        settings.rank_tokens_per_pool,
+        settings.rank_host_hit_value,
+    )
+
+
 def rank_board(replicas: ReplicaSet, settings: RouterSettings, page_size: int) -> RankBoard | None:
     """The board of ``replicas`` under ``settings`` (None unless policy ``rank_aware``)."""
     if settings.policy != "rank_aware":
         return None
-    weights = RoutingWeights(settings.rank_tokens_per_request, settings.rank_tokens_per_pool)
+    weights = routing_weights(settings)
     return RankBoard(replicas, page_size, weights, settings.rank_report_interval_s)
 
 
@@ -165,7 +175,7 @@ class PDTargets:
     def __init__(
         self, prefill: ReplicaSet, decode: ReplicaSet, settings: RouterSettings, page_size: int
     ) -> None:
-        weights = RoutingWeights(settings.rank_tokens_per_request, settings.rank_tokens_per_pool)
+        weights = routing_weights(settings)
         interval = settings.rank_report_interval_s
         self.prefill = RankBoard(prefill, page_size, weights, interval)
         self.decode = RankBoard(decode, page_size, weights, interval)

@@ -240,8 +240,10 @@ class DecodeRequest(_Msg):
 class RankLoad(_Msg):
     """One DP rank's load and prefix-cache summary (a replica without DP attention has one,
     rank 0). ``free_pages``: pages an allocation can get now (free plus evictable);
-    ``prefix_hashes``: hashes of page-aligned prefixes its prefix cache holds, most recent
-    first, at most ``MAX_PREFIX_HASHES`` (``dsv3serve.kvcache.prefix_hash``)."""
+    ``prefix_hashes``: hashes of page-aligned prefixes its prefix cache holds in device
+    pages, most recent first, at most ``MAX_PREFIX_HASHES`` (``dsv3serve.kvcache.prefix_hash``);
+    ``host_prefix_hashes``: the same for prefixes held only in its hierarchical cache's host
+    tier."""
 
     dp_rank: int = Field(ge=0)
     running: int = Field(ge=0)
@@ -249,6 +251,7 @@ class RankLoad(_Msg):
     free_pages: int = Field(ge=0)
     num_pages: int = Field(ge=1)
     prefix_hashes: list[int] = Field([], max_length=MAX_PREFIX_HASHES)
+    host_prefix_hashes: list[int] = Field([], max_length=MAX_PREFIX_HASHES)
 
 
 class WorkerLoad(_Msg):

@@ -31,10 +31,18 @@ def rank_loads(scheduler: Any, max_hashes: int = MAX_PREFIX_HASHES) -> list[Rank
             waiting=s.num_waiting,
             free_pages=s.kv.available_pages,
             num_pages=s.kv.num_pages,
-            prefix_hashes=s.kv.prefix_hashes(min(max_hashes, MAX_PREFIX_HASHES)),
+            prefix_hashes=s.kv.prefix_hashes(min(max_hashes, MAX_PREFIX_HASHES), True),
+            host_prefix_hashes=_host_hashes(s, min(max_hashes, MAX_PREFIX_HASHES)),
         )
         for rank, s in enumerate(rank_schedulers(scheduler))
     ]
+
+
+def _host_hashes(scheduler: Any, max_hashes: int) -> list[int]:
+    """Hashes of the prefixes held only in the rank's host tier (none without one)."""
+    if scheduler.kv.host_tier is None:
+        return []
+    return scheduler.kv.prefix_hashes(max_hashes, False)
 
 
 def rank_counts(scheduler: Any) -> tuple[list[int], int]:

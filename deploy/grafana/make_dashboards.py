@@ -117,12 +117,28 @@ ENGINE = [
     ("Tokens per step", "short", quantiles("step_num_tokens", M, "role")),
     ("KV cache usage", "percentunit", [
         (f"max by (role, replica) (dsv3serve:kv_cache_usage_perc{{{M}}})", "{{role}} {{replica}}"),
+        (f"sum by (role) (dsv3serve:hicache_host_used_pages{{{M}}}) / clamp_min("
+         f"sum by (role) (dsv3serve:hicache_host_pages{{{M}}}), 1)", "{{role}} host tier"),
     ]),
     ("Prefix cache hit rate", "percentunit", [
         (f"{rate('prefix_cache_hits_total', M, 'role')} / clamp_min("
          f"{rate('prefix_cache_queries_total', M, 'role')}, 1)", "{{role}}"),
     ]),
     ("Preemptions/s", "short", [(rate("num_preemptions_total", M, "role"), "{{role}}")]),
+    ("Prompt tokens/s: GPU hits, host-tier hits, computed", "short", [
+        (f"{rate('prefix_cache_hits_total', M, 'role')} - "
+         f"{rate('prefix_cache_host_hits_total', M, 'role')}", "{{role}} GPU pool hit"),
+        (rate("prefix_cache_host_hits_total", M, "role"), "{{role}} host tier hit"),
+        (rate("prefill_tokens_computed_total", M, "role"), "{{role}} computed"),
+    ]),
+    ("Hierarchical cache: pages/s loaded back and backed up", "short", [
+        (rate("hicache_loaded_pages_total", M, "role"), "{{role}} loaded back"),
+        (rate("hicache_backed_up_pages_total", M, "role"), "{{role}} backed up"),
+    ]),
+    ("Hierarchical cache: load-back time per page", "s", [
+        (f"{rate('hicache_load_seconds_total', M, 'role')} / clamp_min("
+         f"{rate('hicache_loaded_pages_total', M, 'role')}, 1)", "{{role}}"),
+    ]),
     ("Queue time", "s", quantiles("request_queue_time_seconds", M, "role")),
     ("Speculative decoding acceptance", "percentunit", [
         (f"{rate('spec_decode_num_accepted_tokens_total', M)} / clamp_min("

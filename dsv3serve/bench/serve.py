@@ -32,6 +32,7 @@ from dsv3serve.bench.serve_client import (
 from dsv3serve.bench.serve_dataset import BenchRequest, sample_requests
 from dsv3serve.bench.serve_kv_counters import kv_moved, read_kv_counters
 from dsv3serve.bench.serve_metrics import format_table, jsonable, per_request, summarize
+from dsv3serve.bench.serve_multi_turn import ttft_by_kind
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
@@ -129,6 +130,8 @@ def run_record(
     }
     if config.dataset_name == "generated-shared-prefix":
         settings |= {f.name: getattr(config, f.name) for f in fields(config) if "gsp_" in f.name}
+    if config.dataset_name == "multi-turn":
+        settings |= {f.name: getattr(config, f.name) for f in fields(config) if "mt_" in f.name}
     return settings | summarize(results, duration) | per_request(results)
 
 
@@ -147,6 +150,8 @@ async def run_points(config: BenchServeConfig, tokenizer: Tokenizer) -> list[dic
             results, duration = await run_once(point, target, requests)
             after = await read_kv_counters(client, config.metrics_urls)
             record = run_record(point, model, results, duration) | kv_moved(before, after)
+            if point.dataset_name == "multi-turn":
+                record |= ttft_by_kind(requests, results)
             print(format_table(record, run_header(point, model)), flush=True)
             records.append(record)
     return records

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Endpoint = Literal["chat", "completions"]
-DatasetName = Literal["random", "sharegpt", "generated-shared-prefix"]
+DatasetName = Literal["random", "sharegpt", "generated-shared-prefix", "multi-turn"]
 
 
 class BenchServeError(Exception):
@@ -69,6 +69,12 @@ class BenchServeConfig:
     gsp_system_prompt_len: int = 256
     gsp_question_len: int = 32
     gsp_output_len: int = 16
+    mt_num_conversations: int = 4
+    mt_num_turns: int = 3
+    mt_turn_len: int = 128
+    mt_num_fillers: int = 8
+    mt_filler_len: int = 256
+    mt_output_len: int = 8
     request_rate: float = math.inf
     max_concurrency: int | None = None
     seed: int = 1
@@ -105,6 +111,7 @@ class BenchServeConfig:
         if not 0 <= self.random_range_ratio < 1:
             yield f"0 <= --random-range-ratio < 1, got {self.random_range_ratio}"
         yield from self._shared_prefix_problems()
+        yield from self._multi_turn_problems()
 
     def _shared_prefix_problems(self) -> Iterator[str]:
         if self.dataset_name != "generated-shared-prefix":
@@ -116,6 +123,19 @@ class BenchServeConfig:
             yield f"--gsp-system-prompt-len >= 2, got {self.gsp_system_prompt_len}"
         if self.gsp_question_len < 1:
             yield f"--gsp-question-len >= 1, got {self.gsp_question_len}"
+
+    def _multi_turn_problems(self) -> Iterator[str]:
+        if self.dataset_name != "multi-turn":
+            return
+        for name in ("mt_num_conversations", "mt_num_turns", "mt_turn_len", "mt_output_len"):
+            if getattr(self, name) < 1:
+                yield f"--{name.replace('_', '-')} >= 1, got {getattr(self, name)}"
+        if self.mt_num_fillers < 0:
+            yield f"--mt-num-fillers >= 0, got {self.mt_num_fillers}"
+        if self.mt_filler_len < 1:
+            yield f"--mt-filler-len >= 1, got {self.mt_filler_len}"
+        if self.max_concurrency is None:
+            yield "--max-concurrency with --dataset-name multi-turn (its turns are ordered)"
 
     def _load_problems(self) -> Iterator[str]:
         if self.request_rate <= 0:
@@ -186,9 +206,11 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset-name",
         default="random",
-        choices=["random", "sharegpt", "generated-shared-prefix"],
+        choices=["random", "sharegpt", "generated-shared-prefix", "multi-turn"],
         help="generated-shared-prefix: --gsp-num-groups groups of --gsp-prompts-per-group "
-        "prompts, each a group's system prompt + its own question (--num-prompts unused)",
+        "prompts, each a group's system prompt + its own question (--num-prompts unused); "
+        "multi-turn: --mt-num-conversations conversations revisited for --mt-num-turns "
+        "rounds, --mt-num-fillers filler prompts after each round",
     )
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
     p.add_argument("--num-prompts", type=int, default=100)
@@ -207,6 +229,12 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gsp-question-len", type=int, default=32, help="question tokens")
     p.add_argument("--gsp-output-len", type=int, default=16, help="max_tokens of each request")
+    p.add_argument("--mt-num-conversations", type=int, default=4, help="conversations revisited")
+    p.add_argument("--mt-num-turns", type=int, default=3, help="rounds over the conversations")
+    p.add_argument("--mt-turn-len", type=int, default=128, help="tokens each turn adds")
+    p.add_argument("--mt-num-fillers", type=int, default=8, help="filler prompts per round")
+    p.add_argument("--mt-filler-len", type=int, default=256, help="tokens of each filler")
+    p.add_argument("--mt-output-len", type=int, default=8, help="max_tokens of each request")
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:

@@ -21,12 +21,13 @@ class BenchRequest:
 
     ``prompt_len`` counts the prompt's tokens as a completions endpoint sees them (with
     BOS); a chat endpoint adds its template around it. ``output_len`` is sent as
-    ``max_tokens``.
+    ``max_tokens``. ``kind`` names its part of a workload that has parts (``multi-turn``).
     """
 
     prompt: str
     prompt_len: int
     output_len: int
+    kind: str = ""
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, low: int, n: int) -> list[int]:
@@ -133,4 +134,8 @@ def sample_requests(config: BenchServeConfig, tokenizer: Tokenizer) -> list[Benc
         from dsv3serve.bench.serve_shared_prefix import shared_prefix_requests
 
         return shared_prefix_requests(config, tokenizer)
+    if config.dataset_name == "multi-turn":
+        from dsv3serve.bench.serve_multi_turn import multi_turn_requests
+
+        return multi_turn_requests(config, tokenizer)
     return random_requests(config, tokenizer)

@@ -140,6 +140,10 @@ def format_table(summary: dict[str, Any], header: dict[str, Any]) -> str:
         "kv_pages_overlapped": "KV pages pulled while prefill ran",
         "kv_bytes_pulled": "KV bytes pulled by decode",
         "kv_pulls": "KV pulls (ranges and final pages)",
+        "prefill_tokens_computed": "Prompt tokens computed by prefill",
+        "prefix_hit_tokens": "Prompt tokens hit in prefill's prefix cache",
+        "host_tier_hit_tokens": "  of which loaded back from its host tier",
+        "host_tier_loaded_pages": "Pages loaded back from the host tier",
     }
     rows += [_line(label, int(summary[key])) for key, label in kv.items() if key in summary]
     if "kv_pull_seconds" in summary:

@@ -15,6 +15,7 @@ PARALLEL_FIELDS = tuple(ParallelConfig.model_fields)
 # (the router validates configs without torch, so it cannot ask the backend classes).
 ATTENTION_NEEDS_CUDA_BF16: dict[str, bool] = {"torch": False, "flashinfer": True}
 DEFAULT_SPEC_STEPS = 3  # DeepSeek-V3 MTP: 3 chained steps, 4 draft tokens (as SGLang)
+DEFAULT_HICACHE_RATIO = 2.0  # host tier / device pool, as SGLang's default
 
 
 class EngineConfig(BaseModel):
@@ -34,6 +35,11 @@ class EngineConfig(BaseModel):
     num_kv_tokens: int | None = Field(None, ge=1, description="explicit KV capacity in tokens")
     mem_fraction_static: float = Field(0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
+    # hierarchical cache (SGLang's names): a host-memory tier under the prefix cache, of
+    # hicache_ratio times the device pool's pages (default 2.0) or hicache_size GB (1e9 B)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float | None = Field(None, gt=0)
+    hicache_size: int | None = Field(None, ge=1, description="host tier in GB (1e9 bytes)")
     # scheduling
     max_running_requests: int = Field(256, ge=1)
     chunked_prefill_size: int = 8192  # <= 0 disables chunking
@@ -117,6 +123,7 @@ class EngineConfig(BaseModel):
             )
         self._check_attention()
         self._check_speculative()
+        self._check_hicache()
         self.parallel  # noqa: B018 - validates the layout fields
         return self
 
@@ -132,6 +139,35 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"attention_backend {name!r}: found dtype 'float32', expected 'auto' or 'bfloat16'"
             )
+
+    def _check_hicache(self) -> None:
+        given = [n for n in ("hicache_ratio", "hicache_size") if getattr(self, n) is not None]
+        if not self.enable_hierarchical_cache:
+            if given:
+                raise ValueError(f"{given[0]}: set enable_hierarchical_cache to use it")
+            return
+        if len(given) > 1:
+            raise ValueError("hicache_ratio and hicache_size: found both, expected at most one")
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "enable_hierarchical_cache: found prefix caching disabled, expected it on "
+                "(the host tier holds the prefix cache's evicted pages)"
+            )
+        if self.tp_size > 1:
+            raise ValueError(
+                f"enable_hierarchical_cache: found tp_size {self.tp_size}, expected 1 (the "
+                f"host tier is not built for multi-rank groups)"
+            )
+
+    def host_tier_pages(self, device_pages: int, page_bytes: int) -> int:
+        """Host-tier pages for a device pool of ``device_pages`` pages of ``page_bytes``
+        bytes: ``hicache_size`` GB of pages, else ``hicache_ratio`` (default 2.0) times
+        the pool; 0 when the hierarchical cache is off."""
+        if not self.enable_hierarchical_cache:
+            return 0
+        if self.hicache_size is not None:
+            return max(1, self.hicache_size * 10**9 // page_bytes)
+        return max(1, int(device_pages * (self.hicache_ratio or DEFAULT_HICACHE_RATIO)))
 
     def _check_speculative(self) -> None:
         spec_fields = (
@@ -191,6 +227,9 @@ FLAG_FIELDS = (  # engine flags (dsv3serve.cli) named exactly as their EngineCon
     "enable_torch_compile",
     "torch_compile_max_bs",
     "hf_overrides",
+    "enable_hierarchical_cache",
+    "hicache_ratio",
+    "hicache_size",
     "speculative_algorithm",
     "speculative_num_steps",
     "speculative_eagle_topk",

@@ -37,8 +37,10 @@ from dsv3serve.engine.sequence import SchedulerConfig
 from dsv3serve.engine.spec.forwards import SpecForwards
 from dsv3serve.engine.spec.loop import SpecDecoder
 from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.kvcache.host_pool import HostKVPool
+from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.kvcache.radix_cache import PrefixMatch
-from dsv3serve.metrics import EngineState, Metrics
+from dsv3serve.metrics import EngineState, Metrics, with_tier_state
 from dsv3serve.settings import export_compile_caches
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
@@ -73,7 +75,10 @@ class Engine:
         self.model_cfg = ModelConfig.from_hf(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         runner = ModelRunner(cfg, model_dir, self.model_cfg)
-        self.scheduler = Scheduler(_scheduler_config(cfg, self.model_cfg, runner.num_pages))
+        self.host_pool = _host_pool(cfg, runner)
+        host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
+        sched_cfg = _scheduler_config(cfg, self.model_cfg, runner.num_pages, host_pages)
+        self.scheduler = Scheduler(sched_cfg, self.host_pool)
         self.sampler = Sampler(make_generator(cfg.seed, runner.device))
         self.spec: SpecDecoder | None = None
         self._spec_stats = SpecStats(cfg.spec_num_steps)
@@ -188,14 +193,17 @@ class Engine:
     def engine_state(self) -> EngineState:
         """Scrape-time engine gauges and counters."""
         s = self.scheduler
-        return EngineState(
+        state = EngineState(
             running=s.num_running,
             waiting=s.num_waiting,
             kv_usage=s.kv.usage,
             prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
             prefix_hits=s.prefix_hit_tokens,
             preemptions=s.num_preemptions,
+            prefill_tokens=s.num_prefill_tokens,
         )
+        tier = s.kv.host_tier if isinstance(s, Scheduler) else None
+        return state if tier is None else with_tier_state(state, tier)
 
     # ---- disaggregation hooks (engine/pd_hooks.py) ------------------------------------
     def export_kv(self, request_id: str) -> KVExport:
@@ -227,7 +235,9 @@ class Engine:
 
     def reserve_kv(self, num_tokens: int) -> list[int] | None:
         """Decode side: reserve pages for an incoming prompt's KV (None when full)."""
-        return self._pd.reserve_kv(num_tokens)
+        pages = self._pd.reserve_kv(num_tokens)
+        self._sync_host_copies()
+        return pages
 
     def reserve_prompt_kv(
         self, prompt_ids: list[int], salt: str = "", dp_rank: int | None = None
@@ -235,7 +245,15 @@ class Engine:
         """Decode side: reserve pages for the part of ``prompt_ids`` whose KV is not cached
         here; the cached prefix is locked for the request (None when full). ``dp_rank``:
         the DP-attention rank a router chose (a DP scheduler's; ignored without one)."""
-        return self._pd.reserve_prompt(prompt_ids, salt, dp_rank)
+        reservation = self._pd.reserve_prompt(prompt_ids, salt, dp_rank)
+        self._sync_host_copies()
+        return reservation
+
+    def _sync_host_copies(self) -> None:
+        """A reservation's pages may have been backed up to the host tier on a side stream
+        (or its prefix loaded back): the KV connector writes them outside the streams."""
+        if self.host_pool is not None:
+            self.host_pool.synchronize()
 
     def release_reservation(self, pages: list[int]) -> None:
         """Decode side: give back reserved pages that will not be used."""
@@ -276,7 +294,16 @@ class Engine:
         self._pd.import_kv(req, pages, first, NO_PREFIX if prefix is None else prefix)
 
 
-def _scheduler_config(cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int) -> SchedulerConfig:
+def _host_pool(cfg: EngineConfig, runner: ModelRunner) -> HostKVPool | None:
+    pool = runner.pool
+    page_bytes = bytes_per_page(pool.num_layers, pool.page_size, pool.dtype, pool.kv_dim)
+    pages = cfg.host_tier_pages(runner.num_pages, page_bytes)
+    return HostKVPool(pool, pages) if pages else None
+
+
+def _scheduler_config(
+    cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int, host_pages: int
+) -> SchedulerConfig:
     max_len = cfg.max_model_len or model_cfg.max_position_embeddings
     return SchedulerConfig(
         page_size=cfg.page_size,
@@ -288,4 +315,5 @@ def _scheduler_config(cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int)
         policy=cfg.schedule_policy,
         enable_prefix_cache=cfg.enable_prefix_caching,
         num_lookahead_tokens=cfg.spec_num_steps,
+        num_host_pages=host_pages,
     )

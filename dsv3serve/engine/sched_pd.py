@@ -69,7 +69,7 @@ class PDPages:
         if pages is None:
             kv.release(prefix.handle, [])
             return None
-        kv.record_prefix_query(len(prompt), prefix.num_tokens)
+        kv.record_prefix_query(len(prompt), prefix.num_tokens, prefix.host_tokens)
         return KVReservation(pages, prefix)
 
     def release_reservation(self, pages: list[int]) -> None:

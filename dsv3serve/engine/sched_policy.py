@@ -130,7 +130,7 @@ class StepPolicy:
         st.waiting.popleft()
         st.running.append(seq)
         seq.status = SequenceStatus.RUNNING
-        st.kv.record_prefix_query(len(tokens), match.num_tokens)
+        st.kv.record_prefix_query(len(tokens), match.num_tokens, match.host_tokens)
         if seq.num_admissions == 0:
             seq.num_cached_tokens = match.num_tokens
         seq.num_admissions += 1
@@ -179,6 +179,8 @@ class StepPolicy:
     def _add_item(self, seq: Sequence, num_tokens: int, plan: StepPlan, is_decode: bool) -> None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
         slots = self.state.slots(seq, start, end)
+        if not is_decode:
+            self.state.num_prefill_tokens += num_tokens
         sample = end == seq.num_tokens
         plan.add(
             ScheduledItem(

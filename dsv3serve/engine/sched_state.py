@@ -20,6 +20,7 @@ from dsv3serve.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from dsv3serve.kvcache.host_tier import HostTier, PageCopier
 from dsv3serve.kvcache.manager import KVCacheManager
 
 
@@ -38,14 +39,24 @@ class SchedState:
     finished_here: list[Sequence] = field(default_factory=list)
     arrivals: int = 0
     num_preemptions: int = 0
+    num_prefill_tokens: int = 0  # tokens scheduled as prefill (recomputes count again)
     # called on the step thread before a sequence's pages go back or are swapped for the
     # prefix cache's copies (see ``Scheduler.set_pages_dropped_hook``)
     on_pages_dropped: Callable[[Sequence], None] = field(default=lambda _seq: None)
 
     @classmethod
-    def empty(cls, config: SchedulerConfig) -> SchedState:
-        """No sequences, every page of ``config.num_pages`` free."""
-        kv = KVCacheManager(config.num_pages, config.page_size, config.enable_prefix_cache)
+    def empty(cls, config: SchedulerConfig, copier: PageCopier | None = None) -> SchedState:
+        """No sequences, every page of ``config.num_pages`` free; ``copier`` moves the
+        host tier's pages (needed when ``config.num_host_pages`` > 0)."""
+        host = None
+        if config.num_host_pages and config.enable_prefix_cache:
+            if copier is None:
+                raise ValueError(
+                    f"num_host_pages {config.num_host_pages}: the host tier needs a page "
+                    f"copier, found none"
+                )
+            host = HostTier(config.num_host_pages, copier)
+        kv = KVCacheManager(config.num_pages, config.page_size, config.enable_prefix_cache, host)
         return cls(config, kv)
 
     # ---- queues ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dsv3serve.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from dsv3serve.kvcache.host_tier import PageCopier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 
@@ -47,11 +48,12 @@ class Scheduler:
 
     Drive it with ``add`` / ``schedule`` / ``on_step_done`` / ``finish``; see
     ``engine/sched_policy.py`` for the policy. ``abort`` works in every state.
+    ``copier`` carries out the host tier's page copies (``config.num_host_pages`` > 0).
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, copier: PageCopier | None = None) -> None:
         self.config = config
-        self._state = SchedState.empty(config)
+        self._state = SchedState.empty(config, copier)
         self._policy = StepPolicy(self._state)
         self._pd = PDPages(self._state)
         self._launches = LaunchBook(self._state, self._pd)
@@ -65,6 +67,12 @@ class Scheduler:
     def num_preemptions(self) -> int:
         """Running sequences preempted so far."""
         return self._state.num_preemptions
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (and recomputed) tokens scheduled as prefill so far: the prefill work the
+        prefix cache did not save."""
+        return self._state.num_prefill_tokens
 
     @property
     def num_running(self) -> int:

@@ -24,6 +24,8 @@ class SchedulerConfig:
     included. ``policy`` orders the waiting queue: ``fcfs`` by arrival, ``lpm`` longest
     cached prefix first. ``num_lookahead_tokens`` (speculative decoding: the draft steps
     per round) extra slots are given to each decode, when they fit, for draft tokens.
+    ``num_host_pages`` > 0 puts a host-memory tier of that many pages under the prefix
+    cache (the hierarchical cache; the scheduler then needs a page copier).
     """
 
     page_size: int
@@ -35,12 +37,15 @@ class SchedulerConfig:
     policy: Literal["fcfs", "lpm"] = "fcfs"
     enable_prefix_cache: bool = True
     num_lookahead_tokens: int = 0
+    num_host_pages: int = 0
 
     def __post_init__(self) -> None:
         positive = ("page_size", "num_pages", "max_running_requests")
         for name in (*positive, "max_num_batched_tokens", "max_context_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_host_pages < 0:
+            raise ValueError(f"num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
         if self.policy not in ("fcfs", "lpm"):

@@ -8,6 +8,9 @@ Every page is in exactly one of three states, so ``free + used + cached == num_p
   share them (not evictable) or unreferenced (evictable on demand).
 
 ``available_pages = free + evictable`` is what an allocation can obtain right now.
+
+With a host tier (the hierarchical cache, ``host_tier.py``) evicted cached pages keep
+their KV in host pages, counted apart from the device pool; a prefix match loads them back.
 """
 
 from __future__ import annotations
@@ -15,17 +18,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from dsv3serve.kvcache.allocator import PageAllocator, pages_for_tokens
+from dsv3serve.kvcache.host_tier import HostTier, TierStats
 from dsv3serve.kvcache.radix_cache import PrefixMatch, RadixCache, RadixNode
 
 
 class KVCacheManager:
     """Allocates pages to requests, evicting unreferenced cached pages when short."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_cache: bool = True,
+        host: HostTier | None = None,
+    ) -> None:
         self.page_size = page_size
         self._allocator = PageAllocator(num_pages)
-        self._cache = RadixCache(page_size, self._allocator, enable_prefix_cache)
+        self._cache = RadixCache(page_size, self._allocator, enable_prefix_cache, host)
         self._used: set[int] = set()
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        """The host-memory tier under the prefix cache, or None when off."""
+        return self._cache.host
+
+    @property
+    def tier_stats(self) -> TierStats:
+        """The host tier's counters (all zero without one)."""
+        return self._cache.host.stats if self._cache.host is not None else TierStats()
 
     @property
     def num_pages(self) -> int:
@@ -116,16 +136,27 @@ class KVCacheManager:
         return self._cache.match_prefix(tokens, salt, limit, record_stats)
 
     def peek_prefix(self, tokens: Sequence[int], salt: str, limit: int | None = None) -> int:
-        """Tokens of ``tokens`` cached now, without locking or stats."""
+        """Tokens of ``tokens`` cached now (both tiers), without locking or stats."""
         return self._cache.peek(tokens, salt, limit)
 
-    def prefix_hashes(self, max_entries: int) -> list[int]:
-        """A bounded summary of the cache for routers: see ``RadixCache.prefix_hashes``."""
-        return self._cache.prefix_hashes(max_entries)
+    def peek_prefix_tiers(
+        self, tokens: Sequence[int], salt: str, limit: int | None = None
+    ) -> tuple[int, int]:
+        """``(device_tokens, host_tokens)`` of ``tokens`` cached now, without side effects."""
+        return self._cache.peek_tiers(tokens, salt, limit)
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count a prefix query made with ``record_stats=False``."""
+    def prefix_hashes(self, max_entries: int, on_device: bool | None = None) -> list[int]:
+        """A bounded summary of the cache for routers: see ``RadixCache.prefix_hashes``."""
+        return self._cache.prefix_hashes(max_entries, on_device)
+
+    def record_prefix_query(
+        self, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+    ) -> None:
+        """Count a prefix query made with ``record_stats=False``; ``num_host_hit_tokens``
+        of the hits were loaded back from the host tier."""
         self._cache.record_query(num_tokens, num_hit_tokens)
+        if self._cache.host is not None:
+            self._cache.host.stats.hit_tokens += num_host_hit_tokens
 
     def insert_prefix(
         self,

@@ -35,6 +35,9 @@ def add_plan_parser(sub: Any) -> None:
         help="config.json fields to replace, as the engine's hf_overrides (JSON), e.g. "
         '\'{"num_hidden_layers": 12, "num_nextn_predict_layers": 0}\'',
     )
+    p.add_argument("--enable-hierarchical-cache", action="store_true", help="add a host tier")
+    p.add_argument("--hicache-ratio", type=float, default=None, help="host / device KV (2.0)")
+    p.add_argument("--hicache-size", type=int, default=None, help="host tier per rank, GB")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=run_plan)
 
@@ -78,6 +81,9 @@ def run_plan(args: argparse.Namespace) -> int:
             _print(err.plan, args, fits=False)
         print(f"refused: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:  # settings the planner refuses (e.g. both hicache sizes)
+        print(f"refused: {err}", file=sys.stderr)
+        return 2
     _print(result, args, fits=True)
     return 0
 
@@ -94,7 +100,19 @@ def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
         disable_cuda_graph=args.disable_cuda_graph,
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=args.context_length,
+        **_hicache(args),
     )
+
+
+def _hicache(args: argparse.Namespace) -> dict[str, float | int | None]:
+    """The host tier's size fields; refuses them without ``--enable-hierarchical-cache``."""
+    if not args.enable_hierarchical_cache:
+        if args.hicache_ratio is not None or args.hicache_size is not None:
+            raise ValueError("--hicache-ratio / --hicache-size: add --enable-hierarchical-cache")
+        return {}
+    if args.hicache_size is not None:
+        return {"hicache_size": args.hicache_size}
+    return {"hicache_ratio": 2.0 if args.hicache_ratio is None else args.hicache_ratio}
 
 
 def _print(p: Plan, args: argparse.Namespace, fits: bool) -> None:

@@ -57,7 +57,10 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """The memory knobs (SGLang's names); ``context_length`` None: no request-length floor."""
+    """The memory knobs (SGLang's names); ``context_length`` None: no request-length floor.
+
+    ``hicache_ratio`` / ``hicache_size`` (GB of 1e9 bytes): the hierarchical cache's host
+    tier per rank, as the engine sizes it; both None: no host tier."""
 
     gpu_memory_gb: float
     mem_fraction_static: float = 0.85
@@ -67,12 +70,21 @@ class PlanSettings:
     disable_cuda_graph: bool = False
     chunked_prefill_size: int = 8192
     context_length: int | None = None
+    hicache_ratio: float | None = None
+    hicache_size: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static <= 1 or self.gpu_memory_gb <= 0:
             raise ValueError(
                 f"expected gpu_memory_gb > 0 and 0 < mem_fraction_static <= 1, got "
                 f"{self.gpu_memory_gb} and {self.mem_fraction_static}"
+            )
+        if self.hicache_ratio is not None and self.hicache_size is not None:
+            raise ValueError("hicache_ratio and hicache_size: found both, expected at most one")
+        if (self.hicache_ratio or 1) <= 0 or (self.hicache_size or 1) < 1:
+            raise ValueError(
+                f"expected hicache_ratio > 0 and hicache_size >= 1, got "
+                f"{self.hicache_ratio} and {self.hicache_size}"
             )
         if min(self.page_size, self.cuda_graph_max_bs, self.chunked_prefill_size) < 1:
             raise ValueError("page_size, cuda_graph_max_bs and chunked_prefill_size must be >= 1")
@@ -125,6 +137,24 @@ class Plan:
     @property
     def kv_bytes(self) -> int:
         return self.kv_tokens * self.kv_bytes_per_token
+
+    @property
+    def host_kv_tokens(self) -> int:
+        """Tokens the hierarchical cache's host tier holds per rank (0: no tier)."""
+        s = self.settings
+        page_bytes = self.kv_bytes_per_token * s.page_size
+        if s.hicache_size is not None:
+            pages = s.hicache_size * 10**9 // page_bytes
+        elif s.hicache_ratio is not None:
+            pages = int(self.kv_tokens // s.page_size * s.hicache_ratio)
+        else:
+            return 0
+        return pages * s.page_size
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """Host memory the host tier takes per rank (pinned on CUDA)."""
+        return self.host_kv_tokens * self.kv_bytes_per_token
 
 
 def checkpoint_infos(cfg: ModelConfig) -> dict[str, TensorInfo]:

@@ -32,6 +32,12 @@ def plan_table(p: Plan, model: str) -> str:
         f"{s.page_size}, kv_cache_dtype {s.kv_cache_dtype}, {p.kv_bytes_per_token} bytes per "
         f"token), floor {p.min_kv_tokens}"
     )
+    if p.host_kv_tokens:
+        lines.append(
+            f"host tier (hierarchical cache): {p.host_kv_bytes / GB:.2f} GB host memory per "
+            f"rank, {p.host_kv_bytes * len(p.ranks) / GB:.2f} GB for the group, "
+            f"{p.host_kv_tokens} tokens per rank"
+        )
     return "\n".join(lines)
 
 
@@ -63,5 +69,7 @@ def plan_json(p: Plan, model: str, fits: bool) -> dict[str, Any]:
         "kv_bytes_per_token": p.kv_bytes_per_token,
         "kv_tokens": p.kv_tokens,
         "min_kv_tokens": p.min_kv_tokens,
+        "host_kv_tokens": p.host_kv_tokens,
+        "host_kv_bytes": p.host_kv_bytes,
         "fits": fits,
     }

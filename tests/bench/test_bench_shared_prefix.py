@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 
 from dsv3serve.bench.serve_args import BenchServeConfig
 from dsv3serve.bench.serve_dataset import sample_requests
-from dsv3serve.bench.serve_kv_counters import kv_moved, parse_kv_counters
+from dsv3serve.bench.serve_kv_counters import PREFILL_COUNTERS, kv_moved, parse_kv_counters
 from dsv3serve.metrics import EngineState, Identity
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
@@ -82,7 +82,7 @@ def test_kv_counters_sum_the_decode_replicas_only() -> None:
         "kv_bytes_pulled": 1000,
         "kv_pulls": 1,
         "kv_pull_seconds": 0.1,
-    }
+    } | dict.fromkeys(PREFILL_COUNTERS, 0)
     before = parse_kv_counters("")
     assert kv_moved(before, parse_kv_counters(text))["kv_pages_pulled"] == 3
     assert kv_moved(None, before) == {}

@@ -2,7 +2,8 @@
 
 Also with speculative decoding, whose decodes hold lookahead pages and roll back
 rejected draft slots every round, and with the overlap scheduler, whose sequences may
-finish or be aborted while their next step is in flight.
+finish or be aborted while their next step is in flight, and with the hierarchical cache,
+whose evicted prefix pages move to a host tier and come back (nothing leaks in either).
 """
 
 from __future__ import annotations
@@ -19,12 +20,21 @@ from dsv3serve.engine.sampling_params import SamplingParams
 SMALL = {"num_kv_tokens": 160, "chunked_prefill_size": 8, "max_num_batched_tokens": 16}
 
 
-@pytest.fixture(scope="module", params=["plain", "speculative", "overlap"])
+VARIANTS = ["plain", "speculative", "overlap", "hicache", "hicache-overlap"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
 def engine(request: pytest.FixtureRequest) -> Engine:
     extra = {
         "plain": {},
         "speculative": {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2},
         "overlap": {"force_overlap_schedule": True},  # aborts land while a step is in flight
+        "hicache": {"enable_hierarchical_cache": True, "hicache_ratio": 0.5},
+        "hicache-overlap": {
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 0.5,
+            "force_overlap_schedule": True,
+        },
     }[request.param]
     return make_engine(**SMALL, **extra)
 

@@ -158,3 +158,23 @@ def test_cli_refusal_exits_2_with_the_numbers() -> None:
     assert out.returncode == 2
     assert "does not fit" in out.stderr and "88.4 GB" in out.stderr and "68.0 GB" in out.stderr
     assert "does not fit" in out.stdout  # the table is still printed
+
+
+def test_host_tier_memory_is_reported_by_ratio_and_by_size() -> None:
+    off = plan(V3, dp_ep(8), gpu_memory_gb=141)
+    by_ratio = plan(V3, dp_ep(8), gpu_memory_gb=141, hicache_ratio=2.0)
+    by_size = plan(V3, dp_ep(8), gpu_memory_gb=141, hicache_size=100)
+    assert off.host_kv_bytes == 0 and by_ratio.kv_tokens == off.kv_tokens
+    assert by_ratio.host_kv_tokens == 2 * off.kv_tokens
+    assert by_ratio.host_kv_bytes == 2 * off.kv_bytes
+    assert 100e9 - 64 * by_size.kv_bytes_per_token < by_size.host_kv_bytes <= 100e9
+
+
+def test_cli_reports_the_host_tier_and_refuses_sizes_without_it() -> None:
+    base = ("--model", "deepseek-v3", "--tp-size", "8", "--dp-size", "8")
+    base += ("--enable-dp-attention", "--ep-size", "8", "--gpu-memory-gb", "141")
+    out = _cli(*base, "--enable-hierarchical-cache", "--hicache-size", "200")
+    assert out.returncode == 0, out.stderr
+    assert "host tier (hierarchical cache): 200.00 GB host memory per rank" in out.stdout
+    refused = _cli(*base, "--hicache-ratio", "2")
+    assert refused.returncode == 2 and "add --enable-hierarchical-cache" in refused.stderr

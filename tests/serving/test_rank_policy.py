@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from tier_util import NullCopier
 
+from dsv3serve.engine.scheduler import Scheduler, SchedulerConfig
+from dsv3serve.kvcache.host_tier import HostTier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
 from router.rank_policy import RankReport, RoutingWeights, rank_candidates
+from workers.rank_report import rank_loads
 
 PAGE = 16
 PROMPT = list(range(100, 100 + 40 * PAGE + 5))  # 40 full pages and 5 tokens
@@ -107,3 +111,60 @@ def test_bad_reports_are_refused(fields: dict[str, int]) -> None:
     args = {"replica": 0, "dp_rank": 0, "free_pages": 1, "num_pages": 4, "running": 0}
     with pytest.raises(ValueError, match="rank 0"):
         RankReport(**(args | fields), waiting=0)
+
+
+def _tiered(replica: int, device_pages: int, host_pages: int, load: int = 0) -> RankReport:
+    device = frozenset(HASHES[:device_pages])
+    host = frozenset(HASHES[device_pages : device_pages + host_pages])
+    return RankReport(replica, 0, 512, 512, load, 0, device, host)
+
+
+def test_a_gpu_hit_beats_a_host_hit_beats_a_miss() -> None:
+    gpu, host, miss = _tiered(2, 40, 0), _tiered(1, 0, 40), _tiered(0, 0, 0)
+    assert [c.replica for c in rank_candidates([miss, host, gpu], PROMPT, PAGE)] == [2, 1, 0]
+    (top,) = rank_candidates([host], PROMPT, PAGE)
+    assert top.hit_tokens == 40 * PAGE, "a host hit is still a hit: nothing to compute"
+    split = rank_candidates([_tiered(0, 10, 30)], PROMPT, PAGE)[0]
+    assert split.hit_tokens == 40 * PAGE and split.score == (10 + 0.5 * 30) * PAGE
+
+
+def test_host_hit_value_prices_a_host_hit_against_load() -> None:
+    reports = [_tiered(0, 0, 40, load=2), _tiered(1, 0, 0)]  # 320 weighted tokens vs 512
+    assert best(reports) == (1, 0)
+    full = RoutingWeights(host_hit_value=1.0)  # 640 tokens: as a GPU hit, it wins
+    assert rank_candidates(reports, PROMPT, PAGE, full)[0].replica == 0
+    with pytest.raises(ValueError, match="host_hit_value"):
+        RoutingWeights(host_hit_value=1.5)
+
+
+def test_a_real_tiered_caches_summary_splits_device_and_host() -> None:
+    """After eviction to the host tier the rank's summary lists the prefix as a host hit."""
+    kv = KVCacheManager(num_pages=16, page_size=PAGE, host=HostTier(32, NullCopier()))
+    pages = kv.allocate(12)
+    assert pages is not None
+    handle, _ = kv.insert_prefix(PROMPT[: 12 * PAGE], pages, "", None)
+    kv.release(handle, [])
+    assert kv.evict_all() == 12
+    device, host = kv.prefix_hashes(64, True), kv.prefix_hashes(64, False)
+    report = RankReport(0, 0, 16, 16, 0, 0, frozenset(device), frozenset(host))
+    assert not device and len(host) == 12
+    (top,) = rank_candidates([report], PROMPT, PAGE)
+    assert top.hit_tokens == sum(kv.peek_prefix_tiers(PROMPT, "", len(PROMPT) - 1)) == 12 * PAGE
+
+
+def test_a_replicas_rank_report_lists_host_only_prefixes_apart() -> None:
+    """``workers.rank_report.rank_loads`` over a scheduler with a host tier: the evicted
+    prefix moves from ``prefix_hashes`` to ``host_prefix_hashes``."""
+    config = SchedulerConfig(page_size=PAGE, num_pages=16, num_host_pages=32)
+    scheduler = Scheduler(config, NullCopier())
+    pages = scheduler.kv.allocate(4)
+    assert pages is not None
+    handle, _ = scheduler.kv.insert_prefix(PROMPT[: 4 * PAGE], pages, "", None)
+    scheduler.kv.release(handle, [])
+    (before,) = rank_loads(scheduler)
+    assert len(before.prefix_hashes) == 4 and before.host_prefix_hashes == []
+    scheduler.kv.evict_all()
+    (after,) = rank_loads(scheduler)
+    assert after.prefix_hashes == [] and sorted(after.host_prefix_hashes) == sorted(
+        before.prefix_hashes
+    )
