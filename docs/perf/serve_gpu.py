@@ -7,7 +7,8 @@ Stages, run in the order given (``--stages``), each adding its part to ``OUT/ser
   the seconds from the command to the first answered request.
 - ``warm``: the same with the cache the cold start filled (the app must be stopped first).
 - ``greedy``: 8 prompts x 32 tokens, greedy, through HTTP with the official ``openai``
-  client (legacy completions, token-id prompts, top-5 logprobs), stream and not.
+  client (legacy completions, token-id prompts, top-5 logprobs): one at a time first (on
+  fresh caches), then the 8 at once, stream and not.
 - ``bench``: ``dsv3serve bench serve`` at ISL/OSL ``--isl``/``--osl``, random prompts, one
   run per ``--concurrency`` value (2 x concurrency prompts, at least 4).
 - ``chaos``: ``bench serve --chaos decode-0@T`` under load.
@@ -104,6 +105,15 @@ def gpu_processes() -> list[str]:
 
 def stage_greedy(ctx: dict[str, Any]) -> dict[str, Any]:
     prompts, out = greedy_prompts(), {"gpu_processes": gpu_processes()}
+    # first, on fresh caches: one request at a time, as the engine's one-at-a-time run
+    # computes them (same batch sizes and kernels on both sides: expected bit-equal)
+    one = {
+        rid: http_greedy_one(ctx["url"], ctx["model"], ids, False) for rid, ids in prompts.items()
+    }
+    out["sequential"] = {
+        "tokens": {rid: r[0] for rid, r in one.items()},
+        "top": {rid: r[1] for rid, r in one.items()},
+    }
     for stream in (False, True):
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = {

@@ -63,10 +63,11 @@ def offline_reference(
     with LLM.from_config(engine_cfg) as llm:
         engine = llm.engine
         built_s = time.monotonic() - t0
-        ref = run_greedy(engine, prompts, GREEDY_TOKENS, TOP, batched=True)
+        # as the HTTP side: one at a time first (fresh caches), then the 8 at once
         single = run_greedy(engine, prompts, GREEDY_TOKENS, TOP, batched=False)
+        ref = run_greedy(engine, prompts, GREEDY_TOKENS, TOP, batched=True)
         own_spread = spread(ref[0], ref[1], [single])
-        ref_text = as_text(engine, *ref)
+        ref_text, single_text = as_text(engine, *ref), as_text(engine, *single)
         result: dict[str, Any] = {
             "engine_built_s": round(built_s, 1),
             "engine_config": engine_cfg.model_dump(mode="json"),
@@ -74,11 +75,12 @@ def offline_reference(
             "engine_spread": own_spread,
             "single_vs_batched": compare(single[0], single[1], ref[0], ref[1], own_spread),
         }
-        for kind in ("whole", "stream"):
+        for kind in ("sequential", "whole", "stream"):
             if http and kind in http:
+                want = single_text if kind == "sequential" else ref_text
                 got = http[kind]
                 result[f"http_{kind}"] = compare(
-                    got["tokens"], got["top"], ref_text[0], ref_text[1], own_spread
+                    got["tokens"], got["top"], want[0], want[1], own_spread
                 )
         result["one_batch"] = [
             measure(engine, b, ctx["isl"], ctx["engine_output_len"]) for b in ctx["concurrency"]

@@ -1,6 +1,6 @@
 """Print docs/perf/serve_gpu.md's tables from a docs/perf/serve_gpu.py record (JSON).
 
-    python3 docs/perf/serve_gpu_report.py docs/perf/serve_gpu_2xh200.json
+python3 docs/perf/serve_gpu_report.py docs/perf/serve_gpu_2xh200.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def greedy_table(rec: dict[str, Any]) -> list[str]:
         "| HTTP path | verdict | matching tokens | same-input logprob gap | engine spread |",
         "|---|---|---|---|---|",
     ]
-    for kind in ("whole", "stream"):
+    for kind in ("sequential", "whole", "stream"):
         c = eng.get(f"http_{kind}")
         if c:
             rows.append(
