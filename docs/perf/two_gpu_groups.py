@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"
 from attention_cases import DEEPSEEK_ATTENTION  # noqa: E402
 from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, run_scenario  # noqa: E402
 
+from dsv3serve.bench.greedy_compare import first_difference, same_input_gap  # noqa: E402
 from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.llm import LLM  # noqa: E402
@@ -171,23 +172,6 @@ SPREAD_RUNS = (
     {"chunked_prefill_size": 4, "max_num_batched_tokens": 12},
     {"max_running_requests": 1},
 )
-
-
-def same_input_gap(
-    got_top: list[dict[int, float]], ref_top: list[dict[int, float]], n: int
-) -> float:
-    """The largest log-probability difference of a token both runs list, over the first
-    ``n`` positions (those whose inputs were identical)."""
-    gaps = [
-        abs(mine[tok] - theirs[tok])
-        for mine, theirs in zip(got_top[:n], ref_top[:n], strict=False)
-        for tok in mine.keys() & theirs.keys()
-    ]
-    return max(gaps, default=0.0)
-
-
-def first_difference(got: list[int], want: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
 
 
 def compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
