@@ -32,6 +32,29 @@ class RoleGroup(BaseModel):
         {}, description="EngineConfig fields for this role only (tp_size: ranks per replica)"
     )
 
+    min_replicas: int | None = Field(
+        None, ge=1, description="autoscaling floor (with slo set); None: num_replicas"
+    )
+    max_replicas: int | None = Field(
+        None, ge=1, description="autoscaling ceiling (with slo set); None: num_replicas"
+    )
+
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) replicas of this role; both num_replicas unless set."""
+        low = self.num_replicas if self.min_replicas is None else self.min_replicas
+        high = self.num_replicas if self.max_replicas is None else self.max_replicas
+        return low, high
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RoleGroup:
+        low, high = self.bounds()
+        if self.num_replicas and not low <= self.num_replicas <= high:
+            raise ValueError(
+                f"expected min_replicas ({low}) <= num_replicas ({self.num_replicas}) "
+                f"<= max_replicas ({high})"
+            )
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data: Any) -> Any:
@@ -41,6 +64,15 @@ class RoleGroup(BaseModel):
                 "engine: {tp_size: N} on the role, with its layout fields"
             )
         return data
+
+
+class SLO(BaseModel):
+    """Latency targets the autoscaling policies size the roles for (router/autoscale.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_p99_s: float = Field(gt=0, description="time to first token, p99: drives prefill")
+    itl_p99_s: float = Field(gt=0, description="inter-token latency, p99: drives decode")
 
 
 class RouterSettings(BaseModel):
@@ -165,6 +197,12 @@ class ServingConfig(BaseModel):
         60.0, gt=0, description="a group collective waiting longer fails the engine's step"
     )
     router: RouterSettings = RouterSettings()
+    slo: SLO | None = Field(
+        None,
+        description="latency targets; None: no autoscaling policy is computed (the "
+        "policies in router/autoscale.py are not yet wired into the app: see "
+        "docs/autoscaling.md)",
+    )
     test_prefill_delay_s: float = Field(0.0, ge=0, description="fault injection, tests only")
     test_receive_delay_s: float = Field(
         0.0, ge=0, description="fault injection, tests only: decode holds each KV pull this long"
@@ -179,6 +217,7 @@ class ServingConfig(BaseModel):
         for role in roles:
             if getattr(self, role).num_replicas < 1:
                 raise ValueError(f"{role}.num_replicas: mode {self.mode} needs at least 1")
+        _refuse_unwired_autoscaling(self, roles)
         workers = {role: self._checked_worker_config(role) for role in roles}
         if self.mode == "pd":
             _check_same_speculation(workers["prefill"], workers["decode"])
@@ -223,6 +262,18 @@ class ServingConfig(BaseModel):
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
             test_receive_delay_s=self.test_receive_delay_s if role == "decode" else 0.0,
             test_fail_range_pulls=self.test_fail_range_pulls if role == "decode" else 0,
+        )
+
+
+def _refuse_unwired_autoscaling(cfg: ServingConfig, roles: tuple[Role, ...]) -> None:
+    """The SLO policies (router/autoscale.py) are not yet wired into the Serve app: a
+    config asking for them is refused rather than silently run at fixed size."""
+    varying = [r for r in roles if len(set(getattr(cfg, r).bounds())) > 1]
+    if cfg.slo is not None or varying:
+        raise ValueError(
+            "slo / min_replicas < max_replicas: autoscaling is not yet wired into the app "
+            "(issue 33; docs/autoscaling.md); expected no slo and min_replicas == "
+            f"max_replicas, found slo={cfg.slo} and varying bounds on {varying or 'none'}"
         )
 
 

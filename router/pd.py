@@ -224,7 +224,7 @@ class PDBackend:
                 if reserved.ok:  # the caller releases this rank when the request ends
                     self.decode_ranks.acquire(d, reserved.dp_rank)
                     return d, reserved.dp_rank, reserved.cached_pages
-            if len(failures) == len(self.decode.handles):
+            if len(failures) == len(self.decode.members()):
                 raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
             if time.monotonic() >= deadline:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
@@ -422,5 +422,6 @@ async def answers(handle: Any) -> bool:
 
 
 async def any_alive(replicas: ReplicaSet) -> bool:
-    """Whether any replica of the set answers ``load`` in time."""
-    return any(await asyncio.gather(*(answers(h) for h in replicas.handles)))
+    """Whether any member replica of the set answers ``load`` in time."""
+    members = [replicas.handles[i] for i in replicas.members()]
+    return any(await asyncio.gather(*(answers(h) for h in members)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 # rank_aware: (replica, DP rank) by reported load and prefix cache (router.rank_routing)
@@ -15,7 +15,9 @@ class ReplicaSet:
 
     The count is this router's own view (requests it sent and has not seen finish); with
     several router replicas each balances its own share. ``down`` holds the replicas whose
-    last call failed and that have not answered since (``router.replica_health``).
+    last call failed and that have not answered since (``router.replica_health``);
+    ``out`` the replicas that are not members now (an autoscaled deployment at zero
+    replicas, or leaving): they are never chosen nor polled (``set_members``).
     """
 
     def __init__(self, names: Sequence[str], handles: Sequence[Any]) -> None:
@@ -25,14 +27,27 @@ class ReplicaSet:
         self.handles = list(handles)
         self.outstanding = [0] * len(handles)
         self.down: set[int] = set()
+        self.out: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.handles)
 
+    def members(self) -> list[int]:
+        """Indices of the replicas that may be chosen (not ``out``), in order."""
+        return [i for i in range(len(self)) if i not in self.out]
+
+    def set_members(self, running: Mapping[str, int]) -> None:
+        """Follow the replica set: a replica whose deployment runs no replica now
+        (``running[name]`` 0) leaves; one that runs one (again) joins. Names missing from
+        ``running`` keep their state."""
+        for index, name in enumerate(self.names):
+            if name in running:
+                (self.out.add if running[name] < 1 else self.out.discard)(index)
+
     def by_load(self) -> list[int]:
-        """Replica indices: up before down, then least outstanding tokens (ties: lowest
+        """Member indices: up before down, then least outstanding tokens (ties: lowest
         index)."""
-        return sorted(range(len(self)), key=lambda i: (i in self.down, self.outstanding[i], i))
+        return sorted(self.members(), key=lambda i: (i in self.down, self.outstanding[i], i))
 
     def acquire(self, index: int, tokens: int) -> None:
         self.outstanding[index] += tokens
@@ -70,7 +85,7 @@ def prefill_order(
     if policy != "prefix_affinity":
         return order
     home = affinity_index(prompt_ids, block_tokens, len(replicas))
-    if home is None or home in replicas.down:
+    if home is None or home in replicas.down or home in replicas.out:
         return order
     if replicas.outstanding[home] - replicas.outstanding[order[0]] <= imbalance_tokens:
         order.remove(home)

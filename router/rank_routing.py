@@ -84,10 +84,13 @@ class RankBoard:
         candidates come back with its next answer). One that is only slow to answer (a
         long step holds its engine) keeps its last reports: dropping them would route
         blind, by the replica's own prefix cache alone."""
-        handles = self.replicas.handles
+        members = self.replicas.members()  # a replica out of the set is not polled
+        for index in set(self.reports) - set(members):
+            self.reports.pop(index)
+        handles = [self.replicas.handles[i] for i in members]
         ended = Counter(self.ended)  # what the answers will count no more
         answers = await asyncio.gather(*(self._fetch(h) for h in handles), return_exceptions=True)
-        for index, answer in enumerate(answers):
+        for index, answer in zip(members, answers, strict=True):
             if isinstance(answer, WorkerLoad) and answer.ranks:
                 self.reports[index] = reports_of(index, answer)
                 self.ended -= Counter({k: n for k, n in ended.items() if k[0] == index})
@@ -122,7 +125,7 @@ class RankBoard:
         reports = [
             self._effective(r)
             for index, ranks in sorted(self.reports.items())
-            if index not in down and index < len(self.replicas)
+            if index not in down and index not in self.replicas.out and index < len(self.replicas)
             for r in ranks
         ]
         ranked = rank_candidates(reports, prompt_ids, self.page_size, self.weights)

@@ -62,7 +62,9 @@ class ReplicaHealth:
         """Whether some replica is up, waiting at most ``timeout_s`` for one to be."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout_s, 0.0)
-        while len(self._up) == len(self.replicas):
+        while all(i in self._up for i in self.replicas.members()):
+            if not self._up:  # no member at all (every one out of the set)
+                return False
             waits = [asyncio.ensure_future(event.wait()) for event in self._up.values()]
             try:
                 done, _ = await asyncio.wait(

@@ -65,6 +65,12 @@ class EngineWorker:
     async def load(self) -> bytes:
         return encode(await asyncio.to_thread(self.host.load))  # off the loop: see read()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica (workers/autoscale_stats.py),
+        read by the app-level policy ``router.autoscale_serve.PDAutoscaler``."""
+        load = await asyncio.to_thread(self.host.load)
+        return self.host.autoscale.snapshot(load)
+
     async def stats(self) -> bytes:
         return encode(await asyncio.to_thread(self.host.stats))
 

@@ -23,6 +23,7 @@ from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
 from dsv3serve.metrics import Identity
+from workers.autoscale_stats import AutoscaleStats
 from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
 from workers.draft_wire import draft_to_wire
@@ -124,6 +125,7 @@ class EngineHost:
         self.intake = KVIntake(cfg, self.aengine, self.connector, self.metrics, self.group)
         self._reaper: asyncio.Task[None] | None = None
         self.overlap_off = self._overlap_off()
+        self.autoscale = AutoscaleStats()
         if cfg.role == "prefill" and self.overlap_off is None:
             self.engine.on_pages_dropped(self.staging.ranges.drop)
         elif cfg.role == "prefill":
@@ -262,13 +264,18 @@ class EngineHost:
         except ValueError as exc:  # the router's bug: fail before the prefill runs
             return PrefillResult(first=error_chunk(req.request_id, str(exc), 500), kv=None)
         start = time.monotonic()
+        prompt, took = len(req.prompt_ids), None
+        self.autoscale.prefill_started(prompt)
         try:
             engine_req = _engine_request(req, attempt, msg.dp_rank)
             first, export = await self.aengine.prefill(engine_req)
+            took = time.monotonic() - start
         except _REFUSED as exc:
             return PrefillResult(first=error_chunk(req.request_id, str(exc), 400), kv=None)
         except PrefillReleasedError:
             return _released_result(req, attempt)
+        finally:
+            self.autoscale.prefill_ended(prompt, took)
         if self.staging.is_released(attempt):  # its release is queued or done: stage nothing
             return _released_result(req, attempt)
         self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
@@ -390,8 +397,13 @@ class EngineHost:
         )
         try:
             metered = self.metrics.stream(_chunks(stream), False)
+            last: float | None = None  # the first chunk's wait is the handoff, not ITL
             async with aclosing(stream), aclosing(metered) as chunks:
                 async for chunk in chunks:
+                    now = time.monotonic()
+                    if last is not None:
+                        self.autoscale.token_gap(now - last)
+                    last = now
                     yield chunk
         except _REFUSED as exc:
             self.intake.unreserve(rid, res)

@@ -111,3 +111,20 @@ async def _order(b: RankBoard, prompt: list[int]) -> list[tuple[int, int | None]
     assert b._task is not None
     b._task.cancel()
     return order
+
+
+def test_a_replica_out_of_the_set_is_neither_polled_nor_chosen() -> None:
+    """A deployment scaled to zero must get no ``load`` poll: a call would make Serve
+    start it again. Its reports go; when it joins again it is polled and scored."""
+    handles = [FakeHandle([load_of(0)]), FakeHandle([load_of(0, running=5)])]
+    b = board(handles)
+    asyncio.run(b.refresh())
+    b.replicas.set_members({"decode-0": 0})
+    handles[0].ranks = None  # polled now, it would fail: it must not be polled
+    asyncio.run(b.refresh())
+    assert sorted(b.reports) == [1]
+    assert asyncio.run(_order(b, PROMPT)) == [(1, 0)]
+    handles[0].ranks = [load_of(0)]
+    b.replicas.set_members({"decode-0": 1})
+    asyncio.run(b.refresh())
+    assert asyncio.run(_order(b, PROMPT)) == [(0, 0), (1, 0)]

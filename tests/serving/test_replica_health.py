@@ -80,3 +80,26 @@ def test_waiting_for_any_replica_ends_when_one_answers_or_at_the_bound() -> None
         return one_up, timed_out, came_back, len(rs.down) < 2
 
     assert asyncio.run(run()) == (True, False, True, True)
+
+
+def test_a_replica_out_of_the_set_does_not_count_as_up() -> None:
+    """Autoscaling: with the only member down and the other replica out of the set (its
+    deployment at zero), no replica is up: the wait is bounded, then ends when it answers."""
+    rs = replicas(0, 0)
+    rs.set_members({"prefill-1": 0})
+    probe = ProbeAnswers()
+
+    async def run() -> tuple[bool, bool]:
+        health = ReplicaHealth(rs, probe, 0.01)
+        health.mark_down(0)
+        timed_out = await health.wait_any_up(0.05)
+        probe.up.set()
+        return timed_out, await health.wait_any_up(30)
+
+    assert asyncio.run(run()) == (False, True)
+    rs.set_members({"prefill-0": 0})  # no member at all: none is up
+
+    async def none_left() -> bool:
+        return await ReplicaHealth(rs, probe, 0.01).wait_any_up(0.05)
+
+    assert asyncio.run(none_left()) is False

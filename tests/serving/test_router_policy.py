@@ -43,3 +43,20 @@ def test_short_prompts_and_overloaded_homes_fall_back_to_load() -> None:
     rs.acquire(home, 500)  # the home is 500 tokens busier than the lightest: load wins
     assert prefill_order(rs, prompt, "prefix_affinity", 64, 100)[0] != home
     assert prefill_order(rs, prompt, "least_outstanding", 64, 100)[0] != home
+
+
+def test_the_set_follows_members_leaving_and_joining() -> None:
+    """Autoscaling: a replica whose deployment runs none leaves the choice (also as a
+    prefix-affinity home), one that runs one again joins; unnamed replicas keep state."""
+    rs = replicas(0, 10, 20)
+    rs.set_members({"prefill-0": 0, "prefill-2": 1})
+    assert rs.members() == [1, 2] and rs.by_load() == [1, 2]
+    prompt = next(
+        list(range(k, k + 64))
+        for k in range(1000)
+        if affinity_index(list(range(k, k + 64)), 64, 3) == 0
+    )
+    assert prefill_order(rs, prompt, "prefix_affinity", 64, 100) == [1, 2]
+    rs.set_members({"prefill-0": 1})
+    assert rs.by_load() == [0, 1, 2]
+    assert prefill_order(rs, prompt, "prefix_affinity", 64, 100)[0] == 0

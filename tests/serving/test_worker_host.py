@@ -538,3 +538,19 @@ def test_decode_prefix_reuse_off_pulls_every_page_every_time(
     colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
     assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
     assert holds_nothing(prefill.stats()) and holds_nothing(stats)
+
+
+def test_autoscaling_stats_follow_the_prefills_and_streams_run(
+    hosts: dict[str, EngineHost],
+) -> None:
+    """What each role reports to Serve's autoscaler (workers/autoscale_stats.py): after a
+    PD request, prefill holds no queued tokens and has measured its TTFT part and
+    throughput; decode has measured gaps between its chunks and reports its KV usage."""
+    chunks = asyncio.run(pd_generate(hosts, "autoscale"))
+    assert len(chunks) > 2
+    prefill = hosts["prefill"].autoscale.snapshot(hosts["prefill"].load())
+    assert prefill["queued_prompt_tokens"] == 0
+    assert prefill["ttft_p99_s"] > 0 and prefill["prefill_tokens_per_s"] > 0
+    decode = hosts["decode"].autoscale.snapshot(hosts["decode"].load())
+    assert decode["itl_p99_s"] > 0
+    assert 0 <= decode["kv_usage"] <= 1 and decode["running"] == 0
