@@ -94,7 +94,8 @@ def rebalance(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Move every MoE layer's stacked tensors ``stacks[i]`` (row ``i``) from ``old`` [L, P]
-    (-1: empty slot) to ``new``, then switch the map. Every rank of the EP group calls it between steps."""
+    (-1: empty slot) to ``new``, then switch the map. Every rank of the EP group calls it
+    between steps."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(stacks) != new.phy2log.shape[0] or old.shape != new.phy2log.shape:
         raise ValueError(
