@@ -158,3 +158,14 @@ def test_cli_refusal_exits_2_with_the_numbers() -> None:
     assert out.returncode == 2
     assert "does not fit" in out.stderr and "88.4 GB" in out.stderr and "68.0 GB" in out.stderr
     assert "does not fit" in out.stdout  # the table is still printed
+
+
+def test_eplb_redundant_slots_are_counted() -> None:
+    """32 redundant experts at EP8: 4 more slots per rank on 58 MoE layers (+ NextN's)."""
+    base = plan(V3, dp_ep(8), gpu_memory_gb=141).worst.weight_bytes
+    eplb = dp_ep(8).model_copy(update={"ep_num_redundant_experts": 32})
+    more = plan(V3, eplb, gpu_memory_gb=141).worst.weight_bytes
+    expert = 3 * 7168 * 2048 + 4 * (2 * 56 * 16 + 16 * 56)  # e4m3 + block scales
+    assert more["routed_experts"] - base["routed_experts"] == 4 * 58 * expert
+    assert more["nextn"] - base["nextn"] == 4 * expert
+    assert more["routed_experts"] / GB == pytest.approx(92.2, abs=0.1)
