@@ -13,7 +13,7 @@ from dsv3serve.eplb.expert_map import ExpertMap
 from dsv3serve.eplb.placement import Placement, default_placement, place
 from dsv3serve.eplb.rebalance import loaded_phy2log, rebalance
 from dsv3serve.eplb.state import EplbState, moe_layer_count
-from dsv3serve.eplb.stats import ExpertLoad, dump, load_dump
+from dsv3serve.eplb.stats import ExpertLoad, dump, hot_ratio, load_dump
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsv3serve.parallel.config import ParallelConfig, uses_eplb
 from dsv3serve.parallel.shard import RankLayout
@@ -57,6 +57,7 @@ class EplbRuntime:
         self.state, self.parallel, self.cfg = state, parallel, cfg
         self.steps = 0
         self.rebalances = 0
+        self.hot_ratios: list[float] = []  # per MoE layer, the last window's (the metric)
 
     def fill(self, model: DeepseekV3ForCausalLM) -> None:
         """Move the loaded block layout's experts into the initial placement."""
@@ -85,6 +86,7 @@ class EplbRuntime:
     def rebalance_now(self, model: DeepseekV3ForCausalLM) -> None:
         """Place by the group's counts since the last rebalance, move, switch (collective)."""
         counts = self.global_counts()
+        self.hot_ratios = hot_ratio(counts)
         p = self.state.expert_map.placement
         new = place(counts.double(), p.num_physical, self.ep, self.cfg.n_group)
         rebalance(model.expert_stacks(), self.state, p.phy2log, new)

@@ -52,6 +52,7 @@ def test_eplb_engine_matches_the_single_rank_engine(
         assert runtime is not None
         if args.get("enable_eplb"):
             assert runtime.rebalances >= 2, runtime.steps
+            assert len(runtime.hot_ratios) == 4 and min(runtime.hot_ratios) >= 1.0
     assert tokens == reference
 
 
