@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from eplb_cases import EplbCase, eplb_worker, group_steps, reference
+from eplb_cases import EplbCase, deepep_worker, eplb_worker, group_steps, reference
 from shard_util import run_ranks
 
 from dsv3serve.eplb.placement import default_placement, place
@@ -71,3 +71,18 @@ def test_eplb_equals_single_rank(ep: int, tiny_bf16_dir: Path, tmp_path: Path) -
     run_ranks(ep, eplb_worker, todo, str(tmp_path))
     for case in todo:
         check(case, tmp_path)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_deepep_flat_and_masked_take_physical_ids(ep: int, tmp_path: Path) -> None:
+    """DeepEP (the fake over gloo; bf16) in normal and masked (decode) mode with 2 redundant
+    slots per rank: the same expert sums as the logical experts on one rank."""
+    phy2log = [random_valid(ep + 11, EXPERTS + 2 * ep)[0]]
+    run_ranks(ep, deepep_worker, ep, phy2log, str(tmp_path))
+    for rank in range(ep):
+        got = torch.load(tmp_path / f"deepep-rank{rank}.pt")
+        assert float(got["want"].float().abs().mean()) > 1e-3
+        for phase in ("prefill", "decode"):
+            torch.testing.assert_close(
+                got[phase].float(), got["want"].float(), atol=1e-4, rtol=1e-2, msg=phase
+            )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import fake_deep_ep
 import torch
 from model_utils import load_ours, make_attn
 from shard_util import GatherAllDispatcher, copy_shards_from_full, read_full_checkpoint
@@ -18,9 +19,12 @@ from dsv3serve.eplb.rebalance import loaded_phy2log, rebalance
 from dsv3serve.eplb.state import EplbState, moe_layer_count
 from dsv3serve.eplb.stats import ExpertLoad
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions, MoE
+from dsv3serve.moe.experts import random_experts
+from dsv3serve.moe.ref import TorchRefMoE
+from dsv3serve.moe.sharded import run_dispatched
 from dsv3serve.parallel.comm import GroupComm
 from dsv3serve.parallel.config import ParallelConfig
-from dsv3serve.parallel.dispatch import create_dispatcher
+from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
 from dsv3serve.parallel.shard import RankLayout
 
 
@@ -135,3 +139,35 @@ def _counting(route, counts: torch.Tensor):  # noqa: ANN001, ANN202 (wraps the b
         return weights, ids
 
     return wrapped
+
+
+def deepep_worker(rank: int, world: int, phy2log: list[list[int]], result_dir: str) -> None:
+    """One MoE layer through the DeepEP fake (flat and masked) with physical ids from the
+    map, vs the logical experts on one rank (bf16: DeepEP's payload)."""
+    experts, seed = 16, 5
+    torch.manual_seed(seed)
+    ex = random_experts(experts, 128, 64, False, torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(9 - 2 * rank, 128, generator=g.manual_seed(seed + rank)).bfloat16()
+    ids = torch.rand(x.shape[0], experts, generator=g).topk(4, 1).indices
+    w = torch.rand(x.shape[0], 4, generator=g)
+    placement = from_phy2log(torch.tensor(phy2log), experts)
+    slots = placement.num_physical // world
+    held = placement.phy2log[0, rank * slots : (rank + 1) * slots]
+    mine = random_experts(slots, 128, 64, False, torch.bfloat16, "cpu")
+    mine.w13.data.copy_(ex.w13[held])
+    mine.w2.data.copy_(ex.w2[held])
+    phys = ExpertMap(placement, world, rank, torch.device("cpu")).to_physical(0, ids)
+    parallel = ParallelConfig(
+        tp_size=world, dp_size=world, enable_dp_attention=True, ep_size=world,
+        moe_a2a_backend="deepep", deepep_mode="auto",
+    )  # fmt: skip
+    opts = DeepEPOptions(128, 16, module=fake_deep_ep.make_module())
+    d = create_dispatcher(parallel, placement.num_physical, rank, deepep=opts)
+    args = (TorchRefMoE(), x, w, phys, mine)
+    out = {
+        "prefill": run_dispatched(d, *args, decode=False),
+        "decode": run_dispatched(d, *args, decode=True),
+        "want": TorchRefMoE().forward(x, w, ids, ex),
+    }
+    torch.save(out, Path(result_dir) / f"deepep-rank{rank}.pt")
