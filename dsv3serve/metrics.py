@@ -309,6 +309,30 @@ class DispatchStatsCollector(Collector):
         yield nbytes
 
 
+class EplbHotRatioCollector(Collector):
+    """``dsv3serve:eplb_hot_expert_ratio`` (gauge, label ``layer``: the MoE layer's row,
+    bounded by the model's layer count): tokens of the busiest logical expert over the mean,
+    over the group's last EPLB window. ``read`` returns one float per MoE layer (empty before
+    the first rebalance; nothing is then exported)."""
+
+    def __init__(self, identity: Identity, read: Any) -> None:
+        self.labels = identity.labels()
+        self.read = read  # () -> list[float]
+
+    def collect(self) -> Iterator[Any]:
+        ratios = self.read()
+        if not ratios:
+            return
+        gauge = GaugeMetricFamily(
+            NS + "eplb_hot_expert_ratio",
+            "Busiest logical expert's routed tokens over the mean, per MoE layer.",
+            labels=[*self.labels, "layer"],
+        )
+        for layer, ratio in enumerate(ratios):
+            gauge.add_metric([*self.labels.values(), str(layer)], ratio)
+        yield gauge
+
+
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
     """Per-bucket counts (last: +Inf) -> Prometheus' cumulative ``(le, count)`` pairs."""
     bounds = [*(str(b) for b in DISPATCH_LATENCY_BUCKETS), "+Inf"]

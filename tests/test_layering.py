@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dsv3serve.tokenizer",),
     ("dsv3serve.parsers",),
     ("dsv3serve.kernels", "dsv3serve.kvcache"),
+    ("dsv3serve.eplb",),  # expert placement, the logical -> physical id map, load counts
     ("dsv3serve.parallel",),  # layouts, the shard rule, collectives, dispatch / combine
     ("dsv3serve.page_table", "dsv3serve.layers"),
     ("dsv3serve.forward_batch",),

@@ -115,7 +115,9 @@ class EngineHost:
         if self.group is not None:
             self.group.leader = attach_leader(self.engine)
         identity = Identity(cfg.role, replica or cfg.role, model or cfg.engine.model)
-        self.metrics = WorkerMetrics(identity, rank_state_readers(self.engine))
+        eplb = self.engine.runner.eplb
+        hot = list if eplb is None else (lambda: eplb.hot_ratios)
+        self.metrics = WorkerMetrics(identity, rank_state_readers(self.engine), hot)
         self.engine.metrics = self.metrics.m
         self.aengine = AsyncEngine(self.engine)
         self.connector = self._make_connector()

@@ -12,6 +12,7 @@ from dsv3serve.metrics import (
     DispatchStatsCollector,
     EngineState,
     EngineStateCollector,
+    EplbHotRatioCollector,
     Identity,
     Metrics,
 )
@@ -29,9 +30,13 @@ class WorkerMetrics:
     """
 
     def __init__(
-        self, identity: Identity, rank_states: Sequence[Callable[[], EngineState]]
+        self,
+        identity: Identity,
+        rank_states: Sequence[Callable[[], EngineState]],
+        eplb_hot: Callable[[], list[float]] = list,
     ) -> None:
-        """``rank_states``: one engine-state reader per DP rank (``dp_rank`` label)."""
+        """``rank_states``: one engine-state reader per DP rank (``dp_rank`` label);
+        ``eplb_hot``: the group's hot-expert ratio per MoE layer (empty without EPLB)."""
         self.m = Metrics(identity)
         for rank, read in enumerate(rank_states):
             self.m.registry.register(EngineStateCollector(identity, read, rank))
@@ -39,6 +44,7 @@ class WorkerMetrics:
         self.m.registry.register(
             DispatchStatsCollector(identity, lambda: process_snapshots() + self.group_dispatch)
         )
+        self.m.registry.register(EplbHotRatioCollector(identity, eplb_hot))
         self.pulled_pages = 0
         self.reused_pages = 0
         self.overlapped_pages = 0

@@ -70,6 +70,10 @@ class EngineConfig(BaseModel):
     enable_dp_lm_head: bool = False
     moe_a2a_backend: Literal["none", "deepep"] = "none"
     deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
+    enable_eplb: bool = False  # EPLB: docs/eplb.md
+    ep_num_redundant_experts: int = Field(0, ge=0)
+    init_expert_location: str | None = None
+    eplb_rebalance_num_iterations: int = Field(1000, ge=1)
     # speculative decoding with the checkpoint's NextN (MTP) layer as the draft
     speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None  # EAGLE: alias of NEXTN
     speculative_num_steps: int | None = Field(None, ge=1, description="draft steps per round")

@@ -121,6 +121,8 @@ def forward_local(
         return idle_logits(runner)
     finally:  # other forwards (speculative ones) set no phase: never leave decode on
         runner.set_step_phase(False)
+        if runner.eplb is not None:  # between steps, on every rank at the same step
+            runner.eplb.tick(runner.model)
 
 
 def gather_rows(rows: torch.Tensor, sizes: list[int], device: torch.device) -> Tensor | None:

@@ -15,6 +15,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.engine.compile import decode_model, warn_if_compile_unused
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
+from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.sequence import ScheduledItem
@@ -95,8 +96,11 @@ class ModelRunner:
         )
         with torch.device(self.device):
             p = self.parts
-            self.model = DeepseekV3ForCausalLM(model_cfg, opts, p.comm, p.dispatcher)
+            self.model = DeepseekV3ForCausalLM(model_cfg, opts, p.comm, p.dispatcher, p.eplb)
         load_weights(self.model, model_dir, cfg.load_format, self.parts.layout)
+        self.eplb = None if p.eplb is None else EplbRuntime(p.eplb, cfg.parallel, model_cfg)
+        if self.eplb is not None:
+            self.eplb.fill(self.model)
         self.future: FutureTokens | None = None  # overlap scheduler's placeholder tokens
         if cfg.overlap_schedule:
             self.future = FutureTokens(3 * cfg.max_running_requests + 1, self.device)

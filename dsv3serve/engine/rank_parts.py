@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.eplb_runtime import eplb_state
+from dsv3serve.eplb.state import EplbState
 from dsv3serve.parallel.comm import Comm, make_comm
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
@@ -26,11 +28,12 @@ from dsv3serve.plan.planner import plan
 
 @dataclass(frozen=True)
 class RankParts:
-    """This rank's layout (None: one rank), collectives and MoE dispatcher."""
+    """This rank's layout (None: one rank), collectives, MoE dispatcher and EPLB state."""
 
     layout: RankLayout | None = None
     comm: Comm | None = None
     dispatcher: Dispatcher | None = None
+    eplb: EplbState | None = None
 
     @property
     def in_group(self) -> bool:
@@ -74,13 +77,15 @@ def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:
     layout = RankLayout(cfg.parallel, rank)
     comm = make_comm()
     dispatcher = None
+    eplb = eplb_state(cfg.parallel, model_cfg, rank, torch.device(cfg.device))
     if cfg.enable_dp_attention and cfg.ep_size > 1:
-        dispatcher = create_dispatcher(
-            cfg.parallel, model_cfg.n_routed_experts, rank, deepep=_deepep_options(cfg, model_cfg)
-        )
+        # EPLB: the dispatchers see physical expert slots (logical ids are mapped before)
+        slots = model_cfg.n_routed_experts if eplb is None else eplb.num_physical
+        options = _deepep_options(cfg, model_cfg)
+        dispatcher = create_dispatcher(cfg.parallel, slots, rank, deepep=options)
         if isinstance(dispatcher, AllToAllDispatcher):  # graphed decode steps gather instead
             dispatcher = UniformGatherDispatcher(dispatcher, comm)
-    return RankParts(layout, comm, dispatcher)
+    return RankParts(layout, comm, dispatcher, eplb)
 
 
 def _deepep_options(cfg: EngineConfig, model_cfg: ModelConfig) -> DeepEPOptions:

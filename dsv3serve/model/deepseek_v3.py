@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.config import ModelConfig
+from dsv3serve.eplb.state import EplbState
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.kernels.mla_norm import mla_kernels_apply, qkv_a_rmsnorm
 from dsv3serve.kernels.norm_quant import NormQuantOut, add_rmsnorm_quant
@@ -163,8 +164,11 @@ class MoE(nn.Module):
         )
         slots = 1 if self._packs_shared(cfg, fp8) else 0
         held, inter = held_experts(cfg, prefix, opts.layout, fp8)
+        self.eplb = self.shard.eplb
+        self.eplb_row = 0 if self.eplb is None else self.eplb.row_of(prefix)
+        stack = len(held) if self.eplb is None else self.eplb.slots_per_rank
         self.experts = FusedExperts(
-            len(held), cfg.hidden_size, inter, fp8, opts.dtype, slots, held.start
+            stack, cfg.hidden_size, inter, fp8, opts.dtype, slots, held.start, len(held)
         )
         self.masks_ids = not self.shard.dispatches and len(held) < cfg.n_routed_experts
         experts_partial = self.masks_ids or inter < cfg.moe_intermediate_size
@@ -240,6 +244,8 @@ class MoE(nn.Module):
         if self.shard.dispatches:
             dispatcher = self.shard.dispatcher
             assert dispatcher is not None
+            if self.eplb is not None:  # logical -> physical ids, counted
+                ids = self.eplb.route(self.eplb_row, ids)
             return run_dispatched(dispatcher, self.backend, x, weights, ids, self.experts)
         if self.masks_ids:
             weights, ids = to_local_ids(weights, ids, self.experts.expert_ids)
@@ -517,13 +523,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         opts: ModelOptions | None = None,
         comm: Comm | None = None,
         dispatcher: Dispatcher | None = None,
+        eplb: EplbState | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.opts = cfg, opts or ModelOptions()
         dt, layout = self.opts.dtype, self.opts.layout
         if layout is not None:
             check_model(layout.parallel, cfg)
-        shard = Sharding(layout, comm or SingleRank(), dispatcher)
+        shard = Sharding(layout, comm or SingleRank(), dispatcher, eplb)
         self.shard = shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt)
         self.embed_tokens.weight.requires_grad_(False)
@@ -629,6 +636,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             if id(param) not in stacked:
                 targets[_ckpt_name(self.cfg, name)] = LoadTarget(param)
         return targets
+
+    def expert_stacks(self) -> list[list[torch.Tensor]]:
+        """Each MoE layer's stacked expert tensors, by EPLB row (what rebalancing moves)."""
+        moes = sorted((m for m in self.modules() if isinstance(m, MoE)), key=lambda m: m.eplb_row)
+        return [m.experts.slot_tensors() for m in moes]
 
     def not_held_checkpoint_names(self) -> frozenset[str]:
         """Checkpoint tensors that belong to other ranks (routed experts outside this rank's

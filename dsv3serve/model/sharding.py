@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from dsv3serve.config import ModelConfig
+from dsv3serve.eplb.state import EplbState
 from dsv3serve.layers.linear import Linear
 from dsv3serve.layers.parallel_linear import is_row_parallel, sharded_linear
 from dsv3serve.parallel.comm import Comm, SingleRank
@@ -18,11 +19,13 @@ from dsv3serve.parallel.shard import RankLayout
 @dataclass(frozen=True)
 class Sharding:
     """``layout`` (None: one rank, every tensor whole), the group's collectives and, for DP
-    attention with expert parallelism, the dispatcher the MoE layers send tokens through."""
+    attention with expert parallelism, the dispatcher the MoE layers send tokens through;
+    ``eplb`` (dispatching layouts only): the logical -> physical expert map and load counts."""
 
     layout: RankLayout | None = None
     comm: Comm = field(default_factory=SingleRank)
     dispatcher: Dispatcher | None = None
+    eplb: EplbState | None = None
 
     @property
     def world_size(self) -> int:
@@ -56,6 +59,8 @@ class Sharding:
             raise LayoutError(f"layout rank {self.layout.rank} but comm rank {self.comm.rank}")
         if self.dispatches:
             self._check_dispatcher(cfg)
+        elif self.eplb is not None:
+            raise LayoutError("EPLB needs DP attention with ep_size > 1 (expert dispatch)")
 
     def _check_dispatcher(self, cfg: ModelConfig) -> None:
         assert self.layout is not None
@@ -65,7 +70,8 @@ class Sharding:
                 f"DP attention with ep_size {ep} sends tokens to their experts through a "
                 "Dispatcher; none was given"
             )
-        want = cfg.n_routed_experts // ep
+        experts = cfg.n_routed_experts if self.eplb is None else self.eplb.num_physical
+        want = experts // ep
         if self.dispatcher.num_local_experts != want:
             raise LayoutError(
                 f"expected a dispatcher with {want} local experts, "

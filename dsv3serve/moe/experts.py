@@ -41,7 +41,9 @@ class FusedExperts(nn.Module):
     parallelism): global experts ``first_expert .. first_expert + num_experts - 1`` in slots
     ``0 .. num_experts - 1``. ``inter`` is the intermediate size held (``I / moe_tp`` when each
     expert is split over ranks). ``shared_slots`` (0 or 1) adds the shared expert's slot at
-    index ``num_experts``.
+    index ``num_experts``. ``checkpoint_experts`` (None: ``num_experts``): how many leading
+    slots the checkpoint fills; the rest are EPLB's redundant slots, filled by moving weights
+    between ranks (:mod:`dsv3serve.eplb.rebalance`).
     """
 
     def __init__(
@@ -53,10 +55,12 @@ class FusedExperts(nn.Module):
         dtype: torch.dtype,
         shared_slots: int = 0,
         first_expert: int = 0,
+        checkpoint_experts: int | None = None,
     ):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.shared_slots, self.first_expert = shared_slots, first_expert
+        self.checkpoint_experts = num_experts if checkpoint_experts is None else checkpoint_experts
         slots = num_experts + shared_slots
         wdtype = FP8_DTYPE if fp8 else dtype
         self.w13 = _param((slots, 2 * inter, hidden), wdtype)
@@ -90,8 +94,13 @@ class FusedExperts(nn.Module):
 
     @property
     def expert_ids(self) -> range:
-        """The global ids of the routed experts in the stack, in slot order."""
-        return range(self.first_expert, self.first_expert + self.num_experts)
+        """The global ids of the routed experts the checkpoint fills, in slot order."""
+        return range(self.first_expert, self.first_expert + self.checkpoint_experts)
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The stacked tensors (weights, then scales), each [slots, ...]."""
+        ts = [self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv]
+        return [t.data for t in ts if t is not None]
 
     def checkpoint_targets(self, prefix: str) -> dict[str, LoadTarget]:
         """Map ``{prefix}.{g}.{gate,up,down}_proj.weight[_scale_inv]`` of each held global

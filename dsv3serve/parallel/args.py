@@ -17,6 +17,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-dp-lm-head", action="store_true")
     p.add_argument("--moe-a2a-backend", default="none", choices=["none", "deepep"])
     p.add_argument("--deepep-mode", default="auto", choices=["auto", "normal", "low_latency"])
+    p.add_argument("--enable-eplb", action="store_true", help="rebalance experts while serving")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0, help="extra expert slots")
+    p.add_argument("--init-expert-location", default=None, help="expert-load dump to place by")
+    p.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000)
 
 
 def layout_from_args(args: argparse.Namespace) -> ParallelConfig:

@@ -40,6 +40,11 @@ class ParallelConfig(BaseModel):
     enable_dp_lm_head: bool = False
     moe_a2a_backend: A2ABackend = "none"
     deepep_mode: DeepEPMode = "auto"
+    # EPLB (SGLang's names; docs/eplb.md): logical experts over physical slots
+    enable_eplb: bool = False
+    ep_num_redundant_experts: int = Field(0, ge=0, description="extra expert slots per layer")
+    init_expert_location: str | None = Field(None, description="expert-load dump to place by")
+    eplb_rebalance_num_iterations: int = Field(1000, ge=1, description="steps per rebalance")
 
     @property
     def world_size(self) -> int:
@@ -75,7 +80,7 @@ class ParallelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
-        for check in (_check_dp, _check_ep, _check_dense, _check_a2a):
+        for check in (_check_dp, _check_ep, _check_dense, _check_a2a, _check_eplb):
             check(self)
         return self
 
@@ -125,4 +130,23 @@ def _check_a2a(p: ParallelConfig) -> None:
         raise LayoutError(
             f"deepep_mode {p.deepep_mode!r} is only used with moe_a2a_backend 'deepep', "
             f"found moe_a2a_backend {p.moe_a2a_backend!r}"
+        )
+
+
+def uses_eplb(p: ParallelConfig) -> bool:
+    """Whether MoE layers route through logical -> physical expert ids (docs/eplb.md)."""
+    return p.enable_eplb or p.ep_num_redundant_experts > 0 or p.init_expert_location is not None
+
+
+def _check_eplb(p: ParallelConfig) -> None:
+    if uses_eplb(p) and not (p.enable_dp_attention and p.ep_size > 1):
+        raise LayoutError(
+            "enable_eplb / ep_num_redundant_experts / init_expert_location need DP attention "
+            f"with ep_size > 1 (experts reached by dispatch), found ep_size {p.ep_size} and "
+            f"enable_dp_attention {p.enable_dp_attention}"
+        )
+    if p.ep_num_redundant_experts % p.ep_size:
+        raise LayoutError(
+            f"ep_num_redundant_experts {p.ep_num_redundant_experts} must be a multiple of "
+            f"ep_size {p.ep_size} (every rank holds as many slots)"
         )

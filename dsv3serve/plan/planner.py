@@ -205,11 +205,27 @@ def kind_of(name: str, num_hidden_layers: int) -> str:
 def rank_plan(
     infos: dict[str, TensorInfo], layout: RankLayout, cfg: ModelConfig, skip: tuple[str, ...]
 ) -> RankPlan:
-    """Bytes of what ``layout.rank`` loads, by kind, plus its absorbed MLA weights."""
+    """Bytes of what ``layout.rank`` loads, by kind, plus its absorbed MLA weights and its
+    EPLB redundant expert slots (``ep_num_redundant_experts / ep_size`` per MoE layer)."""
     by_kind: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
     for t in local_tensors(infos, layout, cfg.n_routed_experts, skip):
         by_kind[kind_of(t.name, cfg.num_hidden_layers)] += t.nbytes
+    by_kind.update(redundant_expert_bytes(infos, cfg, layout.parallel))
     return RankPlan(layout.rank, dict(by_kind), absorbed_mla_bytes(cfg, layout.parallel))
+
+
+def redundant_expert_bytes(
+    infos: dict[str, TensorInfo], cfg: ModelConfig, parallel: ParallelConfig
+) -> Counter[str]:
+    """Bytes of one rank's redundant expert slots, by kind: each MoE layer's expert 0
+    tensors (every expert has the same) times the slots per rank."""
+    slots = parallel.ep_num_redundant_experts // parallel.ep_size
+    out: Counter[str] = Counter()
+    for name, info in infos.items():
+        if slots and ".mlp.experts.0." in name:
+            numel = torch.Size(info.shape).numel()
+            out[kind_of(name, cfg.num_hidden_layers)] += slots * numel * info.itemsize
+    return out
 
 
 def absorbed_mla_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> int:

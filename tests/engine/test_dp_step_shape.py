@@ -99,6 +99,7 @@ class RecordingRunnerFake:
     def __init__(self) -> None:
         self.phases: list[bool] = []
         self.graphs = None
+        self.eplb = None  # no EPLB: forward_local ticks nothing
         self.dtype, self.device = torch.float32, torch.device("cpu")
         self.model = SimpleNamespace(
             cfg=SimpleNamespace(hidden_size=4),

@@ -178,3 +178,14 @@ def test_cli_reports_the_host_tier_and_refuses_sizes_without_it() -> None:
     assert "host tier (hierarchical cache): 200.00 GB host memory per rank" in out.stdout
     refused = _cli(*base, "--hicache-ratio", "2")
     assert refused.returncode == 2 and "add --enable-hierarchical-cache" in refused.stderr
+
+
+def test_eplb_redundant_slots_are_counted() -> None:
+    """32 redundant experts at EP8: 4 more slots per rank on 58 MoE layers (+ NextN's)."""
+    base = plan(V3, dp_ep(8), gpu_memory_gb=141).worst.weight_bytes
+    eplb = dp_ep(8).model_copy(update={"ep_num_redundant_experts": 32})
+    more = plan(V3, eplb, gpu_memory_gb=141).worst.weight_bytes
+    expert = 3 * 7168 * 2048 + 4 * (2 * 56 * 16 + 16 * 56)  # e4m3 + block scales
+    assert more["routed_experts"] - base["routed_experts"] == 4 * 58 * expert
+    assert more["nextn"] - base["nextn"] == 4 * expert
+    assert more["routed_experts"] / GB == pytest.approx(92.2, abs=0.1)
