@@ -72,7 +72,19 @@ class RouterSettings(BaseModel):
     )
     prefix_affinity_pages: int = Field(4, ge=1)
     affinity_imbalance_tokens: int = Field(32768, ge=0)
-    prefill_timeout_s: float = Field(30.0, gt=0)
+    prefill_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="ceiling of one prefill try, queue time included; below it a try is "
+        "given up only when its replica stalls (prefill_stall_timeout_s)",
+    )
+    prefill_stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a prefill try is given up when its replica does not answer a progress "
+        "check within this, or its engine neither finished nor ran a step over this long "
+        "(router/prefill_watch.py); a busy replica (a long prompt ahead) is not stalled",
+    )
     max_prefill_attempts: int = Field(2, ge=1)
     prefill_retry_wait_s: float = Field(
         30.0,

@@ -45,6 +45,7 @@ from router.fan_out import fan_out
 from router.migration import DecodeLost, Migrator
 from router.overlap import RangeForwarder, consume_prefill
 from router.policy import ReplicaSet
+from router.prefill_watch import until_stalled
 from router.rank_routing import PDTargets, Target
 from router.relay import relay
 from router.replica_health import ReplicaHealth
@@ -59,6 +60,7 @@ from workers.protocol import (
     ReserveResult,
     TokenChunk,
     WorkerLoad,
+    WorkerProgress,
     encode,
 )
 from workers.protocol import decode as parse
@@ -237,12 +239,15 @@ class PDBackend:
         the result, the replica and the attempt id its KV is staged under (all prompt
         pages but the first ``skip_pages``; with overlap, those after its ranges, which
         decode replica ``d`` pulled while it ran or pulls at the handoff)."""
-        deadline = time.monotonic() + self.settings.prefill_retry_wait_s
+        deadline: float | None = None  # the wait starts when a try finds no replica up
         failures: list[str] = []
         tried: list[int] = []
         for attempt in range(self.settings.max_prefill_attempts):
             p, rank = self._next_prefill(req, tried)
-            if not await self.prefill_health.wait_up(p, deadline - time.monotonic()):
+            if deadline is None and p in self.prefill.down:
+                deadline = time.monotonic() + self.settings.prefill_retry_wait_s
+            wait_s = 0.0 if deadline is None else deadline - time.monotonic()
+            if not await self.prefill_health.wait_up(p, wait_s):
                 failures.append(f"{self.prefill.names[p]}: not back within prefill_retry_wait_s")
                 break
             attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
@@ -321,7 +326,12 @@ class PDBackend:
             response = handle.options(stream=True).prefill_stream.remote(msg)
             work = consume_prefill(response, forwarder)
         try:
-            raw = await asyncio.wait_for(work, self.settings.prefill_timeout_s)
+            raw = await until_stalled(
+                work,
+                lambda: _progress(handle),
+                self.settings.prefill_stall_timeout_s,
+                self.settings.prefill_timeout_s,
+            )
         except BaseException:
             response.cancel()  # aborts the prefill on the replica if it is still there
             raise
@@ -403,6 +413,10 @@ def _failure(exc: Exception) -> str:
     if isinstance(exc, TimeoutError):
         return f"timed out ({exc})"
     return type(exc).__name__  # the replica died or its call failed
+
+
+async def _progress(handle: Any) -> WorkerProgress:
+    return parse(WorkerProgress, await handle.progress.remote())
 
 
 async def _await(response: Any) -> Any:

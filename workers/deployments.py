@@ -65,6 +65,10 @@ class EngineWorker:
     async def load(self) -> bytes:
         return encode(await asyncio.to_thread(self.host.load))  # off the loop: see read()
 
+    async def progress(self) -> bytes:
+        """WorkerProgress, answered on the event loop (no engine lock)."""
+        return encode(self.host.progress())
+
     async def stats(self) -> bytes:
         return encode(await asyncio.to_thread(self.host.stats))
 

@@ -41,6 +41,7 @@ from workers.protocol import (
     TokenChunk,
     WorkerInfo,
     WorkerLoad,
+    WorkerProgress,
     WorkerStats,
     error_chunk,
 )
@@ -201,6 +202,12 @@ class EngineHost:
             )
 
         return self.aengine.call(read)
+
+    def progress(self) -> WorkerProgress:
+        """Steps finished and whether one runs now; never waits for the engine lock (a
+        router tells a busy replica from an unresponsive one by it)."""
+        self.check_health()
+        return WorkerProgress(steps=self.aengine.steps_done, stepping=self.aengine.stepping)
 
     def stats(self) -> WorkerStats:
         def read(e: Engine) -> WorkerStats:
