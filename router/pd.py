@@ -3,14 +3,17 @@
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
 1. reserve pages on a decode (replica, DP rank) chosen by policy (``router.rank_routing``);
-   no room anywhere within ``reserve_wait_s`` is a 429. The decode replica locks the
+   no room anywhere within ``reserve_wait_s`` is a 429; every replica failing waits for
+   one to come back (``decode_migration_wait_s``), then 503. The decode replica locks the
    prompt's prefix its own cache holds and reserves pages for the rest only; the prefill
    side is told to stage only those (``skip_pages``);
-2. prefill on a prefill (replica, DP rank) chosen by policy; a replica that dies or times
-   out is marked down (tried last until it answers again) and the request is retried, on
-   another replica when one is up, up to ``max_prefill_attempts``, else 503; with no
-   replica up it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has
-   its own attempt id: the release of a failed try names it, and never touches a later try;
+2. prefill on a prefill (replica, DP rank) chosen by policy; a replica that dies or
+   stalls (``router.prefill_watch``) is marked down (tried last until it answers again)
+   and the request is retried, on another replica when one is up, up to
+   ``max_prefill_attempts``, else 503; with no replica up it waits at most
+   ``prefill_retry_wait_s`` (from when a try finds none up) for one to come back. Each try
+   has its own attempt id: the release of a failed try names it, and never touches a
+   later try;
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
@@ -202,7 +205,11 @@ class PDBackend:
     async def _reserve_until(self, msg: ReserveRequest, deadline: float) -> tuple[int, int, int]:
         """Full replicas are retried until ``deadline`` (then 429); when every replica
         failed (dead, or its engine died) it is a 503 at once, not a wait for room. A
-        replica is asked once per round (a full one fell back to its other ranks)."""
+        replica is asked once per round (a full one fell back to its other ranks). When
+        every replica failed (dead, or its engine died) they are marked down and the
+        reservation waits for one to come back, as a migration does, at most
+        ``decode_migration_wait_s`` in all; then it is a 503."""
+        wait_until: float | None = None
         while True:
             failures: list[str] = []
             asked: set[int] = set()
@@ -219,6 +226,7 @@ class PDBackend:
                     raise
                 except Exception as exc:  # a dead decode replica: try the next
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
+                    self.decode_health.mark_down(d)
                     continue
                 finally:
                     self.decode_ranks.release(d, rank, ended=False)
@@ -227,7 +235,13 @@ class PDBackend:
                     self.decode_ranks.acquire(d, reserved.dp_rank)
                     return d, reserved.dp_rank, reserved.cached_pages
             if len(failures) == len(self.decode.handles):
-                raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
+                wait_until = wait_until or time.monotonic() + self.settings.decode_migration_wait_s
+                if await self.decode_health.wait_any_up(wait_until - time.monotonic()):
+                    continue
+                raise BackendUnavailable(
+                    "no decode replica answered within router.decode_migration_wait_s: "
+                    + "; ".join(failures)
+                )
             if time.monotonic() >= deadline:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
             await asyncio.sleep(RESERVE_RETRY_S)

@@ -283,3 +283,19 @@ def test_killed_decode_replica_migrates_every_stream_with_the_same_text(app_url:
             assert router_metric(metrics_url, failures, reason=reason) == 0
         for worker in ("prefill-0", "decode-0"):
             assert wait_until(lambda w=worker: holds_nothing(worker_stats(MIGRATE_APP, w)), LEASE_S)
+
+
+def test_a_reservation_on_a_killed_decode_replica_waits_for_its_restart(app_url: str) -> None:
+    """The only decode replica is killed and a request arrives at once: its reservation
+    meets the dead replica and waits for Serve's restart (router.decode_migration_wait_s),
+    as a migration does, then succeeds; nothing is left on any replica."""
+    base = app_url.removesuffix(f"/{APP}")
+    cfg = serving_config(mode="pd", kv_lease_s=LEASE_S, router={"served_model_name": "tiny"})
+    with running_app(base, "reserve-loss", cfg) as url:
+        expected = greedy_stream(url, 0)
+        ray.kill(replica_actor("reserve-loss", "decode-0"), no_restart=True)
+        assert greedy_stream(url, 0) == expected
+        for worker in ("prefill-0", "decode-0"):
+            assert wait_until(
+                lambda w=worker: holds_nothing(worker_stats("reserve-loss", w)), LEASE_S
+            )
