@@ -168,6 +168,9 @@ class ServingConfig(BaseModel):
     test_receive_delay_s: float = Field(
         0.0, ge=0, description="fault injection, tests only: decode holds each KV pull this long"
     )
+    test_reserve_delay_s: float = Field(
+        0.0, ge=0, description="fault injection, tests only: decode holds each reserve this long"
+    )
     test_fail_range_pulls: int = Field(
         0, ge=0, description="fault injection, tests only: decode fails its first N range pulls"
     )
@@ -221,6 +224,7 @@ class ServingConfig(BaseModel):
             group_timeout_s=self.group_timeout_s,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
             test_receive_delay_s=self.test_receive_delay_s if role == "decode" else 0.0,
+            test_reserve_delay_s=self.test_reserve_delay_s if role == "decode" else 0.0,
             test_fail_range_pulls=self.test_fail_range_pulls if role == "decode" else 0,
         )
 

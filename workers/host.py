@@ -345,6 +345,8 @@ class EngineHost:
         """
         self._require("decode")
         self.check_health()  # a group with a dead rank takes no new work
+        if self.cfg.test_reserve_delay_s:
+            await asyncio.sleep(self.cfg.test_reserve_delay_s)
         reuse = self.cfg.decode_prefix_reuse
 
         def reserve_here(e: Engine) -> tuple[KVReservation | None, int | None]:
