@@ -111,7 +111,19 @@ class RouterSettings(BaseModel):
     )
     prefix_affinity_pages: int = Field(4, ge=1)
     affinity_imbalance_tokens: int = Field(32768, ge=0)
-    prefill_timeout_s: float = Field(30.0, gt=0)
+    prefill_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="ceiling of one prefill try, queue time included; below it a try is "
+        "given up only when its replica stalls (prefill_stall_timeout_s)",
+    )
+    prefill_stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a prefill try is given up when its replica does not answer a progress "
+        "check within this, or its engine neither finished nor ran a step over this long "
+        "(router/prefill_watch.py); a busy replica (a long prompt ahead) is not stalled",
+    )
     max_prefill_attempts: int = Field(2, ge=1)
     prefill_retry_wait_s: float = Field(
         30.0,
@@ -207,6 +219,9 @@ class ServingConfig(BaseModel):
     test_receive_delay_s: float = Field(
         0.0, ge=0, description="fault injection, tests only: decode holds each KV pull this long"
     )
+    test_reserve_delay_s: float = Field(
+        0.0, ge=0, description="fault injection, tests only: decode holds each reserve this long"
+    )
     test_fail_range_pulls: int = Field(
         0, ge=0, description="fault injection, tests only: decode fails its first N range pulls"
     )
@@ -261,6 +276,7 @@ class ServingConfig(BaseModel):
             group_timeout_s=self.group_timeout_s,
             test_prefill_delay_s=self.test_prefill_delay_s if role == "prefill" else 0.0,
             test_receive_delay_s=self.test_receive_delay_s if role == "decode" else 0.0,
+            test_reserve_delay_s=self.test_reserve_delay_s if role == "decode" else 0.0,
             test_fail_range_pulls=self.test_fail_range_pulls if role == "decode" else 0,
         )
 

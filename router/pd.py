@@ -3,14 +3,17 @@
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
 1. reserve pages on a decode (replica, DP rank) chosen by policy (``router.rank_routing``);
-   no room anywhere within ``reserve_wait_s`` is a 429. The decode replica locks the
+   no room anywhere within ``reserve_wait_s`` is a 429; every replica failing waits for
+   one to come back (``decode_migration_wait_s``), then 503. The decode replica locks the
    prompt's prefix its own cache holds and reserves pages for the rest only; the prefill
    side is told to stage only those (``skip_pages``);
-2. prefill on a prefill (replica, DP rank) chosen by policy; a replica that dies or times
-   out is marked down (tried last until it answers again) and the request is retried, on
-   another replica when one is up, up to ``max_prefill_attempts``, else 503; with no
-   replica up it waits at most ``prefill_retry_wait_s`` for one to come back. Each try has
-   its own attempt id: the release of a failed try names it, and never touches a later try;
+2. prefill on a prefill (replica, DP rank) chosen by policy; a replica that dies or
+   stalls (``router.prefill_watch``) is marked down (tried last until it answers again)
+   and the request is retried, on another replica when one is up, up to
+   ``max_prefill_attempts``, else 503; with no replica up it waits at most
+   ``prefill_retry_wait_s`` (from when a try finds none up) for one to come back. Each try
+   has its own attempt id: the release of a failed try names it, and never touches a
+   later try;
 3. the decode replica pulls the KV (the handle names the staged pages) and streams every
    output token, the first included; with MTP the prefill side's draft state rides along
    (opaque bytes here: the router imports no torch); the prefill side's staging is
@@ -45,6 +48,7 @@ from router.fan_out import fan_out
 from router.migration import DecodeLost, Migrator
 from router.overlap import RangeForwarder, consume_prefill
 from router.policy import ReplicaSet
+from router.prefill_watch import until_stalled
 from router.rank_routing import PDTargets, Target
 from router.relay import relay
 from router.replica_health import ReplicaHealth
@@ -59,6 +63,7 @@ from workers.protocol import (
     ReserveResult,
     TokenChunk,
     WorkerLoad,
+    WorkerProgress,
     encode,
 )
 from workers.protocol import decode as parse
@@ -200,7 +205,11 @@ class PDBackend:
     async def _reserve_until(self, msg: ReserveRequest, deadline: float) -> tuple[int, int, int]:
         """Full replicas are retried until ``deadline`` (then 429); when every replica
         failed (dead, or its engine died) it is a 503 at once, not a wait for room. A
-        replica is asked once per round (a full one fell back to its other ranks)."""
+        replica is asked once per round (a full one fell back to its other ranks). When
+        every replica failed (dead, or its engine died) they are marked down and the
+        reservation waits for one to come back, as a migration does, at most
+        ``decode_migration_wait_s`` in all; then it is a 503."""
+        wait_until: float | None = None
         while True:
             failures: list[str] = []
             asked: set[int] = set()
@@ -217,6 +226,7 @@ class PDBackend:
                     raise
                 except Exception as exc:  # a dead decode replica: try the next
                     failures.append(f"{self.decode.names[d]}: {type(exc).__name__}")
+                    self.decode_health.mark_down(d)
                     continue
                 finally:
                     self.decode_ranks.release(d, rank, ended=False)
@@ -225,7 +235,13 @@ class PDBackend:
                     self.decode_ranks.acquire(d, reserved.dp_rank)
                     return d, reserved.dp_rank, reserved.cached_pages
             if len(failures) == len(self.decode.members()):
-                raise BackendUnavailable("no decode replica answered: " + "; ".join(failures))
+                wait_until = wait_until or time.monotonic() + self.settings.decode_migration_wait_s
+                if await self.decode_health.wait_any_up(wait_until - time.monotonic()):
+                    continue
+                raise BackendUnavailable(
+                    "no decode replica answered within router.decode_migration_wait_s: "
+                    + "; ".join(failures)
+                )
             if time.monotonic() >= deadline:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
             await asyncio.sleep(RESERVE_RETRY_S)
@@ -237,12 +253,15 @@ class PDBackend:
         the result, the replica and the attempt id its KV is staged under (all prompt
         pages but the first ``skip_pages``; with overlap, those after its ranges, which
         decode replica ``d`` pulled while it ran or pulls at the handoff)."""
-        deadline = time.monotonic() + self.settings.prefill_retry_wait_s
+        deadline: float | None = None  # the wait starts when a try finds no replica up
         failures: list[str] = []
         tried: list[int] = []
         for attempt in range(self.settings.max_prefill_attempts):
             p, rank = self._next_prefill(req, tried)
-            if not await self.prefill_health.wait_up(p, deadline - time.monotonic()):
+            if deadline is None and p in self.prefill.down:
+                deadline = time.monotonic() + self.settings.prefill_retry_wait_s
+            wait_s = 0.0 if deadline is None else deadline - time.monotonic()
+            if not await self.prefill_health.wait_up(p, wait_s):
                 failures.append(f"{self.prefill.names[p]}: not back within prefill_retry_wait_s")
                 break
             attempt_id = f"{req.request_id}.p{attempt}.{uuid.uuid4().hex[:8]}"
@@ -321,7 +340,12 @@ class PDBackend:
             response = handle.options(stream=True).prefill_stream.remote(msg)
             work = consume_prefill(response, forwarder)
         try:
-            raw = await asyncio.wait_for(work, self.settings.prefill_timeout_s)
+            raw = await until_stalled(
+                work,
+                lambda: _progress(handle),
+                self.settings.prefill_stall_timeout_s,
+                self.settings.prefill_timeout_s,
+            )
         except BaseException:
             response.cancel()  # aborts the prefill on the replica if it is still there
             raise
@@ -405,6 +429,10 @@ def prefill_failure(exc: Exception, timeout_s: float) -> str:
         detail = f": {exc}" if str(exc) else ""
         return f"no prefill result within prefill_timeout_s ({timeout_s:g} s){detail}"
     return type(exc).__name__  # the replica died or its call failed
+
+
+async def _progress(handle: Any) -> WorkerProgress:
+    return parse(WorkerProgress, await handle.progress.remote())
 
 
 async def _await(response: Any) -> Any:

@@ -17,6 +17,7 @@ Helm chart sets it on the head pod, where the proxy runs.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from starlette.middleware import Middleware
@@ -32,6 +33,13 @@ STREAM_CUT_MESSAGE = (
     "the stream was cut before it finished: the server replica serving it stopped; "
     "retry the request"
 )
+ROUTER_LOST_CODE = "router_unavailable"
+ROUTER_LOST_MESSAGE = (
+    "the server replica handling the request stopped before answering; nothing was "
+    "generated; retry the request"
+)
+UNAVAILABLE = "service_unavailable"
+RETRY_AFTER_S = "1"
 _TAIL_BYTES = len(DONE) + 8
 logger = logging.getLogger(__name__)
 
@@ -119,14 +127,35 @@ class StreamEndGuard:
         try:
             await self.app(scope, watched_receive, watched_send)
         except Exception:
+            if not started and not stream.client_gone:
+                logger.warning("the router replica failed before answering; answering 503")
+                await _unavailable(send)
+                return
             if not (started and stream.cut(final=False)):
                 raise
             logger.exception("an event stream failed in the proxy; ending it with an error")
             await _finish(send, stream)
             return
+        if not started and not stream.client_gone:  # Serve's proxy would answer a plain 500
+            logger.warning("the router replica died before answering; answering 503")
+            await _unavailable(send)
+            return
         if started and stream.cut(final=False):
             logger.warning("an event stream ended without [DONE]; ending it with an error")
             await _finish(send, stream)
+
+
+async def _unavailable(send: Send) -> None:
+    """A 503 with an OpenAI error body and ``Retry-After``, for a request whose router
+    replica died before it started answering (nothing was generated: safe to retry)."""
+    body = json.dumps(error_body(ROUTER_LOST_MESSAGE, UNAVAILABLE, code=ROUTER_LOST_CODE))
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"retry-after", RETRY_AFTER_S.encode()),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body.encode(), "more_body": False})
 
 
 async def _finish(send: Send, stream: _EventStream) -> None:

@@ -33,6 +33,7 @@ class WorkerConfig(BaseModel):
     test_prefill_delay_s: float = Field(0.0, ge=0)
     # Fault injection for tests only (decode): hold each KV pull this long before copying.
     test_receive_delay_s: float = Field(0.0, ge=0)
+    test_reserve_delay_s: float = Field(0.0, ge=0)
     # Fault injection for tests only (decode): the first N KV range pulls (overlapped
     # transfer) fail as a broken transfer would.
     test_fail_range_pulls: int = Field(0, ge=0)

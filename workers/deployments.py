@@ -71,6 +71,10 @@ class EngineWorker:
         load = await asyncio.to_thread(self.host.load)
         return self.host.autoscale.snapshot(load)
 
+    async def progress(self) -> bytes:
+        """WorkerProgress, answered on the event loop (no engine lock)."""
+        return encode(self.host.progress())
+
     async def stats(self) -> bytes:
         return encode(await asyncio.to_thread(self.host.stats))
 

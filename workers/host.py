@@ -42,6 +42,7 @@ from workers.protocol import (
     TokenChunk,
     WorkerInfo,
     WorkerLoad,
+    WorkerProgress,
     WorkerStats,
     error_chunk,
 )
@@ -206,6 +207,12 @@ class EngineHost:
 
         return self.aengine.call(read)
 
+    def progress(self) -> WorkerProgress:
+        """Steps finished and whether one runs now; never waits for the engine lock (a
+        router tells a busy replica from an unresponsive one by it)."""
+        self.check_health()
+        return WorkerProgress(steps=self.aengine.steps_done, stepping=self.aengine.stepping)
+
     def stats(self) -> WorkerStats:
         def read(e: Engine) -> WorkerStats:
             kv = e.scheduler.kv
@@ -347,6 +354,8 @@ class EngineHost:
         """
         self._require("decode")
         self.check_health()  # a group with a dead rank takes no new work
+        if self.cfg.test_reserve_delay_s:
+            await asyncio.sleep(self.cfg.test_reserve_delay_s)
         reuse = self.cfg.decode_prefix_reuse
 
         def reserve_here(e: Engine) -> tuple[KVReservation | None, int | None]:

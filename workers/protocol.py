@@ -265,6 +265,14 @@ class WorkerLoad(_Msg):
     ranks: list[RankLoad] = []
 
 
+class WorkerProgress(_Msg):
+    """Whether a replica's engine is making progress, read without the engine lock: the
+    steps it finished since start and whether one runs now (a long prefill chunk)."""
+
+    steps: int
+    stepping: bool
+
+
 class WorkerInfo(_Msg):
     """Static facts about a replica's engine.
 

@@ -89,6 +89,7 @@ class AsyncEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._step_waiters: list[asyncio.Future[None]] = []
         self.dead: EngineDeadError | None = None
+        self.steps_done = 0  # steps finished since start: progress, read without the lock
 
     def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` under the engine lock, now (stats, exports, reservations)."""
@@ -304,6 +305,7 @@ class AsyncEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+                self.steps_done += 1
                 self._wake_step_waiters()
         except Exception as exc:  # noqa: BLE001 - every failure ends the engine the same way
             self._fail_all(exc)

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from router.proxy_middleware import STREAM_CUT_CODE, StreamEndGuard, proxy_middlewares
+from router.proxy_middleware import (
+    ROUTER_LOST_CODE,
+    STREAM_CUT_CODE,
+    StreamEndGuard,
+    proxy_middlewares,
+)
 from router.sse import DONE
 
 SSE_START: Message = {
@@ -113,11 +118,23 @@ def test_a_stream_whose_client_left_gets_nothing_more() -> None:
     assert run_guarded(FakeProxyApp(messages, reads=True)) == messages
 
 
-def test_other_responses_and_errors_before_the_head_pass_through() -> None:
+def test_other_responses_pass_through() -> None:
     messages = [JSON_START, body(b'{"ok": true', more=True)]
     assert run_guarded(FakeProxyApp(messages)) == messages  # not an event stream
-    with pytest.raises(RuntimeError):
-        run_guarded(FakeProxyApp([], RuntimeError("before the head")))
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("before the head")])
+def test_a_request_whose_router_died_before_the_head_gets_a_503_error_body(
+    error: Exception | None,
+) -> None:
+    # Serve's proxy sends nothing for a replica that died before answering (uvicorn would
+    # then answer a plain-text 500), or raises.
+    start, *bodies = run_guarded(FakeProxyApp([], error))
+    assert start["status"] == 503
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"application/json" and headers[b"retry-after"] == b"1"
+    payload = json.loads(b"".join(b["body"] for b in bodies))
+    assert payload["error"]["code"] == ROUTER_LOST_CODE and not bodies[-1]["more_body"]
 
 
 def test_the_proxy_callback_returns_starlette_middlewares() -> None:

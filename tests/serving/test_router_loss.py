@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import pytest
 import ray
 from serving_util import free_port_pair, local_serve, running_app, serving_config, wait_until
 
-from router.proxy_middleware import STREAM_CUT_CODE
+from router.proxy_middleware import ROUTER_LOST_CODE, STREAM_CUT_CODE
 
 APP = "router-loss"
 STREAM_TOKENS = 4000  # long enough to be mid-stream when its router is killed
@@ -93,3 +94,36 @@ def test_killed_router_ends_its_stream_with_an_error_and_the_other_serves(
     answers = [chat(url) for _ in range(5)]
     assert answers == [want] * 5, "a surviving router's answer differs from before the kill"
     assert wait_until(lambda: len(router_actors()) == 2, timeout_s=60)
+
+
+def test_killed_router_with_queued_requests_answers_json_503s_not_500s(
+    served: tuple[str, int],
+) -> None:
+    """Non-stream requests in flight on a router that is killed: each gets a 200 or a 503
+    with an OpenAI error body and Retry-After; none a 500 or a non-JSON body."""
+    url, _ = served
+    assert wait_until(lambda: len(router_actors()) == 2, timeout_s=60)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Count forever."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=300)
+            for _ in range(8)
+        ]
+        routers = router_actors()
+        busy = lambda: [r for r in routers if ray.get(r.get_num_ongoing_requests.remote()) > 0]  # noqa: E731
+        assert wait_until(lambda: bool(busy()), timeout_s=120)
+        ray.kill(busy()[0], no_restart=True)
+        replies = [f.result() for f in futures]
+    statuses = sorted(r.status_code for r in replies)
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+    for reply in replies:
+        payload = reply.json()  # every body is JSON
+        if reply.status_code == 503:
+            assert payload["error"]["code"] == ROUTER_LOST_CODE
+            assert reply.headers["retry-after"] == "1"

@@ -283,3 +283,27 @@ def test_killed_decode_replica_migrates_every_stream_with_the_same_text(app_url:
             assert router_metric(metrics_url, failures, reason=reason) == 0
         for worker in ("prefill-0", "decode-0"):
             assert wait_until(lambda w=worker: holds_nothing(worker_stats(MIGRATE_APP, w)), LEASE_S)
+
+
+def test_a_reservation_on_a_killed_decode_replica_waits_for_its_restart(app_url: str) -> None:
+    """The only decode replica is killed while a request's reservation runs on it (it
+    holds each reserve ``test_reserve_delay_s``): the reservation waits for Serve's restart
+    (router.decode_migration_wait_s), as a migration does, and the request succeeds;
+    nothing is left on any replica."""
+    base = app_url.removesuffix(f"/{APP}")
+    app = "reserve-loss"
+    cfg = serving_config(
+        mode="pd",
+        kv_lease_s=LEASE_S,
+        test_reserve_delay_s=DELAY_S,  # no load polls: a call in flight is the reserve
+        router={"served_model_name": "tiny", "policy": "least_outstanding"},
+    )
+    with running_app(base, app, cfg) as url, ThreadPoolExecutor(1) as pool:
+        expected = greedy_stream(url, 0)
+        decode = replica_actor(app, "decode-0")
+        reply = pool.submit(greedy_stream, url, 0)
+        assert wait_until(lambda: ray.get(decode.get_num_ongoing_requests.remote()) > 0, 60)
+        ray.kill(decode, no_restart=True)  # its reserve call is in flight
+        assert reply.result(timeout=300) == expected
+        for worker in ("prefill-0", "decode-0"):
+            assert wait_until(lambda w=worker: holds_nothing(worker_stats(app, w)), LEASE_S)
