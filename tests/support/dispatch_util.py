@@ -8,6 +8,7 @@ test then compares with the single-rank reference over all experts.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -107,10 +108,17 @@ def gloo_rank(rank: int, world: int, workdir: str) -> Iterator[Path]:
     torch.set_num_threads(1)
     root = Path(workdir)
     dist.init_process_group(
-        "gloo", init_method=f"file://{root / 'pg'}", rank=rank, world_size=world
+        "gloo",
+        init_method=f"file://{root / 'pg'}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
     )
     try:
         yield root
+        # no rank tears the group (and the store file under it) down while another still
+        # runs its last collective: under CI's load a rank died in std::terminate there
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
