@@ -20,6 +20,9 @@
 # PYTHONPATH (docs/perf/run_serve_gpu.sh does it). The image's torch, triton, numpy,
 # transformers, tokenizers, safetensors and huggingface-hub are used as they are.
 #   bash docs/perf/gpu_site.sh            # writes .whl/gpu-site.tar.xz
+#   ENGINE_ONLY=1 bash docs/perf/gpu_site.sh   # .whl/gpu-site-engine.tar.xz: what the offline
+#        engine (LLM, bench, GPU tests) imports, without Ray and the HTTP stack (~20 MB), so
+#        a DeepEP wheel fits beside it in one call
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PINS=(
@@ -43,6 +46,14 @@ PINS=(
   uvloop==0.23.0 virtualenv==21.15.11 watchfiles==1.3.0 websockets==17.4 wrapt==2.5.2
   xgrammar==0.2.9 yarl==1.25.1 flashinfer-python==0.6.18.post1
 )
+if [[ -n "${ENGINE_ONLY:-}" ]]; then
+  PINS=(
+    apache-tvm-ffi==0.1.15.post2 annotated-types==0.8.0 pydantic==2.14.4 pydantic-core==2.50.5
+    typing-extensions==4.16.0 typing-inspection==0.4.5 xgrammar==0.2.9 prometheus-client==0.23.1
+    flashinfer-python==0.6.18.post1
+  )
+fi
+NAME=gpu-site${ENGINE_ONLY:+-engine}
 PLAT=(--python-version 3.12 --implementation cp --only-binary=:all:
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
@@ -68,5 +79,5 @@ with zipfile.ZipFile(wheel) as zf:
 PY
 find "$WORK/site" -name __pycache__ -prune -exec rm -rf {} +
 mkdir -p .whl
-tar -C "$WORK/site" -cf - . | xz -T0 -9 > .whl/gpu-site.tar.xz
-ls -l .whl/gpu-site.tar.xz
+tar -C "$WORK/site" -cf - . | xz -T0 -9 > ".whl/$NAME.tar.xz"
+ls -l ".whl/$NAME.tar.xz"

@@ -11,6 +11,10 @@ and exits at once when its first row is at or past ``counts[e]`` -- the grid is 
 ``weight_scale_inv`` [E, N/128, K/128]), dequantised in registers and multiplied in float32
 (``BLOCK_K`` divides 128); otherwise weights and activations share a 16/32-bit dtype.
 Intermediate values are rounded to the output dtype where the torch reference rounds.
+
+Offsets are int64: ``e * stride`` of a full-width stack (128 local experts of w13
+[4096, 7168] e4m3) exceeds int32, which read out of bounds (an illegal memory access in
+DeepEP's low-latency path at DeepSeek-V3's width).
 """
 
 from __future__ import annotations
@@ -60,11 +64,14 @@ def _masked_gemm_body(
       with ``w`` = ``w13`` [E, 2N, K] (gate rows then up rows), both from one activation tile;
     * otherwise (down): ``out[e, m, n] = x[e, m] . w[e, n]`` with ``w`` = ``w2`` [E, N, K].
     """
-    e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # int64 before any stride product: at DeepSeek-V3's width one expert's w13 is 29.4 M
+    # bytes, so slot 74 of 128 local experts (EP2) is past 2**31 in int32 pointer math
+    e = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = tl.program_id(1), tl.program_id(2)
     valid = tl.load(counts_ptr + e)
     if pid_m * BLOCK_M >= valid:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < valid
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N

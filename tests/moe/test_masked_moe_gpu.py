@@ -1,7 +1,6 @@
 """The masked grouped MoE (DeepEP low-latency layout) on the GPU, against its torch reference.
 
-Skipped without CUDA (conftest). NOT RUN YET on a GPU (written with the CPU interpreter test,
-``test_masked_moe_interp.py``, which passes). Padding rows are NaN and ``out`` starts as a
+Skipped without CUDA (conftest). Padding rows are NaN and ``out`` starts as a
 sentinel: valid rows must be finite and equal the reference, padding rows of ``out`` stay
 the sentinel.
 
@@ -66,3 +65,17 @@ def test_masked_moe_replays_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     _check(out, masked_moe_ref(x, c, stack), c)
+
+
+def test_masked_moe_full_width_ep2_slots() -> None:
+    """DeepEP's low-latency layout at EP2 of DeepSeek-V3: 128 local experts of w13
+    [4096, 7168] e4m3 (3.8 GB), tokens on slots past the int32 offset of slot 74. Int32
+    offsets made this an illegal memory access (issue 28)."""
+    counts = [0] * 128
+    for slot, n in ((0, 3), (73, 5), (74, 7), (100, 2), (127, 11)):
+        counts[slot] = n
+    stack, x, c = _case(True, counts, 16, 7168, 2048, seed=28)
+    out = torch.full_like(x, SENTINEL)
+    got = masked_moe_triton(x, c, stack, out=out)
+    torch.cuda.synchronize()
+    _check(got, masked_moe_ref(x, c, stack), c)

@@ -88,3 +88,37 @@ def test_masked_moe_refuses_wrong_shapes() -> None:
         masked_moe_triton(x, torch.zeros(3, dtype=torch.int32), stack)
     with pytest.raises(ValueError, match=r"expected counts \[2\] int32"):
         masked_moe_triton(x[:2], torch.zeros(2, dtype=torch.int64), stack)
+
+
+def _far_slot_stack(slots: int, h: int, inter: int, g: torch.Generator):
+    """An e4m3 stack of ``slots`` experts whose last slot alone is filled: ``torch.empty``
+    leaves the other slots' pages unallocated."""
+    from dsv3serve.kernels.fp8_ref import FP8_DTYPE
+    from dsv3serve.moe.experts import ExpertStack
+
+    w13 = torch.empty((slots, 2 * inter, h), dtype=FP8_DTYPE)
+    w2 = torch.empty((slots, h, inter), dtype=FP8_DTYPE)
+    w13[-1] = torch.randn(2 * inter, h, generator=g).to(FP8_DTYPE)
+    w2[-1] = torch.randn(h, inter, generator=g).to(FP8_DTYPE)
+    s13 = torch.full((slots, 2 * inter // 128, h // 128), 0.02)
+    s2 = torch.full((slots, h // 128, inter // 128), 0.02)
+    return ExpertStack(w13, w2, s13, s2)
+
+
+def test_masked_moe_addresses_slots_past_int32_offsets() -> None:
+    """The last slot's w13 starts past 2**31 bytes: int32 offsets read (or fault) elsewhere.
+    At DeepSeek-V3's width (w13 [4096, 7168] e4m3, 29.4 M bytes per expert) that is slot 74
+    and up, and DeepEP's low-latency layout at EP2 holds 128 slots (the GPU test runs that
+    width; here a narrower expert with more slots keeps the interpreter fast)."""
+    g = torch.Generator().manual_seed(SEED)
+    h, inter, slots = 1024, 1024, 1026
+    assert (slots - 1) * 2 * inter * h > 2**31
+    stack = _far_slot_stack(slots, h, inter, g)
+    counts = torch.zeros(slots, dtype=torch.int32)
+    counts[-1] = 2
+    x = torch.zeros(slots, 2, h, dtype=torch.bfloat16)
+    x[-1] = torch.randn(2, h, generator=g).bfloat16()
+    got = masked_moe_triton(x, counts, stack)[-1]
+    last = stack._replace(**{k: v[-1:] for k, v in stack._asdict().items()})
+    want = masked_moe_ref(x[-1:], counts[-1:], last)[0]
+    assert _rel_err(got, want) < RTOL[torch.bfloat16], f"seed {SEED}"

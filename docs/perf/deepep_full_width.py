@@ -1,0 +1,353 @@
+"""DeepEP at DeepSeek-V3's width in a DP2 + EP2 group (issue 28): greedy tokens against the
+gather dispatcher's, and decode / prefill throughput per GPU against the rank's roofline.
+
+    python docs/perf/deepep_full_width.py run OUT_DIR CONFIG [--layers 12] [--per-rank 16 64 256]
+    python docs/perf/deepep_full_width.py report OUT_DIR  # table, OUT_DIR/deepep_full_width.json
+
+One ``run`` builds one group (``LLM``: it spawns the ranks, NCCL) of full-width DeepSeek-V3
+(hidden 7168, 256 experts, top-8, dummy FP8 weights, the first ``--layers`` layers, seed 0 on
+every run, so every config holds the same weights) with CONFIG's dispatcher, then:
+
+* greedy: ``GREEDY_PROMPTS`` seeded random prompts, all submitted at once, ``GREEDY_TOKENS``
+  tokens each with their top log-probabilities; the ``gather`` config also runs them one
+  at a time (another batching of the same engine: its own spread, measured in the run);
+* decode: for each per-rank batch, ``2 * per_rank`` prompts of ``--ctx`` tokens, then
+  ``--steps`` timed engine steps (median step time, tok/s per GPU);
+* prefill: ``--prefill-per-rank`` prompts of ``--prefill-len`` tokens per rank, timed from
+  submission to every first token (tok/s per GPU);
+* the ceiling: device-to-device copy bandwidth on this GPU, and the rank's bytes per decode
+  step (its parameters + the batch's KV, read once), so each step time is also a ratio to
+  the rank's roofline.
+
+``report`` merges every ``CONFIG.json`` of OUT_DIR: DeepEP's tokens against gather's
+(equal, or parting only where gather's own top-2 margin is within its measured spread), and
+the throughput table. ``--device cpu`` runs the plumbing on the tiny checkpoint over gloo
+(the ``gather`` config only: DeepEP needs GPUs); its numbers are not results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv3serve.bench.greedy_compare import first_difference, spread
+from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.llm import LLM
+from dsv3serve.engine.request import Request
+from dsv3serve.engine.sampling_params import SamplingParams
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gather": {"moe_a2a_backend": "none"},  # decode: uniform gather (graphs); prefill: a2a
+    "deepep-auto": {"moe_a2a_backend": "deepep", "deepep_mode": "auto"},
+    "deepep-auto-eager": {
+        "moe_a2a_backend": "deepep",
+        "deepep_mode": "auto",
+        "disable_cuda_graph": True,
+    },
+    "deepep-low-latency": {"moe_a2a_backend": "deepep", "deepep_mode": "low_latency"},
+    "deepep-normal": {"moe_a2a_backend": "deepep", "deepep_mode": "normal"},  # eager
+}
+GREEDY_PROMPTS, GREEDY_TOKENS, TOP = 16, 32, 5
+VOCAB_LOW, VOCAB_HIGH = 2, 120_000
+
+
+def engine_config(args: argparse.Namespace, name: str) -> EngineConfig:
+    most = max(args.per_rank)
+    tokens = most * (args.ctx + args.steps + 64) + 2 * args.prefill_per_rank * args.prefill_len
+    common: dict[str, Any] = {
+        "tp_size": 2,
+        "dp_size": 2,
+        "ep_size": 2,
+        "enable_dp_attention": True,
+        "max_running_requests": most,
+        "cuda_graph_max_bs": most,
+        "enable_prefix_caching": False,
+        "num_kv_tokens": tokens + 8192,
+        "chunked_prefill_size": args.chunk,
+        "max_num_batched_tokens": args.chunk,
+    }
+    if args.device == "cpu":
+        return EngineConfig(model=args.model, device="cpu", **common, **CONFIGS[name])
+    return EngineConfig(
+        model="deepseek-v3",
+        load_format="dummy",
+        device="cuda",
+        attention_backend="flashinfer",
+        moe_backend="triton",
+        hf_overrides={"num_hidden_layers": args.layers, "num_nextn_predict_layers": 0},
+        **common,
+        **CONFIGS[name],
+    )
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+def _drain(engine: Any, tokens: dict[str, list[int]], top: dict[str, list]) -> None:
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            top.setdefault(out.request_id, []).extend(
+                {int(k): float(v) for k, v in t.items()} for t in out.top_logprobs
+            )
+
+
+def greedy(engine: Any, one_at_a_time: bool) -> dict[str, Any]:
+    """The greedy prompts' tokens and top log-probabilities (all at once, or one by one)."""
+    rng = random.Random(28)
+    params = SamplingParams(
+        temperature=0, max_new_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=TOP
+    )
+    tokens: dict[str, list[int]] = {}
+    top: dict[str, list] = {}
+    for i in range(GREEDY_PROMPTS):
+        ids = _prompt(rng, rng.randrange(48, 400))
+        engine.add_request(Request(f"g{i}", params, prompt_ids=ids))
+        if one_at_a_time:
+            _drain(engine, tokens, top)
+    _drain(engine, tokens, top)
+    return {
+        "tokens": tokens,
+        "top": {k: [{str(t): p for t, p in d.items()} for d in v] for k, v in top.items()},
+    }
+
+
+def decode_batch(engine: Any, total: int, ctx: int, steps: int) -> dict[str, Any]:
+    """``total`` prompts of ``ctx`` tokens, then ``steps`` timed decode steps."""
+    rng = random.Random(total)
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True)
+    for i in range(total):
+        engine.add_request(Request(f"d{total}-{i}", params, prompt_ids=_prompt(rng, ctx)))
+    started: set[str] = set()
+    t0 = time.perf_counter()
+    while len(started) < total:
+        started.update(o.request_id for o in engine.step() if o.token_ids)
+    prefill_s = time.perf_counter() - t0
+    emitted, times = 0, []
+    for _ in range(steps):
+        s = time.perf_counter()
+        emitted += sum(len(o.token_ids) for o in engine.step())
+        times.append(time.perf_counter() - s)
+    while engine.has_unfinished():
+        engine.step()
+    times.sort()
+    return {
+        "sequences": total,
+        "ctx": ctx,
+        "prefill_s": round(prefill_s, 3),
+        "median_step_ms": round(1000 * times[len(times) // 2], 3),
+        "tok_s_total": round(emitted / sum(times), 1),
+    }
+
+
+def prefill_rate(engine: Any, total: int, length: int) -> dict[str, Any]:
+    """``total`` prompts of ``length`` tokens, timed from submission to every first token."""
+    rng = random.Random(length)
+    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    for i in range(total):
+        engine.add_request(Request(f"p{i}", params, prompt_ids=_prompt(rng, length)))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    return {
+        "prompts": total,
+        "length": length,
+        "seconds": round(seconds, 3),
+        "tok_s_total": round(total * length / seconds, 1),
+    }
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy, bytes read + written per second (1 GiB, median of 5)."""
+    if device != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / sorted(times[1:])[2]
+
+
+def rank_bytes(llm: LLM, per_rank: int, ctx: int) -> dict[str, int] | None:
+    """Bytes rank 0 reads per decode step: its parameters (every expert it holds: at 256
+    sequences x top-8 every local expert is hit) and its batch's KV over the layers."""
+    model = getattr(getattr(llm.engine, "runner", None), "model", None)
+    if model is None:
+        return None
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.cfg
+    kv_row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # bf16 latent + rope per layer
+    kv = per_rank * ctx * kv_row * cfg.num_hidden_layers
+    return {"params": params, "kv": kv}
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = engine_config(args, args.config)
+    row: dict[str, Any] = {"config": args.config, "layers": args.layers}
+    row["engine"] = CONFIGS[args.config]
+    out = args.out / f"{args.config}.json"
+    t0 = time.monotonic()
+    with LLM.from_config(cfg) as llm:
+        row["build_s"] = round(time.monotonic() - t0, 1)
+        print(f"{args.config}: group built in {row['build_s']} s", flush=True)
+        engine = llm.engine
+        row["greedy"] = greedy(engine, one_at_a_time=False)
+        _save(out, row)
+        if args.config == "gather":
+            row["greedy_one_at_a_time"] = greedy(engine, one_at_a_time=True)
+        row["copy_bytes_per_s"] = copy_bandwidth(args.device)
+        row["decode"] = []
+        for per_rank in args.per_rank:
+            r = decode_batch(engine, 2 * per_rank, args.ctx, args.steps)
+            r |= {"per_rank": per_rank, "tok_s_per_gpu": round(r["tok_s_total"] / 2, 1)}
+            r["rank_bytes"] = rank_bytes(llm, per_rank, args.ctx)
+            row["decode"].append(r)
+            print(json.dumps(r), flush=True)
+            _save(out, row)
+        if args.prefill_per_rank:
+            p = prefill_rate(engine, 2 * args.prefill_per_rank, args.prefill_len)
+            row["prefill"] = p | {"tok_s_per_gpu": round(p["tok_s_total"] / 2, 1)}
+            print(json.dumps(row["prefill"]), flush=True)
+        _save(out, row)
+    row["teardown"] = "done"
+    _save(out, row)
+
+
+def _save(path: Path, row: dict[str, Any]) -> None:
+    path.write_text(json.dumps(row, indent=1))
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def _tops(top: dict[str, list[dict[str, float]]]) -> dict[str, list[dict[int, float]]]:
+    return {k: [{int(t): p for t, p in d.items()} for d in v] for k, v in top.items()}
+
+
+def margin(top: dict[int, float]) -> float:
+    """Top-1 minus top-2 log-probability at one position."""
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
+
+
+def token_verdict(run: dict[str, Any], ref: dict[str, Any], ref_spread: float) -> dict[str, Any]:
+    """``run``'s greedy tokens against ``ref``'s (both batched): equal, or parting only at
+    positions where ``ref``'s top-2 margin is within ``ref_spread``."""
+    got, want = run["greedy"]["tokens"], ref["greedy"]["tokens"]
+    ref_top = _tops(ref["greedy"]["top"])
+    parts = []
+    for rid, toks in want.items():
+        pos = first_difference(got.get(rid, []), toks)
+        if pos is not None:
+            m = margin(ref_top[rid][pos]) if pos < len(ref_top[rid]) else float("inf")
+            parts.append({"request": rid, "position": pos, "ref_top2_margin": round(m, 4)})
+    ok = all(p["ref_top2_margin"] <= ref_spread for p in parts)
+    equal = sum(1 for rid in want if got.get(rid) == want[rid])
+    return {
+        "equal_requests": equal,
+        "requests": len(want),
+        "parted": parts,
+        "within_spread": ok,
+        "spread": round(ref_spread, 4),
+    }
+
+
+def gather_spread(ref: dict[str, Any]) -> float:
+    one = ref.get("greedy_one_at_a_time")
+    if one is None:
+        return 0.0
+    batched = ref["greedy"]
+    return spread(batched["tokens"], _tops(batched["top"]), [(one["tokens"], _tops(one["top"]))])
+
+
+def roofline_ratio(r: dict[str, Any], copy_bw: float | None) -> float | None:
+    b = r.get("rank_bytes")
+    if not b or not copy_bw:
+        return None
+    roof_ms = 1e3 * (b["params"] + b["kv"]) * 2 / copy_bw  # copy_bw counts read + write
+    return round(r["median_step_ms"] / roof_ms, 2)
+
+
+def report(out: Path) -> dict[str, Any]:
+    runs = {
+        p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem in CONFIGS
+    }
+    result: dict[str, Any] = {"runs": {}, "tokens": {}}
+    ref = runs.get("gather")
+    ref_spread = gather_spread(ref) if ref else 0.0
+    print(f"{'config':<20} {'per rank':>8} {'step ms':>9} {'tok/s/GPU':>10} {'x roofline':>10}")
+    for name, run in runs.items():
+        summary = {k: v for k, v in run.items() if k not in ("greedy", "greedy_one_at_a_time")}
+        for r in run.get("decode", []):
+            r["x_roofline"] = roofline_ratio(r, run.get("copy_bytes_per_s"))
+            print(
+                f"{name:<20} {r['per_rank']:>8} {r['median_step_ms']:>9.2f} "
+                f"{r['tok_s_per_gpu']:>10.1f} {r['x_roofline']!s:>10}"
+            )
+        if "prefill" in run:
+            p = run["prefill"]
+            print(
+                f"{name:<20} prefill {p['prompts']} x {p['length']}: "
+                f"{p['tok_s_per_gpu']:.0f} tok/s/GPU"
+            )
+        result["runs"][name] = summary
+        if ref and name != "gather" and "greedy" in run:
+            result["tokens"][name] = token_verdict(run, ref, ref_spread)
+            print(f"{name}: tokens vs gather: {json.dumps(result['tokens'][name])}")
+    (out / "deepep_full_width.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("out", type=Path)
+    r.add_argument("config", choices=list(CONFIGS))
+    r.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    r.add_argument("--model", default="", help="checkpoint for --device cpu (default: tiny)")
+    r.add_argument("--layers", type=int, default=12)
+    r.add_argument("--per-rank", type=int, nargs="+", default=[16, 64, 256])
+    r.add_argument("--ctx", type=int, default=1024)
+    r.add_argument("--steps", type=int, default=32)
+    r.add_argument("--chunk", type=int, default=8192)
+    r.add_argument("--prefill-per-rank", type=int, default=8)
+    r.add_argument("--prefill-len", type=int, default=4096)
+    s = sub.add_parser("report")
+    s.add_argument("out", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.cmd == "report":
+        report(args.out)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cpu" and not args.model:
+        from dsv3serve.model.tiny import make_tiny_checkpoint
+
+        args.model = str(Path(tempfile.mkdtemp()) / "tiny")
+        make_tiny_checkpoint(args.model, fp8=False)
+    run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
