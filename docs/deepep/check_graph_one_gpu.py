@@ -28,7 +28,7 @@ TOKENS, TOPK = 64, 8
 
 def _round(d: DeepEPDispatcher, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
     sent = d.dispatch_masked(x, ids, w)
-    return d.combine_masked(sent.x, sent)  # identity experts
+    return d.combine_masked(sent.rows(), sent)  # identity experts
 
 
 def check(deep_ep: object, payload: torch.dtype | None) -> dict[str, object]:

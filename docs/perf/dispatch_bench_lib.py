@@ -154,7 +154,7 @@ def _round_trip(
         got = d.dispatch(x, ids, w)
         return d.combine(got.x, got)
     got = d.dispatch_masked(x, ids, w)
-    return d.combine_masked(got.x, got)
+    return d.combine_masked(got.x if got.x_scale is None else got.rows(), got)
 
 
 def measure_deepep(

@@ -56,44 +56,48 @@ def sampled_rows(parts: list[list[SeqSpan]]) -> list[int]:
 class StepShape:
     """What every rank must agree on before a DP step's forward: the CUDA-graph size all
     ranks replay (0: eager), and whether it is a decode step (one sampled token per span on
-    every rank; a masked dispatcher picks its mode by it)."""
+    every rank; a masked dispatcher picks its mode by it), and the most tokens any rank
+    forwards (a masked dispatcher sends a larger batch in that many rounds of its bound)."""
 
     graph_size: int = 0
     decode: bool = False
+    max_tokens: int = 0
 
 
 def step_shape(parts: list[list[SeqSpan]], graphs: DecodeGraphs | None) -> StepShape:
     """The leader's choice for ``parts`` (every rank's spans): a graph when every rank's
     batch is a decode batch (or empty) that the largest captured size holds."""
     most = max(len(part) for part in parts)
+    tokens = max(sum(len(span.token_ids) for span in part) for part in parts)
     decode = most > 0 and all(graphable(part, most) for part in parts if part)
     if graphs is None or not decode or most > graphs.max_batch_size:
-        return StepShape(0, decode)
-    return StepShape(padded_size(graphs.sizes, most), decode)
+        return StepShape(0, decode, tokens)
+    return StepShape(padded_size(graphs.sizes, most), decode, tokens)
 
 
-_HEAD = 3  # [ranks, graph_size, decode]
+_HEAD = 4  # [ranks, graph_size, decode, max_tokens]
 
 
 def encode_parts(parts: list[list[SeqSpan]], shape: StepShape = StepShape()) -> torch.Tensor:
-    """Every rank's spans as one int64 tensor: ``[ranks, graph_size, decode, len_0 ..
+    """Every rank's spans as one int64 tensor: ``[ranks, graph_size, decode, max_tokens, len_0 ..
     len_{n-1}, rows_0 .. rows_{n-1}]`` + blobs (``rows_r``: rank r's sampled rows, so no
     rank asks for them)."""
     blobs = [encode_spans(spans) for spans in parts]
     sizes = [b.numel() for b in blobs]
-    head = [len(parts), shape.graph_size, int(shape.decode), *sizes, *sampled_rows(parts)]
+    head = [len(parts), shape.graph_size, int(shape.decode), shape.max_tokens, *sizes]
+    head += sampled_rows(parts)
     return torch.cat([torch.tensor(head, dtype=torch.int64), *blobs])
 
 
 def decode_part(data: torch.Tensor, rank: int) -> tuple[list[SeqSpan], list[int], StepShape]:
     """Rank ``rank``'s spans out of :func:`encode_parts`'s tensor, every rank's rows and
     the step's shape."""
-    ranks, graph_size, decode = data[:_HEAD].tolist()
+    ranks, graph_size, decode, max_tokens = data[:_HEAD].tolist()
     head = data[_HEAD : _HEAD + 2 * ranks].tolist()
     sizes, rows = head[:ranks], head[ranks:]
     start = _HEAD + 2 * ranks + sum(sizes[:rank])
     spans = decode_one(data[start : start + sizes[rank]])
-    return spans, rows, StepShape(graph_size, bool(decode))
+    return spans, rows, StepShape(graph_size, bool(decode), max_tokens)
 
 
 def idle_logits(runner: ModelRunner) -> torch.Tensor:
@@ -108,7 +112,7 @@ def forward_local(
 ) -> torch.Tensor:
     """This rank's step: logits [rows, V] of its sampled rows (an idle step when empty, or
     dummy rows of the agreed graph size)."""
-    runner.set_step_phase(shape.decode)
+    runner.set_step_phase(shape.decode, shape.max_tokens)
     try:
         if shape.graph_size:
             if runner.graphs is None:

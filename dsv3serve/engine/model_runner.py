@@ -162,11 +162,13 @@ class ModelRunner:
         if self.parts.dispatcher is not None:
             self.parts.dispatcher.close()
 
-    def set_step_phase(self, decode: bool) -> None:
-        """Tell the MoE dispatcher whether the group's step is a decode step (every rank of
-        a group sets the same value: it travels in the DP step header)."""
+    def set_step_phase(self, decode: bool, max_tokens: int = 0) -> None:
+        """Tell the MoE dispatcher whether the group's step is a decode step and the most
+        tokens any rank forwards in it (every rank of a group sets the same values: they
+        travel in the DP step header; 0: not known, each rank's own count is used)."""
         if self.parts.dispatcher is not None:
             self.parts.dispatcher.step_is_decode = decode
+            self.parts.dispatcher.step_max_tokens = max_tokens
 
     @property
     def graphs_by_group(self) -> bool:

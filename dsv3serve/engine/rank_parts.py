@@ -89,13 +89,19 @@ def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:
 
 
 def _deepep_options(cfg: EngineConfig, model_cfg: ModelConfig) -> DeepEPOptions:
-    """DeepEP's buffer sizes from the engine's batch bounds: ``low_latency`` sends every
-    batch masked (up to ``max_num_batched_tokens`` tokens); ``auto`` sends decode steps
-    masked (up to ``max_running_requests`` per rank; the DP step header tells every rank
-    the step's phase) and the others in normal mode."""
-    masked_all = cfg.parallel.deepep_mode == "low_latency"
-    bound = cfg.max_num_batched_tokens if masked_all else cfg.max_running_requests
-    return DeepEPOptions(model_cfg.hidden_size, bound, device=torch.device(cfg.device))
+    """DeepEP's buffer sizes from the engine's batch bounds. Masked (low-latency) calls are
+    sized by the per-rank decode bound, ``max_running_requests`` (every decode step fits;
+    under ``low_latency`` a larger prefill batch goes in rounds of it), never by
+    ``max_num_batched_tokens``; normal mode by DeepEP's own chunked buffer. Rows travel as
+    e4m3 with 1x128 scales when the experts are FP8 with activation quantisation (the fused
+    MoE quantises the same way), so the masked MoE runs on them as they arrive."""
+    fp8 = model_cfg.quant_method == "fp8" and cfg.fp8_act_quant
+    return DeepEPOptions(
+        model_cfg.hidden_size,
+        cfg.max_running_requests,
+        fp8_dispatch=fp8,
+        device=torch.device(cfg.device),
+    )
 
 
 def agree_on_pages(num_pages: int, device: torch.device) -> int:

@@ -9,7 +9,7 @@ import torch
 from dsv3serve.config import ModelConfig
 from dsv3serve.moe.base import MoEBackend
 from dsv3serve.moe.experts import FusedExperts
-from dsv3serve.moe.masked_moe import masked_moe
+from dsv3serve.moe.masked_moe import MaskedRoute, masked_moe
 from dsv3serve.parallel.dispatch_base import Dispatcher, MaskedDispatcher
 from dsv3serve.parallel.shard import RankLayout, check_split, placement_of
 
@@ -79,9 +79,44 @@ def run_masked(
     experts: FusedExperts,
 ) -> torch.Tensor:
     """The low-latency path: per-expert masked layout -> masked grouped MoE -> weighted
-    combine (fixed shapes, no host sync with the Triton kernel)."""
+    combine (fixed shapes, no host sync with the Triton kernel). A batch over the
+    dispatcher's ``max_tokens_per_rank`` (a prefill step under ``low_latency``) goes in
+    rounds of that many tokens; every rank makes as many rounds as the group's largest
+    batch needs (``step_max_tokens``), sending a routed-nowhere row when it has none left."""
+    bound = dispatcher.max_tokens_per_rank
+    rounds = -(-max(dispatcher.step_max_tokens, x.shape[0], 1) // bound)
+    if rounds == 1:
+        return _masked_round(dispatcher, x, weights, ids, experts)
+    outs = []
+    for r in range(rounds):
+        part = slice(r * bound, (r + 1) * bound)
+        if x[part].shape[0]:
+            outs.append(_masked_round(dispatcher, x[part], weights[part], ids[part], experts))
+        else:  # this rank is done; the others still send: join with one row sent nowhere
+            k = ids.shape[1]
+            row, w, none = (
+                x.new_zeros(1, x.shape[1]),
+                weights.new_zeros(1, k),
+                ids.new_full((1, k), -1),
+            )
+            _masked_round(dispatcher, row, w, none, experts)
+    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+
+
+def _masked_round(
+    dispatcher: MaskedDispatcher,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: FusedExperts,
+) -> torch.Tensor:
+    """One masked dispatch -> MoE -> combine of at most ``max_tokens_per_rank`` tokens. The
+    MoE's tile is the fused MoE's for this step's tokens over the group (every rank's batch
+    is about this one's)."""
     sent = dispatcher.dispatch_masked(x, ids, weights)
-    y = masked_moe(sent.x, sent.counts, experts.stack())
+    world = sent.x.shape[1] // dispatcher.max_tokens_per_rank
+    route = MaskedRoute(max(x.shape[0], 1) * world, ids.shape[1], experts.num_experts * world)
+    y = masked_moe(sent.x, sent.counts, experts.stack(), sent.x_scale, route)
     return dispatcher.combine_masked(y, sent)
 
 

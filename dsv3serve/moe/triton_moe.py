@@ -117,8 +117,10 @@ def moe_down(
     blocks: ExpertBlocks,
     tile: GemmTile,
     out_dtype: torch.dtype,
+    y: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Down GEMM over the blocks: y [M, H] in ``out_dtype``, one row per assignment.
+    """Down GEMM over the blocks: y [M, H] in ``out_dtype``, one row per assignment (into
+    ``y`` when given: rows of no block are left as they were).
 
     h [M, I] (e4m3 with ``h_scale`` [M, I/128], or 16/32-bit); w2 [E, H, I] (e4m3 with
     ``w2_scale`` [E, H/128, I/128], or 16/32-bit).
@@ -128,7 +130,9 @@ def moe_down(
     assert not a_scaled or b_scaled, "e4m3 activations need e4m3 weights"
     _check_tile(tile, b_scaled)
     m = blocks.num_assign
-    y = torch.empty((m, hidden), dtype=out_dtype, device=h.device)
+    if y is None:
+        y = torch.empty((m, hidden), dtype=out_dtype, device=h.device)
+    assert y.shape == (m, hidden) and y.stride(1) == 1, f"expected y [{m}, {hidden}]"
     h_s = h_scale if h_scale is not None else h
     w_s = w2_scale if w2_scale is not None else w2
     grid = (blocks.max_blocks, triton.cdiv(hidden, tile.block_n))

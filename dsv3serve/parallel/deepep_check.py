@@ -76,7 +76,7 @@ def _masked_round_trip(d: DeepEPDispatcher, x: Tensor, ids: Tensor, w: Tensor) -
     first = d.rank * d.num_local_experts
     local = torch.arange(d.num_local_experts, device=x.device)
     scale = _toy_expert_scale(local + first, d.shape.num_experts)[:, None, None]
-    return d.combine_masked((got.x.float() * scale).to(torch.bfloat16), got).float()
+    return d.combine_masked((got.rows(torch.float32) * scale).to(torch.bfloat16), got).float()
 
 
 def _error(got: Tensor, want: Tensor, rtol: float) -> float:

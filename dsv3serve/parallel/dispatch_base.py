@@ -13,8 +13,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
+from dsv3serve.kernels.fp8_ref import BLOCK
 from dsv3serve.parallel.dispatch_meter import DispatchMeter
 
 
@@ -49,6 +51,11 @@ class Dispatcher(ABC):
     before each forward from the step header, so all ranks agree even where a rank has no
     tokens; a masked dispatcher (DeepEP ``auto``) picks its mode by it."""
 
+    step_max_tokens: int = 0
+    """The most tokens any rank of the group forwards in the current step (0: not known).
+    Set with :attr:`step_is_decode`; a masked dispatcher sends a batch over its
+    ``max_tokens_per_rank`` in this many tokens' worth of rounds, the same on every rank."""
+
     def prepare_graph(self) -> None:
         """Host-side work a captured dispatch / combine needs before it is captured or
         replayed (none by default)."""
@@ -80,11 +87,23 @@ class MaskedDispatched:
     ``x`` [E_local, M, H] (``M = max_tokens_per_rank * ep_size``; only rows ``< counts[e]`` of
     expert ``e`` are valid, the rest is stale data that must never be read), ``counts``
     [E_local] int32, and the backend's state for :meth:`MaskedDispatcher.combine_masked`.
-    Shapes do not depend on the routing, so the pair can be captured into a CUDA graph."""
+    Shapes do not depend on the routing, so the pair can be captured into a CUDA graph.
+    With FP8 dispatch ``x`` is e4m3 and ``x_scale`` [E_local, M, H/128] float32 holds one
+    scale per (row, 128 channels), in the backend's strides; None for 16-bit rows."""
 
     x: Tensor
     counts: Tensor
     state: Any = None
+    x_scale: Tensor | None = None
+
+    def rows(self, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        """``x`` in ``dtype``: e4m3 rows dequantised with their scales (a whole-buffer
+        pass, for checks and identity experts; the masked MoE reads e4m3 as it is)."""
+        if self.x_scale is None:
+            return self.x.to(dtype)
+        h = self.x.shape[-1]
+        s = self.x_scale.float().repeat_interleave(BLOCK, dim=-1)[..., :h]
+        return (self.x.float() * s).to(dtype)
 
 
 class MaskedDispatcher(ABC):

@@ -14,7 +14,8 @@ imports the real one and checks it before this class is built.
 * **low_latency** (decode): ``low_latency_dispatch`` leaves [E_local, max_tokens * W, H]
   per expert with valid counts (:class:`MaskedDispatched`), fixed shapes, no host sync;
   ``low_latency_combine`` applies the top-k weights. FP8 (1x128 scales) when
-  ``payload_dtype`` is e4m3: the masked MoE gets the dequantised bf16 rows.
+  ``payload_dtype`` is e4m3: the masked MoE gets the e4m3 rows and their scales as they
+  arrived (no dequantisation of the padded receive buffer).
 """
 
 from __future__ import annotations
@@ -165,8 +166,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
             raise ValueError(
                 f"DeepEP low-latency mode with max_tokens_per_rank {self.max_tokens_per_rank} "
                 f"needs NVSHMEM_QP_DEPTH >= {need}, found {depth} (set the variable, or lower "
-                "the engine's batch bound: max_running_requests under deepep_mode auto, "
-                "max_num_batched_tokens under low_latency)"
+                "the engine's per-rank decode bound, max_running_requests)"
             )
 
     @property
@@ -242,8 +242,9 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, num_tokens: Tensor | None = None
     ) -> MaskedDispatched:
         """Low-latency dispatch: ``x`` [T, H] bf16, ``T <= max_tokens_per_rank`` ->
-        [E_local, max_tokens_per_rank * W, H] bf16 rows with per-expert valid counts.
-        Rows at or past ``num_tokens`` (a device scalar) are padding: routed nowhere."""
+        [E_local, max_tokens_per_rank * W, H] rows (bf16, or e4m3 with ``x_scale`` under FP8
+        dispatch) with per-expert valid counts. Rows at or past ``num_tokens`` (a device
+        scalar) are padding: routed nowhere."""
         if self.mode == "normal":
             raise RuntimeError("deepep_mode 'normal' has no low-latency buffer")
         _check_bf16(x)
@@ -258,10 +259,10 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(
             x, ids, self.max_tokens_per_rank, self.shape.num_experts, use_fp8=self.fp8
         )
-        rows = dequant_rows(*recv, x.dtype) if self.fp8 else recv
+        rows, scales = recv if self.fp8 else (recv, None)
         state = _MaskedState(handle, ids, topk_weights.float())
         self.meter.stop(mark, "dispatch", "low_latency", counts, self._row_bytes())
-        return MaskedDispatched(rows, counts, state=state)
+        return MaskedDispatched(rows, counts, state=state, x_scale=scales)
 
     def _clean_if_dirty(self) -> None:
         """DeepEP: after normal-mode kernels, clean before any low-latency kernel."""

@@ -34,13 +34,13 @@ def _extend(tokens: int) -> list[SeqSpan]:
 @pytest.mark.parametrize(
     ("parts", "graphs", "want"),
     [
-        ([_decode(3), _decode(1)], GRAPHS, StepShape(4, True)),  # the larger rank's size
-        ([_decode(2), []], GRAPHS, StepShape(2, True)),  # an empty rank replays dummies
-        ([[], _decode(8)], GRAPHS, StepShape(8, True)),
-        ([_decode(9), _decode(1)], GRAPHS, StepShape(0, True)),  # over the largest graph
-        ([_decode(2), _extend(3)], GRAPHS, StepShape(0, False)),  # one rank prefills
-        ([_decode(2), _decode(2)], None, StepShape(0, True)),  # no graphs: eager decode
-        ([[SeqSpan([7], 5, [0] * 6, False)], []], GRAPHS, StepShape(0, False)),  # no sample
+        ([_decode(3), _decode(1)], GRAPHS, StepShape(4, True, 3)),  # the larger rank's size
+        ([_decode(2), []], GRAPHS, StepShape(2, True, 2)),  # an empty rank replays dummies
+        ([[], _decode(8)], GRAPHS, StepShape(8, True, 8)),
+        ([_decode(9), _decode(1)], GRAPHS, StepShape(0, True, 9)),  # over the largest graph
+        ([_decode(2), _extend(3)], GRAPHS, StepShape(0, False, 3)),  # one rank prefills
+        ([_decode(2), _decode(2)], None, StepShape(0, True, 2)),  # no graphs: eager decode
+        ([[SeqSpan([7], 5, [0] * 6, False)], []], GRAPHS, StepShape(0, False, 1)),  # no sample
     ],
 )
 def test_leader_choice(parts: list[list[SeqSpan]], graphs: Any, want: StepShape) -> None:
@@ -49,11 +49,11 @@ def test_leader_choice(parts: list[list[SeqSpan]], graphs: Any, want: StepShape)
 
 def test_the_shape_travels_with_the_spans() -> None:
     parts = [_decode(3), [], _extend(4)]
-    data = encode_parts(parts, StepShape(4, True))
+    data = encode_parts(parts, StepShape(4, True, 4))
     for rank, part in enumerate(parts):
         spans, rows, shape = decode_part(data, rank)
         assert [s.token_ids for s in spans] == [s.token_ids for s in part]
-        assert rows == [3, 0, 1] and shape == StepShape(4, True)
+        assert rows == [3, 0, 1] and shape == StepShape(4, True, 4)
 
 
 class RecordingMaskedFake(Dispatcher, MaskedDispatcher):
@@ -97,7 +97,7 @@ class RecordingRunnerFake:
     """FAKE runner: records the phases forward_local sets; its model runs idle steps."""
 
     def __init__(self) -> None:
-        self.phases: list[bool] = []
+        self.phases: list[tuple[bool, int]] = []
         self.graphs = None
         self.eplb = None  # no EPLB: forward_local ticks nothing
         self.dtype, self.device = torch.float32, torch.device("cpu")
@@ -107,8 +107,8 @@ class RecordingRunnerFake:
             compute_logits=lambda h: torch.zeros(h.shape[0], 8),
         )
 
-    def set_step_phase(self, decode: bool) -> None:
-        self.phases.append(decode)
+    def set_step_phase(self, decode: bool, max_tokens: int = 0) -> None:
+        self.phases.append((decode, max_tokens))
 
 
 def test_forward_local_sets_the_headers_phase_then_clears_it() -> None:
@@ -117,5 +117,5 @@ def test_forward_local_sets_the_headers_phase_then_clears_it() -> None:
     from dsv3serve.engine.dp_group import forward_local
 
     runner = RecordingRunnerFake()
-    logits = forward_local(runner, [], StepShape(0, True))  # type: ignore[arg-type]
-    assert logits.shape == (0, 8) and runner.phases == [True, False]
+    logits = forward_local(runner, [], StepShape(0, True, 5))  # type: ignore[arg-type]
+    assert logits.shape == (0, 8) and runner.phases == [(True, 5), (False, 0)]

@@ -4,8 +4,9 @@ through Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py w
 Padding rows (at or past ``counts[e]``) hold NaN: any read of them into a valid row would
 turn that row NaN, so finite outputs equal to the reference prove padding is never read.
 Inputs are fresh random per session (the seed is printed on failure). 16-bit activations are
-fp16 here (the interpreter cannot multiply bf16 in ``tl.dot``; the kernel takes the same path
-for both); the e4m3-weight path runs with bf16 activations (its dots are float32).
+fp16 here (the interpreter cannot multiply bf16 in ``tl.dot``; the kernels take the same path
+for both), also with e4m3 weights (upcast to the activation dtype in registers). e4m3 rows
+with per-128 scales (DeepEP's FP8 dispatch) take the fused MoE's e4m3 tensor-core path.
 
 Tolerances, relative Frobenius error against the reference: 16-bit: 2e-3 (both round the
 same intermediates to fp16; only float32 summation order differs, which can flip a rounding);
@@ -30,6 +31,8 @@ from dsv3serve.moe.masked_moe import masked_moe_ref, masked_moe_triton  # noqa: 
 
 SEED = int.from_bytes(os.urandom(4), "little")
 RTOL = {torch.float16: 2e-3, torch.bfloat16: 2e-3, torch.float32: 1e-5}
+RTOL_FP8_ROWS = 2e-2  # the intermediate goes through e4m3 on both sides; one rounding flip
+# of an e4m3 value moves it by 1/16
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +56,8 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     ("fp8", "dtype", "counts", "m", "h", "inter"),
     [
-        (True, torch.bfloat16, [5, 0, 17, 32], 32, 256, 128),  # an empty and a full expert
-        (True, torch.bfloat16, [0, 0, 3], 24, 128, 256),
+        (True, torch.float16, [5, 0, 17, 32], 32, 256, 128),  # an empty and a full expert
+        (True, torch.float16, [0, 0, 3], 24, 128, 256),
         (False, torch.float16, [7, 1, 0, 20], 24, 96, 80),  # K, N off the tile sizes
         (False, torch.float32, [9, 16], 16, 64, 48),
     ],
@@ -116,9 +119,34 @@ def test_masked_moe_addresses_slots_past_int32_offsets() -> None:
     stack = _far_slot_stack(slots, h, inter, g)
     counts = torch.zeros(slots, dtype=torch.int32)
     counts[-1] = 2
-    x = torch.zeros(slots, 2, h, dtype=torch.bfloat16)
-    x[-1] = torch.randn(2, h, generator=g).bfloat16()
+    x = torch.zeros(slots, 2, h, dtype=torch.float16)
+    x[-1] = torch.randn(2, h, generator=g).half()
     got = masked_moe_triton(x, counts, stack)[-1]
     last = stack._replace(**{k: v[-1:] for k, v in stack._asdict().items()})
     want = masked_moe_ref(x[-1:], counts[-1:], last)[0]
-    assert _rel_err(got, want) < RTOL[torch.bfloat16], f"seed {SEED}"
+    assert _rel_err(got, want) < RTOL[torch.float16], f"seed {SEED}"
+
+
+@pytest.mark.parametrize(("counts", "m"), [([5, 0, 17, 32], 32), ([0, 2, 0], 48)])
+def test_masked_moe_takes_e4m3_rows_with_column_major_scales(counts, m) -> None:
+    """DeepEP's FP8 dispatch: e4m3 rows and float32 scales [E, M, H/128] stored per expert
+    as [H/128, M] (its layout); padding rows and their scales NaN. bf16 out."""
+    from dsv3serve.kernels.fp8_ref import FP8_DTYPE, quant_per_token_group
+
+    g = torch.Generator().manual_seed(SEED)
+    torch.manual_seed(SEED)
+    e, h, inter = len(counts), 256, 128
+    stack = random_experts(e, h, inter, True, torch.bfloat16, "cpu").stack()
+    q = torch.full((e, m, h), float("nan")).to(FP8_DTYPE)
+    scales = torch.full((e, h // 128, m), float("nan")).transpose(1, 2)  # strides (.., 1, m)
+    for i, n in enumerate(counts):
+        if n:
+            q[i, :n], scales[i, :n] = quant_per_token_group(torch.randn(n, h, generator=g))
+    c = torch.tensor(counts, dtype=torch.int32)
+    sentinel = torch.full((e, m, h), 4096.0, dtype=torch.bfloat16)
+    got = masked_moe_triton(q, c, stack, out=sentinel.clone(), x_scale=scales)
+    want = masked_moe_ref(q, c, stack, x_scale=scales)
+    valid = torch.arange(m)[None, :] < c[:, None]
+    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got[valid]).all())
+    assert torch.equal(got[~valid], sentinel[~valid]), "a padding row was written"
+    assert _rel_err(got[valid], want[valid]) < RTOL_FP8_ROWS, f"seed {SEED}"

@@ -59,8 +59,9 @@ def _masked(d: DeepEPDispatcher, case: Case, rank: int) -> torch.Tensor:
     assert got.x.shape == (d.num_local_experts, MAX_TOKENS * d.world, got.x.shape[2])
     first = rank * d.num_local_experts
     mats = case.mats[first : first + d.num_local_experts]
-    y = torch.bmm(torch.nan_to_num(got.x.float(), nan=0.0), mats)  # padding rows: garbage
-    y[torch.isnan(got.x).any(-1)] = float("nan")  # keep padding poisoned for the combine
+    rows = got.rows(torch.float32)
+    y = torch.bmm(torch.nan_to_num(rows, nan=0.0), mats)  # padding rows: garbage
+    y[torch.isnan(rows).any(-1)] = float("nan")  # keep padding poisoned for the combine
     return d.combine_masked(y.to(torch.bfloat16), got)
 
 

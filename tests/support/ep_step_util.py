@@ -96,7 +96,7 @@ def _metered(case: Case, world: int, rank: int) -> dict[str, Any]:
         for d in ds.values():
             if isinstance(d, DeepEPDispatcher) and d.mode == "low_latency":
                 got = d.dispatch_masked(case.xs[rank], case.ids[rank], case.weights[rank])
-                d.combine_masked(got.x, got)
+                d.combine_masked(got.rows(), got)
             else:
                 flat_round(d, case, rank)
     return {name: d.meter.snapshot() for name, d in ds.items()}
@@ -126,7 +126,7 @@ def _graph_style(case: Case, world: int, rank: int, steps: list[int]) -> dict[st
         n_buf.fill_(n)
         with guard.active():
             got = d.dispatch_masked(x_buf, ids_buf, w_buf, num_tokens=n_buf)
-            y = torch.bmm(got.x, mats)  # padding slab rows: garbage (never combined)
+            y = torch.bmm(got.rows(mats.dtype), mats)  # padding slab rows: garbage (never combined)
             combined = d.combine_masked(y, got)
         out["steps"].append((n, combined.clone(), int(got.counts.sum()), tuple(got.x.shape)))
         out["buffers"].append((x_buf.data_ptr(), ids_buf.data_ptr(), tuple(combined.shape)))
