@@ -93,9 +93,14 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
 
-def _drain(engine: Any, tokens: dict[str, list[int]], top: dict[str, list]) -> None:
+def _drain(
+    engine: Any, tokens: dict[str, list[int]], top: dict[str, list], steps: list[float]
+) -> None:
     while engine.has_unfinished():
-        for out in engine.step():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t0)
+        for out in outs:
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
             top.setdefault(out.request_id, []).extend(
                 {int(k): float(v) for k, v in t.items()} for t in out.top_logprobs
@@ -110,13 +115,17 @@ def greedy(engine: Any, one_at_a_time: bool) -> dict[str, Any]:
     )
     tokens: dict[str, list[int]] = {}
     top: dict[str, list] = {}
+    steps: list[float] = []
     for i in range(GREEDY_PROMPTS):
         ids = _prompt(rng, rng.randrange(48, 400))
         engine.add_request(Request(f"g{i}", params, prompt_ids=ids))
         if one_at_a_time:
-            _drain(engine, tokens, top)
-    _drain(engine, tokens, top)
+            _drain(engine, tokens, top, steps)
+    _drain(engine, tokens, top, steps)
     return {
+        "steps": len(steps),
+        "slowest_steps_s": [round(v, 3) for v in sorted(steps)[-5:]],
+        "first_steps_s": [round(v, 3) for v in steps[:6]],
         "tokens": tokens,
         "top": {k: [{str(t): p for t, p in d.items()} for d in v] for k, v in top.items()},
     }

@@ -11,6 +11,7 @@
 #   groups   : docs/perf/deepep_full_width.py run for each config (default: deepep-auto
 #              gather); a config that fails is run again small with CUDA_LAUNCH_BLOCKING=1
 #              to name the failing kernel; then the report
+#   (GROUP_S_<config with _ for -> overrides GROUP_S, the seconds one config may take)
 #   dispatch : docs/perf/bench_dispatch.py at DeepSeek-V3's width (7168, 256 experts, top-8)
 # Results go to $OUT (fw.tar.gz holds the per-config JSON and logs).
 set -u
@@ -61,7 +62,8 @@ stage_groups() {
   local name
   for name in ${CONFIGS:-deepep-auto gather}; do
     if [ "$(elapsed)" -gt "${GROUPS_UNTIL_S:-420}" ]; then echo "skip $name: time"; continue; fi
-    group "$name" "${GROUP_S:-200}" ${GROUP_ARGS:-}
+    local var="GROUP_S_${name//-/_}"
+    group "$name" "${!var:-${GROUP_S:-200}}" ${GROUP_ARGS:-}
   done
   python3 docs/perf/deepep_full_width.py report "$OUT/fw" 2>&1 | tee "$OUT/fw/report.txt"
 }
