@@ -75,6 +75,7 @@ def engine_config(args: argparse.Namespace, name: str) -> EngineConfig:
         "chunked_prefill_size": args.chunk,
         "max_num_batched_tokens": args.chunk,
     }
+    common |= json.loads(args.engine_json)
     if args.device == "cpu":
         return EngineConfig(model=args.model, device="cpu", **common, **CONFIGS[name])
     return EngineConfig(
@@ -366,6 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--chunk", type=int, default=8192)
     r.add_argument("--prefill-per-rank", type=int, default=8)
     r.add_argument("--prefill-len", type=int, default=4096)
+    r.add_argument("--engine-json", default="{}", help="more EngineConfig fields (JSON)")
     s = sub.add_parser("report")
     s.add_argument("out", type=Path)
     return p.parse_args(argv)

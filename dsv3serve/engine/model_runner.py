@@ -29,7 +29,7 @@ from dsv3serve.kvcache.pool import (
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
 from dsv3serve.page_table import slots_of
-from dsv3serve.plan.planner import PlanSettings, reserves
+from dsv3serve.plan.planner import PlanSettings, plan_deepep, reserves
 
 if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
@@ -225,18 +225,22 @@ class ModelRunner:
         return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
 
     def _reserved_bytes(self) -> int:
-        """What the planner sets aside beside the KV (``dsv3serve.plan``): the decode graphs
-        and the activations of the largest prefill step (``max_num_batched_tokens`` tokens
-        when that exceeds the chunk: one step may hold several chunks)."""
+        """What the planner sets aside beside the KV (``dsv3serve.plan``): the decode graphs,
+        the activations of the largest prefill step (``max_num_batched_tokens`` tokens
+        when that exceeds the chunk: one step may hold several chunks) and DeepEP's
+        low-latency activations (its NVLink / NVSHMEM buffers are allocated already, so
+        the free memory the pool is sized from has them out)."""
         step = max(self.cfg.chunked_prefill_size, self.cfg.max_num_batched_tokens)
         settings = PlanSettings(
             gpu_memory_gb=1.0,  # not used by the reserves
             cuda_graph_max_bs=self._graph_max_bs(),
             disable_cuda_graph=self.cfg.disable_cuda_graph,
             chunked_prefill_size=step,
+            max_running_requests=self.cfg.max_running_requests,
         )
         graph, activation = reserves(settings, self.cfg.parallel.world_size)
-        return graph + activation
+        deepep = plan_deepep(self.model_cfg, self.cfg.parallel, settings)
+        return graph + activation + (0 if deepep is None else deepep.activations)
 
     def _make_pool(self) -> MLAKVPool:
         layers, page = self.model.num_kv_layers, self.cfg.page_size

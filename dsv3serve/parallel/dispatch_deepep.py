@@ -20,6 +20,7 @@ imports the real one and checks it before this class is built.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -30,6 +31,11 @@ from torch import Tensor
 
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, quant_per_token_group
 from dsv3serve.parallel.config import DeepEPMode
+from dsv3serve.parallel.deepep_sizes import (
+    NORMAL_BUFFER_FLOOR,
+    low_latency_rdma_bytes,
+    normal_nvl_bytes,
+)
 from dsv3serve.parallel.dispatch_base import (
     Dispatched,
     Dispatcher,
@@ -38,7 +44,7 @@ from dsv3serve.parallel.dispatch_base import (
 )
 from dsv3serve.parallel.dispatch_meter import DispatchMeter
 
-NORMAL_BUFFER_FLOOR = 1 << 28  # 256 MiB of NVLink buffer at least, as SGLang sizes it
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -140,16 +146,33 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
     def _make_buffer(self) -> Any:
         """One buffer for the modes used, as SGLang and DeepEP's own tests make it."""
         low_latency = self.mode != "normal"
+        nvl = self._nvl_bytes() if self.mode != "low_latency" else 0
+        rdma = self._rdma_bytes() if low_latency else 0
+        self._log_if_unplanned(nvl, rdma)
         return self.ep.Buffer(
             self._group,
-            num_nvl_bytes=self._nvl_bytes() if self.mode != "low_latency" else 0,
-            num_rdma_bytes=self._rdma_bytes() if low_latency else 0,
+            num_nvl_bytes=nvl,
+            num_rdma_bytes=rdma,
             low_latency_mode=low_latency,
             num_qps_per_rank=self.num_local_experts if low_latency else 1,
             # released by close() on every rank at once: the destructor's release is a
             # barrier with the other ranks, which hangs in whichever rank exits first
             explicitly_destroy=True,
         )
+
+    def _log_if_unplanned(self, nvl: int, rdma: int) -> None:
+        """Warn when DeepEP's own size hints differ from the planner's formulas
+        (:mod:`dsv3serve.parallel.deepep_sizes`): the plan then misses the difference."""
+        s = self.shape
+        planned_nvl = normal_nvl_bytes(s.hidden, self.world) if nvl else 0
+        planned_rdma = low_latency_rdma_bytes(s.max_tokens_per_rank, s.hidden, s.num_experts)
+        planned_rdma = planned_rdma if rdma else 0
+        if (nvl, rdma) != (planned_nvl, planned_rdma):
+            logger.warning(
+                "DeepEP buffers differ from the plan: NVLink %d vs %d bytes, RDMA %d vs %d "
+                "(deep_ep %s)", nvl, planned_nvl, rdma, planned_rdma,
+                getattr(self.ep, "__version__", "?"),
+            )  # fmt: skip
 
     def close(self) -> None:
         """Release the DeepEP buffer (collective: a barrier with every rank of the group)."""

@@ -29,6 +29,12 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--context-length", type=int, default=None, help="longest request to hold")
     p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=256,
+        help="per rank; sizes DeepEP's low-latency buffers under --moe-a2a-backend deepep",
+    )
+    p.add_argument(
         "--hf-overrides",
         type=_json_object,
         default=None,
@@ -100,6 +106,7 @@ def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
         disable_cuda_graph=args.disable_cuda_graph,
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
         **_hicache(args),
     )
 

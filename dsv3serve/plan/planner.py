@@ -21,6 +21,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
 from dsv3serve.parallel.config import ParallelConfig
+from dsv3serve.parallel.deepep_sizes import DeepEPBytes, deepep_bytes
 from dsv3serve.parallel.shard import RankLayout, check_model
 from dsv3serve.parallel.shard_tensors import SCALE_SUFFIX, TensorInfo, local_tensors
 
@@ -72,6 +73,7 @@ class PlanSettings:
     context_length: int | None = None
     hicache_ratio: float | None = None
     hicache_size: int | None = None
+    max_running_requests: int = 256
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static <= 1 or self.gpu_memory_gb <= 0:
@@ -86,8 +88,19 @@ class PlanSettings:
                 f"expected hicache_ratio > 0 and hicache_size >= 1, got "
                 f"{self.hicache_ratio} and {self.hicache_size}"
             )
-        if min(self.page_size, self.cuda_graph_max_bs, self.chunked_prefill_size) < 1:
-            raise ValueError("page_size, cuda_graph_max_bs and chunked_prefill_size must be >= 1")
+        if (
+            min(
+                self.page_size,
+                self.cuda_graph_max_bs,
+                self.chunked_prefill_size,
+                self.max_running_requests,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "page_size, cuda_graph_max_bs, chunked_prefill_size and max_running_requests "
+                "must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,11 @@ class Plan:
     kv_bytes_per_token: int
     kv_tokens: int
     min_kv_tokens: int
+    deepep: DeepEPBytes | None = None
+
+    @property
+    def deepep_bytes(self) -> int:
+        return 0 if self.deepep is None else self.deepep.total
 
     @property
     def budget_bytes(self) -> int:
@@ -131,8 +149,10 @@ class Plan:
 
     @property
     def fixed_bytes(self) -> int:
-        """Weights, absorbed MLA and reserves of the worst rank: all but the KV cache."""
-        return self.worst.static_total + self.graph_reserve_bytes + self.activation_reserve_bytes
+        """Weights, absorbed MLA, reserves and DeepEP's buffers of the worst rank: all but the
+        KV cache."""
+        reserves = self.graph_reserve_bytes + self.activation_reserve_bytes + self.deepep_bytes
+        return self.worst.static_total + reserves
 
     @property
     def kv_bytes(self) -> int:
@@ -287,12 +307,33 @@ def plan(
     )
     graph, activation = reserves(settings, parallel.world_size)
     per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype)
-    draft = Plan(parallel, settings, ranks, graph, activation, per_token, 0, 0)
+    deepep = plan_deepep(model_cfg, parallel, settings)
+    draft = Plan(parallel, settings, ranks, graph, activation, per_token, 0, 0, deepep)
     result = dataclasses.replace(
         draft, kv_tokens=_kv_tokens(draft), min_kv_tokens=min_kv_tokens(settings)
     )
     check_fits(result)
     return result
+
+
+def plan_deepep(
+    model_cfg: ModelConfig, parallel: ParallelConfig, s: PlanSettings
+) -> DeepEPBytes | None:
+    """DeepEP's buffers on each rank under ``moe_a2a_backend`` ``deepep`` (None otherwise):
+    the low-latency part sized by ``max_running_requests`` per rank; rows travel as e4m3
+    with an FP8 checkpoint (the engine's default activation quantisation)."""
+    if parallel.moe_a2a_backend != "deepep" or parallel.ep_size == 1:
+        return None
+    moe_tp = parallel.tp_size // parallel.ep_size
+    return deepep_bytes(
+        parallel.deepep_mode,
+        model_cfg.hidden_size,
+        model_cfg.n_routed_experts,
+        parallel.ep_size,
+        model_cfg.moe_intermediate_size // max(moe_tp, 1),
+        s.max_running_requests,
+        model_cfg.quant_method == "fp8",
+    )
 
 
 def _kv_tokens(p: Plan) -> int:
@@ -314,18 +355,40 @@ def check_fits(p: Plan) -> None:
             f"layout {describe(p.parallel)} does not fit: rank {w.rank} needs weights "
             f"{w.weights_total / GB:.1f} GB + absorbed MLA {w.absorbed_mla_bytes / GB:.1f} GB + "
             f"CUDA-graph reserve {p.graph_reserve_bytes / GB:.1f} GB + activation reserve "
-            f"{p.activation_reserve_bytes / GB:.1f} GB = {p.fixed_bytes / GB:.1f} GB "
-            f"> {budget}, before any KV cache",
+            f"{p.activation_reserve_bytes / GB:.1f} GB{_deepep_part(p)} = "
+            f"{p.fixed_bytes / GB:.1f} GB > {budget}, before any KV cache{_deepep_hint(p)}",
             p,
         )
     if p.kv_tokens < p.min_kv_tokens:
         raise PlanError(
             f"layout {describe(p.parallel)} does not fit: rank {w.rank} keeps "
-            f"{p.fixed_bytes / GB:.1f} GB of {budget} for weights and reserves, leaving a KV "
-            f"cache of {p.kv_tokens} tokens ({p.kv_bytes_per_token} bytes per token), "
-            f"below the {p.min_kv_tokens} tokens needed ({_floor_reason(s)})",
+            f"{p.fixed_bytes / GB:.1f} GB of {budget} for weights and reserves"
+            f"{_deepep_share(p)}, "
+            f"leaving a KV cache of {p.kv_tokens} tokens ({p.kv_bytes_per_token} bytes per "
+            f"token), below the {p.min_kv_tokens} tokens needed ({_floor_reason(s)})"
+            f"{_deepep_hint(p)}",
             p,
         )
+
+
+def _deepep_part(p: Plan) -> str:
+    return "" if p.deepep is None else f" + DeepEP buffers {p.deepep_bytes / GB:.1f} GB"
+
+
+def _deepep_share(p: Plan) -> str:
+    return "" if p.deepep is None else f" (DeepEP buffers {p.deepep_bytes / GB:.1f} GB of it)"
+
+
+def _deepep_hint(p: Plan) -> str:
+    """Which field shrinks DeepEP's share, when it is the part that tips the plan over."""
+    if p.deepep is None or p.fixed_bytes - p.deepep_bytes > p.budget_bytes:
+        return ""
+    low = p.deepep.rdma + p.deepep.activations
+    return (
+        f"; DeepEP's low-latency buffers take {low / GB:.1f} GB, sized by "
+        f"max_running_requests {p.settings.max_running_requests} per rank: lower it "
+        "(or use deepep_mode normal, or more GPUs)"
+    )
 
 
 def _floor_reason(s: PlanSettings) -> str:

@@ -17,6 +17,7 @@ def plan_table(p: Plan, model: str) -> str:
         ("absorbed MLA (derived)", w.absorbed_mla_bytes / GB),
         ("CUDA-graph reserve", p.graph_reserve_bytes / GB),
         ("activation reserve", p.activation_reserve_bytes / GB),
+        *_deepep_rows(p),
         ("KV cache", p.kv_bytes / GB),
         ("total", (p.fixed_bytes + p.kv_bytes) / GB),
     ]
@@ -39,6 +40,18 @@ def plan_table(p: Plan, model: str) -> str:
             f"{p.host_kv_tokens} tokens per rank"
         )
     return "\n".join(lines)
+
+
+def _deepep_rows(p: Plan) -> list[tuple[str, float]]:
+    """DeepEP's buffers (``moe_a2a_backend`` ``deepep``), one row each."""
+    d = p.deepep
+    if d is None:
+        return []
+    return [
+        ("DeepEP NVLink (normal)", d.nvl / GB),
+        ("DeepEP RDMA (low-lat.)", d.rdma / GB),
+        ("DeepEP low-lat. activ.", d.activations / GB),
+    ]
 
 
 def _symmetry(p: Plan) -> str:
@@ -66,6 +79,7 @@ def plan_json(p: Plan, model: str, fits: bool) -> dict[str, Any]:
         ],
         "graph_reserve_bytes": p.graph_reserve_bytes,
         "activation_reserve_bytes": p.activation_reserve_bytes,
+        "deepep_bytes": None if p.deepep is None else dataclasses.asdict(p.deepep),
         "kv_bytes_per_token": p.kv_bytes_per_token,
         "kv_tokens": p.kv_tokens,
         "min_kv_tokens": p.min_kv_tokens,

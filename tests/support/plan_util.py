@@ -23,5 +23,6 @@ def plan_published(engine: EngineConfig, gpu_memory_gb: float) -> Plan:
         engine.kv_cache_dtype,
         engine.cuda_graph_max_bs,
         disable_cuda_graph=engine.disable_cuda_graph,
+        max_running_requests=engine.max_running_requests,
         **({"chunked_prefill_size": chunk} if chunk > 0 else {}),
     )
