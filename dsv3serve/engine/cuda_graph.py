@@ -97,12 +97,13 @@ class DecodeGraphs:
     def _load(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
         """Pad ``spans`` to ``size``, copy the inputs into the static buffers and plan."""
         padded = pad_spans(spans, size, self._dummy)
-        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
+        batch = ForwardBatch.build(padded, self.device, decode=True)
+        static = self._inputs.load(batch, real=len(spans))  # one token per decode span
         plan_for_graph(self.attn, static)
         return static
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        with uniform_batch(batch.num_tokens):
+        with uniform_batch(batch.num_tokens, self._inputs.real):
             return self.model.compute_logits(self.model(batch, self.attn, planned=True))
 
     def run(self, spans: list[SeqSpan]) -> torch.Tensor:

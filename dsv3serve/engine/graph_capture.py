@@ -67,17 +67,21 @@ def fork_attention(attn: AttentionBackend, slot: str) -> AttentionBackend:
 
 
 class StaticInputs:
-    """Token ids, positions and output slots [max_tokens] (int64) a graph reads."""
+    """Token ids, positions and output slots [max_tokens] (int64) a graph reads, and
+    ``real``: how many of the rows are real tokens (a 0-dim int64 tensor; the rest pad)."""
 
     def __init__(self, max_tokens: int, fill_slot: int, device: torch.device) -> None:
         """``fill_slot``: a scratch slot the unused tail of ``out_slots`` points at."""
         self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.pos = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.out = torch.full((max_tokens,), fill_slot, dtype=torch.int64, device=device)
+        self.real = torch.zeros((), dtype=torch.int64, device=device)
 
-    def load(self, batch: ForwardBatch) -> ForwardBatch:
-        """Copy ``batch``'s inputs in; returns ``batch`` over views of the buffers."""
+    def load(self, batch: ForwardBatch, real: int | None = None) -> ForwardBatch:
+        """Copy ``batch``'s inputs in; returns ``batch`` over views of the buffers.
+        ``real``: how many leading rows are real tokens (None: all of them)."""
         n = batch.num_tokens
+        self.real.fill_(n if real is None else real)
         if n > self.ids.shape[0]:
             raise ValueError(f"expected at most {self.ids.shape[0]} graph tokens, got {n}")
         self.ids[:n].copy_(batch.input_ids)

@@ -12,6 +12,7 @@ from dsv3serve.moe.experts import FusedExperts
 from dsv3serve.moe.masked_moe import MaskedRoute, masked_moe
 from dsv3serve.parallel.dispatch_base import Dispatcher, MaskedDispatcher
 from dsv3serve.parallel.shard import RankLayout, check_split, placement_of
+from dsv3serve.parallel.uniform import uniform_real_tokens
 
 
 def held_experts(
@@ -85,8 +86,9 @@ def run_masked(
     batch needs (``step_max_tokens``), sending a routed-nowhere row when it has none left."""
     bound = dispatcher.max_tokens_per_rank
     rounds = -(-max(dispatcher.step_max_tokens, x.shape[0], 1) // bound)
-    if rounds == 1:
-        return _masked_round(dispatcher, x, weights, ids, experts)
+    if rounds == 1:  # a graph's padding rows (the uniform batch's tail) are routed nowhere
+        real = uniform_real_tokens(x.shape[0])
+        return _masked_round(dispatcher, x, weights, ids, experts, real)
     outs = []
     for r in range(rounds):
         part = slice(r * bound, (r + 1) * bound)
@@ -109,11 +111,13 @@ def _masked_round(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: FusedExperts,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One masked dispatch -> MoE -> combine of at most ``max_tokens_per_rank`` tokens. The
+    """One masked dispatch -> MoE -> combine of at most ``max_tokens_per_rank`` tokens (rows
+    at or past the device scalar ``real`` are padding, sent nowhere). The
     MoE's tile is the fused MoE's for this step's tokens over the group (every rank's batch
     is about this one's)."""
-    sent = dispatcher.dispatch_masked(x, ids, weights)
+    sent = dispatcher.dispatch_masked(x, ids, weights, num_tokens=real)
     world = sent.x.shape[1] // dispatcher.max_tokens_per_rank
     route = MaskedRoute(max(x.shape[0], 1) * world, ids.shape[1], experts.num_experts * world)
     y = masked_moe(sent.x, sent.counts, experts.stack(), sent.x_scale, route)

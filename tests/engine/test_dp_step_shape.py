@@ -75,7 +75,9 @@ class RecordingMaskedFake(Dispatcher, MaskedDispatcher):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         return y
 
-    def dispatch_masked(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Any:
+    def dispatch_masked(
+        self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_tokens: Any = None
+    ) -> Any:
         self.calls.append("masked")
         raise StopIteration  # the path is all this test needs
 

@@ -20,6 +20,13 @@ from dsv3serve.moe.ref import TorchRefMoE
 from dsv3serve.moe.sharded import run_dispatched
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
+from dsv3serve.parallel.dispatch_base import (
+    Dispatched,
+    Dispatcher,
+    MaskedDispatched,
+    MaskedDispatcher,
+)
+from dsv3serve.parallel.uniform import uniform_batch
 
 EXPERTS, HIDDEN, INTER, TOP_K, BOUND = 16, 256, 128, 4, 4
 TOKENS = (11, 3)  # rank 0 needs 3 rounds of BOUND, rank 1 one
@@ -60,3 +67,47 @@ def test_masked_rounds_over_the_bound_match_one_rank(fp8: bool, tmp_path: Path) 
         assert r["got"].shape == (TOKENS[rank], HIDDEN)
         assert float(r["want"].float().abs().mean()) > 1e-3
         torch.testing.assert_close(r["got"].float(), r["want"].float(), atol=2e-3, rtol=3e-2)
+
+
+class PaddingRecordingFake(Dispatcher, MaskedDispatcher):
+    """FAKE one-rank masked dispatcher: nothing moves; records the ``num_tokens`` each
+    masked dispatch got and returns an empty slab."""
+
+    num_local_experts, max_tokens_per_rank = 2, 8
+
+    def __init__(self) -> None:
+        self.num_tokens: list[torch.Tensor | None] = []
+
+    def use_masked(self, decode: bool) -> bool:
+        return True
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor) -> Dispatched:
+        raise AssertionError("masked only")
+
+    def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        raise AssertionError("masked only")
+
+    def dispatch_masked(self, x, ids, w, num_tokens=None) -> MaskedDispatched:  # noqa: ANN001
+        self.num_tokens.append(num_tokens)
+        slab = x.new_zeros(2, self.max_tokens_per_rank, x.shape[1])
+        return MaskedDispatched(slab, torch.zeros(2, dtype=torch.int32), state=x.shape[0])
+
+    def combine_masked(self, y: torch.Tensor, dispatched: MaskedDispatched) -> torch.Tensor:
+        return y.new_zeros(dispatched.state, y.shape[2])
+
+
+def test_a_graphs_padding_rows_are_routed_nowhere() -> None:
+    """Inside a uniform batch (a replayed decode graph) the masked dispatch gets the device
+    scalar of real tokens, so DeepEP sends none of the padding rows; outside, none."""
+    d = PaddingRecordingFake()
+    experts = random_experts(2, 256, 128, False, torch.bfloat16, "cpu")
+    x, w, ids = (
+        torch.zeros(4, 256).bfloat16(),
+        torch.ones(4, 2),
+        torch.zeros(4, 2, dtype=torch.long),
+    )
+    real = torch.tensor(3)
+    with uniform_batch(4, real):
+        run_dispatched(d, TorchRefMoE(), x, w, ids, experts, decode=True)
+    run_dispatched(d, TorchRefMoE(), x, w, ids, experts, decode=True)
+    assert d.num_tokens[0] is real and d.num_tokens[1] is None
