@@ -1,4 +1,4 @@
-"""Full logits from a vocab-parallel ``lm_head`` (each rank holds ``V / parts`` rows).
+"""Full logits from a vocab-parallel ``lm_head`` (each rank holds ``ceil(V / parts)`` rows).
 
 Three modes, chosen once from the layout (:func:`logits_mode`):
 
@@ -31,14 +31,15 @@ def logits_mode(layout: RankLayout | None) -> LogitsMode:
 
 
 def vocab_parallel_logits(
-    head: Linear, hidden: torch.Tensor, comm: Comm, mode: LogitsMode
+    head: Linear, hidden: torch.Tensor, comm: Comm, mode: LogitsMode, vocab_size: int
 ) -> torch.Tensor:
-    """Logits [N, V] float32 for this rank's hidden rows [N, H] (``head`` holds V / parts)."""
+    """Logits [N, V] float32 for this rank's hidden rows [N, H] (``head`` holds
+    ``ceil(V / parts)`` rows, zero past ``V`` on the last ranks; those columns are cut)."""
     if mode == "local":
         return head(hidden).float()
     if mode == "vocab":
-        return comm.all_gather(head(hidden), dim=-1).float()
+        return comm.all_gather(head(hidden), dim=-1)[:, :vocab_size].float()
     rows, counts = comm.all_gather_rows(hidden)
     logits = comm.all_gather(head(rows), dim=-1)
     start = comm.rank * max(counts)
-    return logits[start : start + counts[comm.rank]].float()
+    return logits[start : start + counts[comm.rank], :vocab_size].float()

@@ -621,7 +621,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         :mod:`dsv3serve.layers.vocab_parallel`): every rank calls it each step, with 0 rows
         when it has none, and gets the full vocabulary for its own rows.
         """
-        return vocab_parallel_logits(self.lm_head, hidden, self.shard.comm, self.logits_mode)
+        return vocab_parallel_logits(
+            self.lm_head, hidden, self.shard.comm, self.logits_mode, self.cfg.vocab_size
+        )
 
     def checkpoint_targets(self) -> dict[str, LoadTarget]:
         """Every checkpoint tensor name this model consumes, mapped to where it goes."""

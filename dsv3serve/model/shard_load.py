@@ -62,4 +62,14 @@ def _read(handle: object, t: LocalTensor) -> torch.Tensor:
     index = t.placement.index(t.info.shape)
     if index is None:
         return handle.get_tensor(t.name)  # type: ignore[attr-defined]
-    return handle.get_slice(t.name)[index]  # type: ignore[attr-defined]
+    part = handle.get_slice(t.name)[index]  # type: ignore[attr-defined]
+    return _pad_to(part, t.local_shape)
+
+
+def _pad_to(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``part`` zero-padded at the end to ``shape`` (a padded split's last ranks)."""
+    if tuple(part.shape) == tuple(shape):
+        return part
+    out = torch.zeros(shape, dtype=part.dtype)
+    out[tuple(slice(0, n) for n in part.shape)] = part
+    return out

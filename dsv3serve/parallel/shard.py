@@ -57,22 +57,29 @@ class RankLayout:
 
 @dataclass(frozen=True)
 class Split:
-    """The ``rank``-th of ``parts`` equal slices along ``dim``."""
+    """The ``rank``-th of ``parts`` equal slices along ``dim``. ``padded``: the size need not
+    divide; each rank holds ``ceil(size / parts)`` rows, the last ones past the end zero
+    (vLLM's and SGLang's padded vocabulary split)."""
 
     dim: int
     rank: int
     parts: int
+    padded: bool = False
+
+    def _size(self, full: int) -> int:
+        return -(-full // self.parts) if self.padded else full // self.parts
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         out = list(shape)
-        out[self.dim] = shape[self.dim] // self.parts
+        out[self.dim] = self._size(shape[self.dim])
         return tuple(out)
 
     def index(self, shape: tuple[int, ...]) -> tuple[slice, ...]:
-        """The slice of a tensor of full ``shape`` this rank reads."""
-        size = shape[self.dim] // self.parts
+        """The slice of a tensor of full ``shape`` this rank reads (shorter than its local
+        shape on the last ranks of a padded split: the reader pads it with zeros)."""
+        size, full = self._size(shape[self.dim]), shape[self.dim]
         idx = [slice(None)] * len(shape)
-        idx[self.dim] = slice(self.rank * size, (self.rank + 1) * size)
+        idx[self.dim] = slice(min(self.rank * size, full), min((self.rank + 1) * size, full))
         return tuple(idx)
 
 
@@ -121,7 +128,9 @@ def placement_of(name: str, layout: RankLayout, num_experts: int) -> Placement:
     if m := _DENSE.search(name):
         return Placement(split=_split(layout, _proj_dim(m.group(1)), p.dense_tp_size))
     if name.startswith("lm_head."):
-        return Placement(split=_split(layout, 0, p.lm_head_tp_size))
+        parts = p.lm_head_tp_size
+        split = None if parts == 1 else Split(0, layout.tp_rank(parts), parts, padded=True)
+        return Placement(split=split)
     return Placement()
 
 
@@ -154,7 +163,7 @@ def check_split(
     if is_scale and weight_shape is not None:
         _check_scale_split(name, shape, weight_shape, split)
     size = shape[split.dim]
-    if size % split.parts:
+    if size % split.parts and not split.padded:
         raise LayoutError(
             f"{name}: dim {split.dim} of size {size} does not split into {split.parts} parts"
         )
@@ -191,7 +200,6 @@ def check_model(parallel: ParallelConfig, cfg: ModelConfig) -> None:
     checks = [
         ("num_attention_heads", cfg.num_attention_heads, parallel.attn_tp_size, "attention TP"),
         ("n_routed_experts", cfg.n_routed_experts, parallel.ep_size, "ep_size"),
-        ("vocab_size", cfg.vocab_size, parallel.lm_head_tp_size, "the lm_head split"),
         ("intermediate_size", cfg.intermediate_size, parallel.dense_tp_size, "dense TP"),
         ("moe_intermediate_size", cfg.moe_intermediate_size, parallel.moe_tp_size, "MoE TP"),
     ]
