@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv3serve.bench.group import add_group_arguments
 from dsv3serve.bench.kernels import add_kernels_parser
 from dsv3serve.bench.model_args import add_model_parser
 from dsv3serve.bench.serve_args import add_serve_parser
@@ -170,6 +171,13 @@ def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_group(args: argparse.Namespace) -> int:
+    from dsv3serve.bench.group import run_group
+
+    run_group(args)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from router.launch import run
 
@@ -230,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--output-len", type=int, default=16)
     one.add_argument("--json", default="bench_one_batch.json", help="where to write results")
     one.set_defaults(func=_cmd_bench_one_batch)
+    grp = bench.add_parser("group", help="a sharded group's decode / prefill per GPU vs roofline")
+    _engine_args(grp)
+    add_group_arguments(grp)
+    grp.set_defaults(func=_cmd_bench_group)
     add_serve_parser(bench)
     add_kernels_parser(bench)
     add_model_parser(bench)

@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dsv3serve.bench.greedy_compare import compare, first_difference, spread
+from dsv3serve.bench.group import copy_bandwidth, decode_batch, prefill_rate, prompt
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
@@ -90,10 +89,6 @@ def engine_config(args: argparse.Namespace, name: str) -> EngineConfig:
     )
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
-
-
 def _drain(
     engine: Any, tokens: dict[str, list[int]], top: dict[str, list], steps: list[float]
 ) -> None:
@@ -118,7 +113,7 @@ def greedy(engine: Any, one_at_a_time: bool) -> dict[str, Any]:
     top: dict[str, list] = {}
     steps: list[float] = []
     for i in range(GREEDY_PROMPTS):
-        ids = _prompt(rng, rng.randrange(48, 400))
+        ids = prompt(rng, rng.randrange(48, 400))
         engine.add_request(Request(f"g{i}", params, prompt_ids=ids))
         if one_at_a_time:
             _drain(engine, tokens, top, steps)
@@ -130,76 +125,6 @@ def greedy(engine: Any, one_at_a_time: bool) -> dict[str, Any]:
         "tokens": tokens,
         "top": {k: [{str(t): p for t, p in d.items()} for d in v] for k, v in top.items()},
     }
-
-
-def decode_batch(engine: Any, total: int, ctx: int, steps: int) -> dict[str, Any]:
-    """``total`` prompts of ``ctx`` tokens, then ``steps`` timed decode steps."""
-    rng = random.Random(total)
-    params = SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True)
-    for i in range(total):
-        engine.add_request(Request(f"d{total}-{i}", params, prompt_ids=_prompt(rng, ctx)))
-    started: set[str] = set()
-    t0 = time.perf_counter()
-    prefill_steps = []
-    while len(started) < total:
-        s = time.perf_counter()
-        started.update(o.request_id for o in engine.step() if o.token_ids)
-        prefill_steps.append(time.perf_counter() - s)
-    prefill_s = time.perf_counter() - t0
-    emitted, times = 0, []
-    for _ in range(steps):
-        s = time.perf_counter()
-        emitted += sum(len(o.token_ids) for o in engine.step())
-        times.append(time.perf_counter() - s)
-    while engine.has_unfinished():
-        engine.step()
-    times.sort()
-    return {
-        "sequences": total,
-        "ctx": ctx,
-        "prefill_s": round(prefill_s, 3),
-        "prefill_steps": len(prefill_steps),
-        "prefill_slowest_steps_s": [round(v, 3) for v in sorted(prefill_steps)[-3:]],
-        "median_step_ms": round(1000 * times[len(times) // 2], 3),
-        "tok_s_total": round(emitted / sum(times), 1),
-        "decode_s": round(sum(times), 3),
-    }
-
-
-def prefill_rate(engine: Any, total: int, length: int) -> dict[str, Any]:
-    """``total`` prompts of ``length`` tokens, timed from submission to every first token."""
-    rng = random.Random(length)
-    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-    for i in range(total):
-        engine.add_request(Request(f"p{i}", params, prompt_ids=_prompt(rng, length)))
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    seconds = time.perf_counter() - t0
-    return {
-        "prompts": total,
-        "length": length,
-        "seconds": round(seconds, 3),
-        "tok_s_total": round(total * length / seconds, 1),
-    }
-
-
-def copy_bandwidth(device: str) -> float | None:
-    """Device-to-device copy, bytes read + written per second (1 GiB, median of 5)."""
-    if device != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * (1 << 30) / sorted(times[1:])[2]
 
 
 def rank_bytes(llm: LLM, per_rank: int, ctx: int) -> dict[str, int] | None:
