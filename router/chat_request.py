@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dsv3serve.engine.constraint import Constraint
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.constraint import Constraint
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.chat_template import THINK_START, Piece
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.chat_output import OutputParsing, ReasoningMode

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, Literal
 
-from dsv3serve.engine.schema_support import schema_problem
+from dsv3serve.sampling.schema_support import schema_problem
 from dsv3serve.tokenizer.chat_template import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,

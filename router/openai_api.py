@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
+from dsv3serve.sampling.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.admission import Admission, Slot
 from router.body import BodyLimits, read_json_object

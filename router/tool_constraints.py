@@ -6,7 +6,7 @@ each tool's JSON schema. This module states that as an xgrammar *structural tag*
 JSON form of ``xgrammar.StructuralTag``, which ``xgrammar.Grammar.from_structural_tag``
 compiles, and which SGLang takes as ``response_format: {"type": "structural_tag"}``);
 the router hands it to the engine as ``SamplingParams.constraint``, a ``structural_tag``
-:class:`~dsv3serve.engine.constraint.Constraint` holding the tag's JSON text. Only plain
+:class:`~dsv3serve.sampling.constraint.Constraint` holding the tag's JSON text. Only plain
 JSON is built here: no xgrammar import.
 """
 

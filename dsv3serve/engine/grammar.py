@@ -1,6 +1,6 @@
 """Structured output with xgrammar: compiled grammars (cached) and per-sequence matchers.
 
-:class:`GrammarCompiler` turns a :class:`~dsv3serve.engine.constraint.Constraint` into an
+:class:`GrammarCompiler` turns a :class:`~dsv3serve.sampling.constraint.Constraint` into an
 xgrammar ``CompiledGrammar`` against the model's vocabulary, keyed by (kind, text,
 strict) in a bounded LRU cache; an invalid constraint raises ``InvalidRequestError`` (a
 400 for the client) saying what is wrong. xgrammar and the vocabulary tables load on the
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.intake import InvalidRequestError
+from dsv3serve.sampling.constraint import Constraint
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 _ANY_OBJECT = '{"type": "object"}'  # non-strict: any properties with any JSON values

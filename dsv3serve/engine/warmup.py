@@ -17,7 +17,7 @@ from typing import Any
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.settings import Settings
 
 WARMUP_ID = "warmup-0"
