@@ -26,10 +26,13 @@ from dataclasses import replace
 from typing import Any
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorHandle
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
+from dsv3serve.engine.dp_group import DPGroupLeader
+from dsv3serve.engine.group import GroupLeader, GroupSpec, init_group, rank_timeout_s
 from dsv3serve.engine.rank import run_follower
 from dsv3serve.parallel.dispatch_meter import process_snapshots
 from workers.config import WorkerConfig
@@ -81,10 +84,10 @@ class Group:
     """Rank 0's view of its group: the follower actors and (once the engine is built) the
     leader runner that drives them."""
 
-    def __init__(self, followers: list[Any], loops: list[Any]) -> None:
+    def __init__(self, followers: list[ActorHandle], loops: list[ObjectRef[int]]) -> None:
         self.followers, self.loops = followers, loops
-        self._ends: list[Future[Any]] = [ref.future() for ref in loops]
-        self.leader: Any = None
+        self._ends: list[Future[int]] = [ref.future() for ref in loops]
+        self.leader: GroupLeader | DPGroupLeader | None = None
         self._stats: list[dict[str, Any]] = []
         self._asking: asyncio.Future[None] | None = None
 
@@ -119,7 +122,8 @@ class Group:
                 )
 
     def stop(self) -> None:
-        self.leader.stop()
+        if self.leader is not None:
+            self.leader.stop()
         ray.get(self.loops, timeout=60)
 
 
