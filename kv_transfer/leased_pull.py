@@ -18,6 +18,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import KVConnector
 from kv_transfer.handle import KVHandle, TransferError, TransferStats
@@ -54,7 +55,7 @@ class LeasedPullConnector(KVConnector):
 
     # ---- the transport ---------------------------------------------------------------
     @abstractmethod
-    def _source_fields(self) -> dict[str, Any]:
+    def _source_fields(self) -> JSONObject:
         """What the handle carries besides addresses, pages and lease (JSON-safe)."""
 
     @abstractmethod
@@ -133,7 +134,7 @@ class LeasedPullConnector(KVConnector):
         self._check_source(src)
         return source, host, port
 
-    def _check_source(self, fields: dict[str, Any]) -> None:
+    def _check_source(self, fields: JSONObject) -> None:
         """Check the transport's own fields (KeyError / ValueError); none by default."""
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import parse_options
 from kv_transfer.handle import TransferError
@@ -87,11 +88,11 @@ class MooncakeConnector(LeasedPullConnector):
         if rc != 0:
             raise RuntimeError(f"mooncake: registering the pool returned {rc}")
 
-    def _source_fields(self) -> dict[str, Any]:
+    def _source_fields(self) -> JSONObject:
         """This engine's session (``host:rpc_port``)."""
         return {"session": self._session}
 
-    def _check_source(self, fields: dict[str, Any]) -> None:
+    def _check_source(self, fields: JSONObject) -> None:
         str(fields["session"])
 
     def _slices(

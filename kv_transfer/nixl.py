@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import parse_options
 from kv_transfer.handle import TransferError
@@ -80,7 +81,7 @@ class NixlConnector(LeasedPullConnector):
         self._device_id = pool.device.index or 0
         self._remotes: set[str] = set()
 
-    def _source_fields(self) -> dict[str, Any]:
+    def _source_fields(self) -> JSONObject:
         """This agent's name, metadata (base64) and device."""
         return {
             "agent": self._agent_name,
@@ -98,7 +99,7 @@ class NixlConnector(LeasedPullConnector):
         rows += [(b + p * size, size, dev) for b in scale_base for p in pages]
         return self._agent.get_xfer_descs(rows, self._mem_type)
 
-    def _remote(self, source: dict[str, Any]) -> str:
+    def _remote(self, source: JSONObject) -> str:
         name = str(source["agent"])
         with self._lock:
             if name not in self._remotes:

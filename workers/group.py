@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dsv3serve.engine.dp_group import DPGroupLeader
 from dsv3serve.engine.group import GroupLeader, GroupSpec, init_group, rank_timeout_s
 from dsv3serve.engine.rank import run_follower
+from dsv3serve.json_types import JSONObject
 from dsv3serve.parallel.dispatch_meter import process_snapshots
 from workers.config import WorkerConfig
 
@@ -57,7 +58,7 @@ def rank_actor_name(group_name: str, rank: int) -> str:
 class RankWorker:
     """One follower rank: its shard of the model and its KV pool, driven by rank 0."""
 
-    def __init__(self, config_json: str, spec: dict[str, Any]) -> None:
+    def __init__(self, config_json: str, spec: JSONObject) -> None:
         import torch
 
         self.cfg = WorkerConfig.model_validate_json(config_json)
@@ -88,10 +89,10 @@ class Group:
         self.followers, self.loops = followers, loops
         self._ends: list[Future[int]] = [ref.future() for ref in loops]
         self.leader: GroupLeader | DPGroupLeader | None = None
-        self._stats: list[dict[str, Any]] = []
+        self._stats: list[JSONObject] = []
         self._asking: asyncio.Future[None] | None = None
 
-    def dispatch_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    def dispatch_stats(self, timeout_s: float = 5.0) -> list[JSONObject]:
         """The followers' dispatch meter snapshots as last answered, and a new ask of every
         follower started in the background unless one is under way (call it from the
         replica's event loop). The scrape never waits on a follower: its numbers are one
