@@ -17,7 +17,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, Strict, model_validator
 
-from dsv3serve.json_types import JSONObject
 from dsv3serve.sampling.constraint import Constraint
 from dsv3serve.sampling.sampling_params import SamplingParams
 from router.chat_tools import (
