@@ -23,12 +23,11 @@ import asyncio
 import socket
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
 
 import ray
 from ray import ObjectRef
 from ray.actor import ActorHandle
-from ray.util.placement_group import get_current_placement_group
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsv3serve.engine.dp_group import DPGroupLeader
@@ -75,7 +74,7 @@ class RankWorker:
         return run_follower(self.cfg.engine)
 
     @ray.method(concurrency_group="metrics")
-    def dispatch_stats(self) -> list[dict[str, Any]]:
+    def dispatch_stats(self) -> list[JSONObject]:
         """This rank's dispatch / combine meters (``dispatch_meter`` snapshots), answered on
         a thread of their own while ``loop`` runs; empty before the shard is built."""
         return process_snapshots()
@@ -128,15 +127,15 @@ class Group:
         ray.get(self.loops, timeout=60)
 
 
-def _place(pg: Any, rank: int) -> Any:
+def _place(pg: PlacementGroup | None, rank: int) -> PlacementGroupSchedulingStrategy | str:
     if pg is None:
         return "DEFAULT"
     return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
 
-def _spawn(cfg: WorkerConfig, spec: GroupSpec, rank: int, name: str) -> Any:
+def _spawn(cfg: WorkerConfig, spec: GroupSpec, rank: int, name: str) -> ActorHandle:
     """Follower ``rank``'s actor on bundle ``rank`` of this replica's placement group."""
-    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 1 if spec.backend == "nccl" else 0}
+    options: dict[str, int | str] = {"num_cpus": 0, "num_gpus": 1 if spec.backend == "nccl" else 0}
     if name:
         options["name"] = rank_actor_name(name, rank)
     mine = replace(spec, rank=rank, timeout_s=rank_timeout_s(rank, spec.timeout_s))
