@@ -21,7 +21,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -31,6 +31,9 @@ from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# what torch.cuda.graph_pool_handle() returns: the memory pool graphs of one rank share
+GraphPool = tuple[int, int]
 
 
 def padded_size(sizes: list[int], num_seqs: int) -> int:
@@ -97,7 +100,7 @@ class GraphCache(Generic[T]):
     next replay of any graph sharing the pool: callers copy what they keep.
     """
 
-    def __init__(self, device: torch.device, mempool: Any = None) -> None:
+    def __init__(self, device: torch.device, mempool: GraphPool | None = None) -> None:
         self.device = device
         self._mempool = mempool
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -175,7 +178,7 @@ class SpanGraphs(ABC, Generic[T]):
         sizes: list[int],
         scratch_slots: list[int],
         sample: bool,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         """``scratch_slots``: at least ``width`` slots, page-aligned from row 0 of a scratch
         page, for the padding sequences; ``sample``: whether the padding wants logits."""

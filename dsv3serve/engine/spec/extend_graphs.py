@@ -30,12 +30,10 @@ result.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
-from dsv3serve.engine.graph_capture import SpanGraphs, padded_size
+from dsv3serve.engine.graph_capture import GraphPool, SpanGraphs, padded_size
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 
@@ -54,7 +52,7 @@ class ExtendGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
         sizes: list[int],
         scratch_slots: list[int],
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
         scratch page, for the padding sequences (the verify graphs' scratch slots)."""

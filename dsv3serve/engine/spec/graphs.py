@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import (
     GraphCache,
+    GraphPool,
     SpanGraphs,
     StaticInputs,
     fork_attention,
@@ -60,7 +60,7 @@ class VerifyGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
         sizes: list[int],
         scratch_slots: list[int],
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
         scratch page, for the padding sequences."""
@@ -100,7 +100,7 @@ class DraftChainGraphs:
         sizes: list[int],
         scratch_slot: int,
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         if num_steps < 2:
             raise ValueError(f"a draft chain needs num_steps >= 2, got {num_steps}")
@@ -189,7 +189,7 @@ class SpecGraphs:
         sizes: list[int],
         scratch_slots: list[int],
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> SpecGraphs:
         """Capture (or with ``capture=False`` only prepare) every kind of graph."""
         model = draft.target
