@@ -118,9 +118,8 @@ class ModelRunner:
             cuda_graph=self._graph_limits() if use_graphs and self._capture else None,
         )
         self.graphs: DecodeGraphs | None = None
-        self.graph_pool: GraphPool | None = (
-            None  # the memory pool every CUDA graph of this rank shares
-        )
+        # the memory pool every CUDA graph of this rank shares
+        self.graph_pool: GraphPool | None = None
         if use_graphs:
             self.graphs = self._decode_graphs()
 
