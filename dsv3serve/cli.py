@@ -124,7 +124,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate(engine: Engine, args: argparse.Namespace) -> int:
     from dsv3serve.engine.request import Request
-    from dsv3serve.engine.sampling_params import SamplingParams
+    from dsv3serve.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature,

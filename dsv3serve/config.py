@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
+
 
 class ConfigError(ValueError):
     """A config.json field holds a value this runtime does not support."""
@@ -121,7 +123,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(file.read_text()))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: JSONObject) -> ModelConfig:
         """Validate and normalise a raw config dict (either spelling)."""
         _check_model_type(raw)
         theta, yarn = _parse_rope(raw)
@@ -176,7 +178,7 @@ def _first_id(value: Any, default: int) -> int:
     return int(value[0]) if isinstance(value, list) else int(value)
 
 
-def _check_model_type(raw: dict[str, Any]) -> None:
+def _check_model_type(raw: JSONObject) -> None:
     model_type = raw.get("model_type", "deepseek_v3")
     if model_type != "deepseek_v3":
         raise _unsupported("model_type", model_type, ["deepseek_v3"])
@@ -187,7 +189,7 @@ def _check_model_type(raw: dict[str, Any]) -> None:
         raise _unsupported("attention_bias", True, [False])
 
 
-def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+def _parse_rope(raw: JSONObject) -> tuple[float, YarnScaling | None]:
     """Return (rope_theta, YaRN params) from ``rope_scaling`` or ``rope_parameters``."""
     params = raw.get("rope_parameters")
     scaling = params if params is not None else raw.get("rope_scaling")
@@ -211,7 +213,7 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
     return theta, yarn
 
 
-def _parse_quant(qc: dict[str, Any] | None) -> tuple[str | None, tuple[int, int] | None]:
+def _parse_quant(qc: JSONObject | None) -> tuple[str | None, tuple[int, int] | None]:
     if not qc:
         return None, None
     method = qc.get("quant_method")

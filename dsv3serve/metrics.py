@@ -9,13 +9,16 @@ internal endpoint (``router/metrics_server.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from dsv3serve.json_types import JSONObject
 
 NS = "dsv3serve:"
 disable_created_metrics()  # no *_created series (as vLLM): they double every counter
@@ -65,16 +68,16 @@ class Metrics:
         c = identity.labels()
         names = list(c)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(NS + name, doc, names, registry=self.registry, buckets=buckets).labels(
                 **c
             )
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             metric = Counter(NS + name, doc, [*names, *extra], registry=self.registry)
             return metric if extra else metric.labels(**c)
 
-        def gauge(name: str, doc: str) -> Any:
+        def gauge(name: str, doc: str) -> Gauge:
             return Gauge(NS + name, doc, names, registry=self.registry).labels(**c)
 
         # request latencies (router: as clients see them; workers: their own part)
@@ -233,11 +236,13 @@ class EngineState:
 class EngineStateCollector(Collector):
     """Engine gauges and cumulative counters, read from the engine when scraped."""
 
-    def __init__(self, identity: Identity, read: Any, dp_rank: int = 0) -> None:
+    def __init__(
+        self, identity: Identity, read: Callable[[], EngineState], dp_rank: int = 0
+    ) -> None:
         self.labels = {**identity.labels(), "dp_rank": str(dp_rank)}
         self.read = read  # () -> EngineState
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         state: EngineState = self.read()
         names, values = list(self.labels), list(self.labels.values())
         for name, doc, value, family in (
@@ -284,11 +289,11 @@ class DispatchStatsCollector(Collector):
     (``dispatch`` / ``combine``) and ``mode`` (``a2a``, ``normal``, ``low_latency``).
     """
 
-    def __init__(self, identity: Identity, read: Any) -> None:
+    def __init__(self, identity: Identity, read: Callable[[], list[JSONObject]]) -> None:
         self.labels = identity.labels()
-        self.read = read  # () -> list[dict]
+        self.read = read
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         names = [*self.labels, "rank", "phase", "mode"]
         seconds = HistogramMetricFamily(
             NS + "moe_dispatch_seconds",
@@ -315,11 +320,11 @@ class EplbHotRatioCollector(Collector):
     over the group's last EPLB window. ``read`` returns one float per MoE layer (empty before
     the first rebalance; nothing is then exported)."""
 
-    def __init__(self, identity: Identity, read: Any) -> None:
+    def __init__(self, identity: Identity, read: Callable[[], list[float]]) -> None:
         self.labels = identity.labels()
-        self.read = read  # () -> list[float]
+        self.read = read
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         ratios = self.read()
         if not ratios:
             return

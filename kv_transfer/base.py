@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.handle import KVHandle, TransferStats
 from kv_transfer.pages import PageLayout
@@ -15,7 +16,7 @@ __all__ = ["KVConnector", "parse_options"]
 OptionsT = TypeVar("OptionsT")
 
 
-def parse_options(cls: type[OptionsT], options: dict[str, Any], connector: str) -> OptionsT:
+def parse_options(cls: type[OptionsT], options: JSONObject, connector: str) -> OptionsT:
     """Build the frozen options dataclass ``cls``; unknown names raise ValueError."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(options) - known)

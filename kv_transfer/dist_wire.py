@@ -24,11 +24,12 @@ import struct
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from dsv3serve.json_types import JSONObject
 from kv_transfer.handle import KVHandle, TransferError
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class Address:
     backend: str
     server: str
 
-    def source(self) -> dict[str, Any]:
+    def source(self) -> JSONObject:
         return {
             "host": self.host,
             "port": self.port,
@@ -158,7 +159,7 @@ class Address:
         }
 
     @classmethod
-    def parse(cls, source: dict[str, Any], request_id: str) -> Address:
+    def parse(cls, source: JSONObject, request_id: str) -> Address:
         """Validate a handle's ``source`` (it crossed the wire); TransferError if bad."""
         try:
             addr = cls(

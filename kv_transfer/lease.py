@@ -28,6 +28,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.handle import TransferError
 
@@ -128,11 +129,11 @@ class Staging:
             self._cond.notify_all()
 
 
-def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+def _send(sock: socket.socket, message: JSONObject) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _recv(reader: Any) -> dict[str, Any] | None:
+def _recv(reader: Any) -> JSONObject | None:
     """One JSON object line, or None at EOF; ValueError for anything else."""
     line = reader.readline(_MAX_LINE + 1)
     if not line:
@@ -145,7 +146,7 @@ def _recv(reader: Any) -> dict[str, Any] | None:
     return message
 
 
-def _parse_pin(message: dict[str, Any] | None) -> tuple[str, list[int]]:
+def _parse_pin(message: JSONObject | None) -> tuple[str, list[int]]:
     if message is None:
         raise ValueError("connection closed before the pin request")
     rid, pages = message.get("rid"), message.get("pages")
@@ -214,7 +215,7 @@ class LeaseServer:
         self._thread.join(timeout=2 * _ACCEPT_POLL_S + 1)
 
 
-def _try_send(conn: socket.socket, message: dict[str, Any]) -> None:
+def _try_send(conn: socket.socket, message: JSONObject) -> None:
     with suppress(OSError):
         _send(conn, message)
 

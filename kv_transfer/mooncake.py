@@ -8,7 +8,7 @@ Design (as :mod:`kv_transfer.nixl`): each connector starts one engine with the
 peer-to-peer handshake (no metadata server) and registers its whole pool (every layer's
 KV buffer and fp8 scale buffer) once. ``publish`` records the pages; the handle carries the
 engine's session (``host:rpc_port``), the base address of each layer's buffers and the
-address of the connector's lease server (:mod:`kv_transfer.lease`). The receiver pins the
+address of the connector's lease server (:mod:`kv_transfer.leased_pull`). The receiver pins the
 request there (a released or unknown request is refused: TransferError), then READs one
 slice per (layer, page) with ``batch_transfer_sync_read`` straight into its own pages, then
 unpins. ``release`` waits for the pins in flight. Only JSON crosses the wire.
@@ -21,23 +21,15 @@ alive just before, but a peer that stops answering mid-READ is bounded only by T
 from __future__ import annotations
 
 import importlib
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
-from kv_transfer.base import KVConnector, parse_options
-from kv_transfer.handle import KVHandle, TransferError, TransferStats
-from kv_transfer.lease import (
-    LeaseServer,
-    Staging,
-    check_host,
-    int_list,
-    pinned,
-    pool_regions,
-)
-from kv_transfer.pages import check_dst_pages, check_publish, make_handle
+from kv_transfer.base import parse_options
+from kv_transfer.handle import TransferError
+from kv_transfer.lease import check_host, pool_regions
+from kv_transfer.leased_pull import LeasedPullConnector, PullSource
 
 __all__ = ["MooncakeConnector", "MooncakeOptions"]
 
@@ -76,20 +68,17 @@ def _buffers(pool: MLAKVPool) -> tuple[list[int], list[int]]:
     return [t.data_ptr() for t in tensors], [t.numel() * t.element_size() for t in tensors]
 
 
-class MooncakeConnector(KVConnector):
+class MooncakeConnector(LeasedPullConnector):
     """One Mooncake Transfer Engine per pool; see the module docstring."""
 
     name = "mooncake"
-    # several stagings per request are not exercised here (no test runs this connector
-    # against a live peer): prefill results stay whole, after the prefill
-    incremental = False
 
     def __init__(self, pool: MLAKVPool, **options: Any) -> None:
-        super().__init__(pool)
         self.options = parse_options(MooncakeOptions, options, self.name)
+        opts = self.options
+        super().__init__(pool, opts.host, opts.port, opts.timeout_s)
         engine_cls = importlib.import_module("mooncake.engine").TransferEngine
         self._engine = engine_cls()
-        opts = self.options
         rc = self._engine.initialize(opts.host, "P2PHANDSHAKE", opts.protocol, opts.device_name)
         if rc != 0:
             raise RuntimeError(f"mooncake: engine initialize({opts.host!r}) returned {rc}")
@@ -98,41 +87,13 @@ class MooncakeConnector(KVConnector):
         rc = self._engine.batch_register_memory(self._addresses, sizes)
         if rc != 0:
             raise RuntimeError(f"mooncake: registering the pool returned {rc}")
-        self._staging = Staging(opts.timeout_s)
-        self._server: LeaseServer | None = None
-        self._lock = threading.Lock()
-        self._closed = False
 
-    def _ensure_server(self) -> LeaseServer:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("mooncake connector is closed")
-            if self._server is None:
-                opts = self.options
-                self._server = LeaseServer(self._staging, opts.host, opts.port, opts.timeout_s)
-            return self._server
+    def _source_fields(self) -> JSONObject:
+        """This engine's session (``host:rpc_port``)."""
+        return {"session": self._session}
 
-    def publish(self, request_id: str, pages: list[int], num_tokens: int) -> KVHandle:
-        """Stage ``pages`` (no copy); the handle carries this engine's session and addresses."""
-        check_publish(self.pool, pages, num_tokens)
-        server = self._ensure_server()
-        self._staging.add(request_id, pages)
-        kv_base, scale_base = pool_regions(self.pool)
-        source = {
-            "session": self._session,
-            "kv_base": kv_base,
-            "scale_base": scale_base,
-            "pages": list(pages),
-            "lease": [server.host, server.port],
-        }
-        return make_handle(self.name, self.layout, request_id, len(pages), num_tokens, source)
-
-    def release(self, request_id: str) -> None:
-        """Unstage ``request_id``; returns once no READ of it is in flight (or timeout_s)."""
-        self._staging.remove(request_id)
-
-    def staged(self) -> int:
-        return len(self._staging)
+    def _check_source(self, fields: JSONObject) -> None:
+        str(fields["session"])
 
     def _slices(
         self, kv_base: list[int], scale_base: list[int], pages: list[int]
@@ -145,43 +106,17 @@ class MooncakeConnector(KVConnector):
         lengths += [scale_size] * (len(addrs) - len(lengths))
         return addrs, lengths
 
-    def receive(self, handle: KVHandle, dst_pages: list[int]) -> TransferStats:
-        """Pin the handle's request at its lease server, READ its pages into ``dst_pages``."""
-        start = time.perf_counter()
-        check_dst_pages(handle, self.layout, dst_pages, self.pool.num_pages, self.name)
-        rid = handle.request_id
-        if self._closed:
-            raise TransferError(f"receive {rid!r}: mooncake connector is closed")
-        local_kv, local_scale = pool_regions(self.pool)
-        try:
-            src = handle.source
-            session = str(src["session"])
-            src_pages = int_list(src["pages"])
-            kv_base, scale_base = int_list(src["kv_base"]), int_list(src["scale_base"])
-            host, port = str(src["lease"][0]), int(src["lease"][1])
-            if len(src_pages) != handle.num_pages:
-                raise ValueError("source pages != num_pages")
-            if len(kv_base) != len(local_kv) or len(scale_base) != len(local_scale):
-                raise ValueError("source buffers do not match this pool's layers")
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise TransferError(f"receive {rid!r}: bad mooncake source: {exc}") from exc
-        remote, lengths = self._slices(kv_base, scale_base, src_pages)
-        local, _ = self._slices(local_kv, local_scale, dst_pages)
-        with pinned(host, port, rid, src_pages, self.options.timeout_s):
-            rc = self._engine.batch_transfer_sync_read(session, local, remote, lengths)
+    def _read(self, source: PullSource, dst_pages: list[int], request_id: str) -> None:
+        """One synchronous batch READ of every slice; TransferError on a non-zero return."""
+        session = str(source.fields["session"])
+        remote, lengths = self._slices(source.kv_base, source.scale_base, source.pages)
+        local, _ = self._slices(*pool_regions(self.pool), dst_pages)
+        rc = self._engine.batch_transfer_sync_read(session, local, remote, lengths)
         if rc != 0:
-            raise TransferError(f"receive {rid!r}: mooncake READ from {session} returned {rc}")
-        seconds = time.perf_counter() - start
-        return TransferStats(request_id=rid, nbytes=handle.nbytes, seconds=seconds)
+            raise TransferError(
+                f"receive {request_id!r}: mooncake READ from {session} returned {rc}"
+            )
 
-    def close(self) -> None:
-        """Stop serving pins, wait for READs in flight, unregister the pool; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        self._staging.clear()
+    def _close_transport(self) -> None:
+        """Unregister the pool."""
         self._engine.batch_unregister_memory(self._addresses)

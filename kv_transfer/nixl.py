@@ -7,11 +7,9 @@ have not run.
 Design: each connector registers its whole pool (every layer's KV buffer and fp8 scale
 buffer) with its agent once. ``publish`` records the pages; the handle carries the agent's
 metadata (base64), the base address of each layer's buffers and the address of the
-connector's lease server (:mod:`kv_transfer.lease`). The receiver first pins the
-request at that server, which refuses a released or unknown request (so a pull after
-``release`` fails with TransferError instead of reading reused pages), then builds one
-descriptor per (layer, page) and READs them straight into its own pages, then unpins.
-``release`` waits for the pins in flight, so no READ runs after it returns. NIXL's
+connector's lease server (:mod:`kv_transfer.leased_pull`: staging, pin, release). Under
+the pin the receiver builds one descriptor per (layer, page) and READs them straight into
+its own pages. NIXL's
 ``get_serialized_descs`` pickles, so descriptors never cross the wire: only JSON does.
 """
 
@@ -21,23 +19,16 @@ import base64
 import contextlib
 import importlib
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
-from kv_transfer.base import KVConnector, parse_options
-from kv_transfer.handle import KVHandle, TransferError, TransferStats
-from kv_transfer.lease import (
-    LeaseServer,
-    Staging,
-    check_host,
-    int_list,
-    pinned,
-    pool_regions,
-)
-from kv_transfer.pages import check_dst_pages, check_publish, make_handle
+from kv_transfer.base import parse_options
+from kv_transfer.handle import TransferError
+from kv_transfer.lease import check_host, pool_regions
+from kv_transfer.leased_pull import LeasedPullConnector, PullSource
 
 __all__ = ["NixlConnector", "NixlOptions"]
 
@@ -68,17 +59,14 @@ class NixlOptions:
             )
 
 
-class NixlConnector(KVConnector):
+class NixlConnector(LeasedPullConnector):
     """One NIXL agent per pool; see the module docstring."""
 
     name = "nixl"
-    # several stagings per request are not exercised here (no test runs this connector
-    # against a live peer): prefill results stay whole, after the prefill
-    incremental = False
 
     def __init__(self, pool: MLAKVPool, **options: Any) -> None:
-        super().__init__(pool)
         self.options = parse_options(NixlOptions, options, self.name)
+        super().__init__(pool, self.options.host, self.options.port, self.options.timeout_s)
         api = importlib.import_module("nixl._api")
         self._agent_name = f"dsv3kv-{secrets.token_hex(6)}"
         config = api.nixl_agent_config(
@@ -91,44 +79,15 @@ class NixlConnector(KVConnector):
         self._registered = self._agent.register_memory(tensors)
         self._mem_type = "cuda" if pool.device.type == "cuda" else "cpu"
         self._device_id = pool.device.index or 0
-        self._staging = Staging(self.options.timeout_s)
-        self._server: LeaseServer | None = None
         self._remotes: set[str] = set()
-        self._lock = threading.Lock()
-        self._closed = False
 
-    def _ensure_server(self) -> LeaseServer:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("nixl connector is closed")
-            if self._server is None:
-                opts = self.options
-                self._server = LeaseServer(self._staging, opts.host, opts.port, opts.timeout_s)
-            return self._server
-
-    def publish(self, request_id: str, pages: list[int], num_tokens: int) -> KVHandle:
-        """Stage ``pages`` (no copy); the handle carries this agent's metadata and addresses."""
-        check_publish(self.pool, pages, num_tokens)
-        server = self._ensure_server()
-        self._staging.add(request_id, pages)
-        kv_base, scale_base = pool_regions(self.pool)
-        source = {
+    def _source_fields(self) -> JSONObject:
+        """This agent's name, metadata (base64) and device."""
+        return {
             "agent": self._agent_name,
             "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
             "device_id": self._device_id,
-            "kv_base": kv_base,
-            "scale_base": scale_base,
-            "pages": list(pages),
-            "lease": [server.host, server.port],
         }
-        return make_handle(self.name, self.layout, request_id, len(pages), num_tokens, source)
-
-    def release(self, request_id: str) -> None:
-        """Unstage ``request_id``; returns once no READ of it is in flight (or timeout_s)."""
-        self._staging.remove(request_id)
-
-    def staged(self) -> int:
-        return len(self._staging)
 
     def _descs(self, kv_base: list[int], scale_base: list[int], pages: list[int], dev: int):
         rows = [
@@ -140,7 +99,7 @@ class NixlConnector(KVConnector):
         rows += [(b + p * size, size, dev) for b in scale_base for p in pages]
         return self._agent.get_xfer_descs(rows, self._mem_type)
 
-    def _remote(self, source: dict[str, Any]) -> str:
+    def _remote(self, source: JSONObject) -> str:
         name = str(source["agent"])
         with self._lock:
             if name not in self._remotes:
@@ -152,40 +111,20 @@ class NixlConnector(KVConnector):
                 self._remotes.add(name)
         return name
 
-    def receive(self, handle: KVHandle, dst_pages: list[int]) -> TransferStats:
-        """Pin the handle's request at its lease server, READ its pages into ``dst_pages``."""
-        start = time.perf_counter()
-        check_dst_pages(handle, self.layout, dst_pages, self.pool.num_pages, self.name)
-        rid = handle.request_id
-        if self._closed:
-            raise TransferError(f"receive {rid!r}: nixl connector is closed")
+    def _read(self, source: PullSource, dst_pages: list[int], request_id: str) -> None:
+        """Describe both sides' (layer, page) rows and READ them; TransferError on failure."""
         try:
-            src = handle.source
-            src_pages = int_list(src["pages"])
-            kv_base, scale_base = int_list(src["kv_base"]), int_list(src["scale_base"])
-            host, port = str(src["lease"][0]), int(src["lease"][1])
-            if len(src_pages) != handle.num_pages:
-                raise ValueError("source pages != num_pages")
-            if len(kv_base) != self.pool.num_layers or len(scale_base) != len(
-                pool_regions(self.pool)[1]
-            ):
-                raise ValueError("source buffers do not match this pool's layers")
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise TransferError(f"receive {rid!r}: bad nixl source: {exc}") from exc
-        with pinned(host, port, rid, src_pages, self.options.timeout_s):
-            try:
-                remote = self._remote(src)
-                remote_descs = self._descs(kv_base, scale_base, src_pages, int(src["device_id"]))
-                local_descs = self._descs(*pool_regions(self.pool), dst_pages, self._device_id)
-                self._read(local_descs, remote_descs, remote, rid)
-            except TransferError:
-                raise
-            except Exception as exc:
-                raise TransferError(f"receive {rid!r}: nixl READ failed: {exc}") from exc
-        seconds = time.perf_counter() - start
-        return TransferStats(request_id=rid, nbytes=handle.nbytes, seconds=seconds)
+            remote = self._remote(source.fields)
+            device = int(source.fields["device_id"])
+            remote_descs = self._descs(source.kv_base, source.scale_base, source.pages, device)
+            local_descs = self._descs(*pool_regions(self.pool), dst_pages, self._device_id)
+            self._transfer(local_descs, remote_descs, remote, request_id)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"receive {request_id!r}: nixl READ failed: {exc}") from exc
 
-    def _read(self, local: Any, remote: Any, remote_name: str, request_id: str) -> None:
+    def _transfer(self, local: Any, remote: Any, remote_name: str, request_id: str) -> None:
         xfer = self._agent.initialize_xfer("READ", local, remote, remote_name, b"")
         try:
             state = self._agent.transfer(xfer)
@@ -198,17 +137,10 @@ class NixlConnector(KVConnector):
         finally:
             self._agent.release_xfer_handle(xfer)
 
-    def close(self) -> None:
-        """Stop serving pins, wait for READs in flight, drop remotes; idempotent."""
+    def _close_transport(self) -> None:
+        """Drop the remote agents, deregister the pool."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            server, self._server = self._server, None
             remotes, self._remotes = list(self._remotes), set()
-        if server is not None:
-            server.close()
-        self._staging.clear()
         for name in remotes:
             with contextlib.suppress(Exception):  # the remote agent may be gone already
                 self._agent.remove_remote_agent(name)

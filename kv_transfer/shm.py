@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import KVConnector, parse_options
 from kv_transfer.handle import KVHandle, TransferError, TransferStats
@@ -97,7 +98,7 @@ class _Mapping:
         self._mmap.close()
 
 
-def _map_segment(source: dict[str, Any], request_id: str) -> _Mapping:
+def _map_segment(source: JSONObject, request_id: str) -> _Mapping:
     name = source.get("segment")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise TransferError(f"receive {request_id!r}: bad shm segment name {name!r}")

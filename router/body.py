@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from dsv3serve.json_types import JSONObject
 from router.errors import APIError, bad_request
 
 # A JSON string: quotes around any run of non-quote, non-backslash bytes or escapes.
@@ -92,7 +93,7 @@ def _check_no_lone_surrogates(body: Any, raw: bytes) -> None:
         ) from None
 
 
-def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+def parse_json_object(raw: bytes, max_depth: int) -> JSONObject:
     """``raw`` as a JSON object; 400 for bad UTF-8, bad JSON, too deep, not an object."""
     _check_depth(raw, max_depth)
     try:
@@ -107,7 +108,7 @@ def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
     return body
 
 
-async def read_json_object(request: Request, limits: BodyLimits) -> dict[str, Any]:
+async def read_json_object(request: Request, limits: BodyLimits) -> JSONObject:
     """The body as a JSON object: 413 over the size, 408 when the client is too slow to
     send it, 400 unless a UTF-8 JSON object within the depth limit."""
     try:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.parsers.reasoning import ReasoningParser
 from dsv3serve.parsers.tool_calls import ToolCallDelta, ToolCallParser
 from dsv3serve.tokenizer.chat_template import THINK_END
@@ -131,9 +132,9 @@ class ChoiceParser:
         """``tool_calls`` when the output ended on its own after making calls."""
         return "tool_calls" if reason == "stop" and self.calls else reason
 
-    def delta_body(self, delta: ChatDelta) -> dict[str, Any]:
+    def delta_body(self, delta: ChatDelta) -> JSONObject:
         """A stream ``delta``: only the fields with something new."""
-        body: dict[str, Any] = {}
+        body: JSONObject = {}
         if delta.reasoning_content and self.parsing.include_reasoning:
             body["reasoning_content"] = delta.reasoning_content
         if delta.content:
@@ -143,9 +144,9 @@ class ChoiceParser:
             body["tool_calls"] = calls
         return body
 
-    def _call_deltas(self, pieces: tuple[ToolCallDelta, ...]) -> list[dict[str, Any]]:
+    def _call_deltas(self, pieces: tuple[ToolCallDelta, ...]) -> list[JSONObject]:
         """One entry per call touched; a call's first entry carries its id and name."""
-        entries: dict[int, dict[str, Any]] = {}
+        entries: dict[int, JSONObject] = {}
         for piece in pieces:
             entry = entries.setdefault(piece.index, {"index": piece.index})
             function = entry.setdefault("function", {})
@@ -155,10 +156,10 @@ class ChoiceParser:
             function["arguments"] = function.get("arguments", "") + piece.arguments
         return list(entries.values())
 
-    def message(self) -> dict[str, Any]:
+    def message(self) -> JSONObject:
         """The whole ``message`` of a non-streaming response."""
         content = "".join(self._content_parts)
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        message: JSONObject = {"role": "assistant", "content": content or None}
         if self._reasoning is not None and self.parsing.include_reasoning:
             message["reasoning_content"] = "".join(self._reasoning_parts) or None
         if self.calls:
@@ -177,7 +178,7 @@ class ChoiceParser:
         return _tokens_through(THINK_END, token_ids, self.parsing.decode)
 
 
-def _call_body(call: _Call) -> dict[str, Any]:
+def _call_body(call: _Call) -> JSONObject:
     function = {"name": call.name, "arguments": "".join(call.arguments)}
     return {"id": call.id, "type": "function", "function": function}
 

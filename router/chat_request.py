@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dsv3serve.engine.constraint import Constraint
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.json_types import JSONObject
+from dsv3serve.sampling.constraint import Constraint
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.chat_template import THINK_START, Piece
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.chat_output import OutputParsing, ReasoningMode
@@ -82,7 +83,7 @@ def reasoning_mode(
     return "detect" if parser == "deepseek-r1" else None
 
 
-def _constraint(body: ChatCompletionRequest, opens_reasoning: bool) -> dict[str, Any]:
+def _constraint(body: ChatCompletionRequest, opens_reasoning: bool) -> JSONObject:
     """``{"constraint": ...}`` (a structural tag) when ``tool_choice`` needs one."""
     tools, choice = body.tools or [], body.effective_tool_choice
     tag = tool_call_structural_tag(tools, choice, body.parallel_tool_calls, opens_reasoning)

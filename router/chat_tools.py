@@ -14,7 +14,8 @@ import json
 import re
 from typing import Any, Literal
 
-from dsv3serve.engine.schema_support import schema_problem
+from dsv3serve.json_types import JSONObject
+from dsv3serve.sampling.schema_support import schema_problem
 from dsv3serve.tokenizer.chat_template import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
@@ -67,7 +68,7 @@ class ToolCall(RequestPart):
     type: Literal["function"] = "function"
     function: FunctionCall
 
-    def as_template_call(self) -> dict[str, Any]:
+    def as_template_call(self) -> JSONObject:
         """The call as the chat template renders it."""
         function = {"name": self.function.name, "arguments": self.function.arguments}
         return {"type": self.type, "function": function}

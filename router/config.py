@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.json_types import JSONObject
 from router.policy import Policy
 from workers.config import WorkerConfig
 from workers.pd_compat import check_pd_kv_compatible
@@ -247,7 +248,7 @@ class ServingConfig(BaseModel):
             raise ValueError(_problems(role, exc)) from None
 
     @classmethod
-    def parse(cls, data: dict[str, Any]) -> ServingConfig:
+    def parse(cls, data: JSONObject) -> ServingConfig:
         """Validate ``data``; raises ConfigError naming every bad field."""
         try:
             return cls.model_validate(data)

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from dsv3serve.json_types import JSONObject
 from workers.backend import BackendError
 
 INVALID_REQUEST = "invalid_request_error"
@@ -35,14 +36,14 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         """The JSON body OpenAI clients parse into their exception types."""
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+) -> JSONObject:
     """``{"error": {...}}`` with every key present (``null`` where not applicable)."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 

@@ -8,8 +8,9 @@ HTTP layer's ``ResponseBuilder`` state and backend ``TokenChunk``s.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal
 
+from dsv3serve.json_types import JSONObject
 from router.chat_output import ChatDelta, ChoiceParser
 from router.errors import bad_request
 from router.openai_protocol import TopLogprobs
@@ -21,7 +22,7 @@ Kind = Literal["chat", "completion"]
 
 
 # ---- requests -> bodies ----------------------------------------------------------------
-def sampling_body(options: pb.SamplingOptions, kind: Kind) -> dict[str, Any]:
+def sampling_body(options: pb.SamplingOptions, kind: Kind) -> JSONObject:
     """The request fields the client set; an unset one takes the HTTP default."""
     body = {
         field.name: list(value) if field.is_repeated else value
@@ -39,7 +40,7 @@ def sampling_body(options: pb.SamplingOptions, kind: Kind) -> dict[str, Any]:
 STRUCTURE_FIELDS = ("json_object", "json_schema", "regex", "ebnf", "json_schema_strict")
 
 
-def structure_fields(options: pb.SamplingOptions) -> dict[str, Any]:
+def structure_fields(options: pb.SamplingOptions) -> JSONObject:
     """The HTTP fields of the options' structured-output choice (``response_format``,
     ``regex`` or ``ebnf``); a ``json_schema`` that is not JSON is INVALID_ARGUMENT."""
     which = options.WhichOneof("structure")
@@ -57,7 +58,7 @@ def structure_fields(options: pb.SamplingOptions) -> dict[str, Any]:
     return {}
 
 
-def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
+def completion_body(request: pb.GenerateRequest) -> JSONObject:
     """A ``/v1/completions`` body: the text or token-id prompt and the sampling options."""
     body = sampling_body(request.sampling, "completion")
     prompt = request.WhichOneof("prompt")
@@ -70,8 +71,8 @@ def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
     return body
 
 
-def _message(message: pb.ChatMessage) -> dict[str, Any]:
-    body: dict[str, Any] = {"role": message.role, "content": message.content}
+def _message(message: pb.ChatMessage) -> JSONObject:
+    body: JSONObject = {"role": message.role, "content": message.content}
     if message.tool_calls:
         body["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -83,8 +84,8 @@ def _message(message: pb.ChatMessage) -> dict[str, Any]:
     return body
 
 
-def _tool(index: int, tool: pb.FunctionTool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name, "strict": tool.strict}
+def _tool(index: int, tool: pb.FunctionTool) -> JSONObject:
+    function: JSONObject = {"name": tool.name, "strict": tool.strict}
     if tool.description:
         function["description"] = tool.description
     if tool.parameters_json:
@@ -96,9 +97,9 @@ def _tool(index: int, tool: pb.FunctionTool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _tool_fields(request: pb.ChatRequest) -> dict[str, Any]:
+def _tool_fields(request: pb.ChatRequest) -> JSONObject:
     """``tools``, ``tool_choice`` and the reasoning switches the client set."""
-    body: dict[str, Any] = {}
+    body: JSONObject = {}
     if request.tools:
         body["tools"] = [_tool(i, t) for i, t in enumerate(request.tools)]
     choice = request.tool_choice.WhichOneof("choice")
@@ -113,7 +114,7 @@ def _tool_fields(request: pb.ChatRequest) -> dict[str, Any]:
     return body
 
 
-def chat_body(request: pb.ChatRequest) -> dict[str, Any]:
+def chat_body(request: pb.ChatRequest) -> JSONObject:
     """A ``/v1/chat/completions`` body; raises APIError (400) for unreadable tool JSON."""
     body = sampling_body(request.sampling, "chat")
     body["messages"] = [_message(m) for m in request.messages]
@@ -142,7 +143,7 @@ def token_logprobs(
     return entries
 
 
-def usage_message(usage: dict[str, Any]) -> pb.Usage:
+def usage_message(usage: JSONObject) -> pb.Usage:
     """``ResponseBuilder.usage()`` as a message."""
     message = pb.Usage(
         prompt_tokens=usage["prompt_tokens"],
@@ -156,7 +157,7 @@ def usage_message(usage: dict[str, Any]) -> pb.Usage:
     return message
 
 
-def _calls(entries: list[dict[str, Any]]) -> list[pb.ToolCall]:
+def _calls(entries: list[JSONObject]) -> list[pb.ToolCall]:
     """OpenAI ``tool_calls`` entries (whole or delta) as messages."""
     return [
         pb.ToolCall(
@@ -169,7 +170,7 @@ def _calls(entries: list[dict[str, Any]]) -> list[pb.ToolCall]:
     ]
 
 
-def _parsed_fields(body: dict[str, Any]) -> dict[str, Any]:
+def _parsed_fields(body: JSONObject) -> JSONObject:
     """A parsed chat message or delta as Choice fields (text is the content)."""
     return {
         "text": body.get("content") or "",
@@ -178,7 +179,7 @@ def _parsed_fields(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _whole_text(state: ChoiceState) -> dict[str, Any]:
+def _whole_text(state: ChoiceState) -> JSONObject:
     text = "".join(state.text)
     if state.parser is None:
         return {"text": text, "finish_reason": state.finish_reason or ""}
@@ -208,7 +209,7 @@ def whole_response(builder: ResponseBuilder) -> pb.GenerateResponse:
     )
 
 
-def _delta_fields(chunk: TokenChunk, parser: ChoiceParser | None) -> dict[str, Any]:
+def _delta_fields(chunk: TokenChunk, parser: ChoiceParser | None) -> JSONObject:
     """Text fields and finish reason of ``chunk``, split by ``parser`` when there is one."""
     reason = (chunk.finish_reason or "") if chunk.finished else ""
     if parser is None:

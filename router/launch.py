@@ -8,10 +8,11 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import yaml
 
+from dsv3serve.json_types import JSONObject
 from router.config import ConfigError, ServingConfig
 from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
@@ -20,7 +21,7 @@ GRPC_SERVICER = "router.proto.generate_pb2_grpc.add_GenerationServicer_to_server
 DEFAULT_GRPC_PORT = 9000
 
 
-def local_pd_config() -> dict[str, Any]:
+def local_pd_config() -> JSONObject:
     """The embedded default: deploy/local-pd.yaml (tiny model, CPU, 1 prefill + 1 decode)."""
     return {
         "proxy_location": "HeadOnly",
@@ -57,7 +58,7 @@ def local_pd_config() -> dict[str, Any]:
     }
 
 
-def load_deploy_file(path: Path | None) -> dict[str, Any]:
+def load_deploy_file(path: Path | None) -> JSONObject:
     """A Serve deploy config (Ray's ServeDeploySchema) whose apps are ours, validated.
 
     Raises ConfigError naming the file and the bad field.
@@ -78,7 +79,7 @@ def load_deploy_file(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def grpc_options(data: dict[str, Any], grpc_port: int | None = None) -> dict[str, Any] | None:
+def grpc_options(data: JSONObject, grpc_port: int | None = None) -> JSONObject | None:
     """The deploy file's ``grpc_options`` (``grpc_port`` replacing its port); None: no gRPC.
 
     Serve starts its gRPC proxy only when servicer functions are listed; it listens on
@@ -126,7 +127,7 @@ def _check_loopback_node() -> None:
         )
 
 
-def http_options(data: dict[str, Any], port: int | None = None) -> dict[str, Any]:
+def http_options(data: JSONObject, port: int | None = None) -> JSONObject:
     """The deploy file's ``http_options`` (Serve's: ``keep_alive_timeout_s``,
     ``request_timeout_s``, ...) on loopback unless it names a host; ``port`` replaces
     its port."""
@@ -153,7 +154,7 @@ def init_local_ray() -> None:
     _check_loopback_node()
 
 
-def start(data: dict[str, Any], port: int | None = None, grpc_port: int | None = None) -> str:
+def start(data: JSONObject, port: int | None = None, grpc_port: int | None = None) -> str:
     """Start a local Ray cluster (``init_local_ray``), HTTP (on loopback unless the file
     names a host), gRPC when the file has ``grpc_options``, and every app; returns the
     HTTP URL."""
@@ -240,7 +241,7 @@ def check(url: str, model: str, api_key: str) -> str:
     return reply.choices[0].message.content or ""
 
 
-def check_line(url: str, data: dict[str, Any], grpc_port: int | None) -> str:
+def check_line(url: str, data: JSONObject, grpc_port: int | None) -> str:
     """``--check``: one chat completion over HTTP, and the gRPC Health when gRPC is on."""
     from router.auth import APIKeyAuth
 
@@ -257,7 +258,7 @@ def check_line(url: str, data: dict[str, Any], grpc_port: int | None) -> str:
     return line
 
 
-def with_reasoning_parser(data: dict[str, Any], parser: str | None) -> dict[str, Any]:
+def with_reasoning_parser(data: JSONObject, parser: str | None) -> JSONObject:
     """``data`` with ``router.reasoning_parser`` set on every app (None: as the file says)."""
     if parser is None:
         return data

@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
+from dsv3serve.json_types import JSONObject
+from dsv3serve.sampling.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.admission import Admission, Slot
 from router.body import BodyLimits, read_json_object
@@ -145,7 +146,7 @@ def build_sampling_params(
     prompt_len: int,
     config: APIConfig,
     prompt_param: str,
-    extra: dict[str, Any] | None = None,
+    extra: JSONObject | None = None,
 ) -> SamplingParams:
     """SamplingParams of ``body`` (and ``extra`` fields, e.g. a tool constraint);
     ``max_tokens`` defaults to what the context leaves."""
@@ -224,7 +225,7 @@ async def first_chunk(chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
 
 async def collect(
     builder: ResponseBuilder, first: TokenChunk, chunks: AsyncIterator[TokenChunk]
-) -> dict[str, Any]:
+) -> JSONObject:
     """Wait for all ``n`` sequences; the whole non-streaming response body."""
     chunk: TokenChunk | None = first
     while chunk is not None:
@@ -300,7 +301,7 @@ class OpenAIServer:
             logger.exception("%s request failed", kind)
             return self._error(internal_error(exc))
 
-    def prepare(self, body: dict[str, Any], kind: Kind) -> Prepared:
+    def prepare(self, body: JSONObject, kind: Kind) -> Prepared:
         """Validate ``body`` into a GenerateRequest with a router-assigned id: the one
         validation path of HTTP and gRPC. Raises APIError (400; 404 for the model)."""
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -404,7 +405,7 @@ class OpenAIServer:
         builder = ResponseBuilder(prepared.meta)
         return SSEResponse(stream_events(builder, first, guard, prepared.include_usage), guard)
 
-    async def _whole(self, prepared: Prepared) -> dict[str, Any]:
+    async def _whole(self, prepared: Prepared) -> JSONObject:
         """The whole (non-streaming) response body of ``prepared``."""
         guard, first = await self.open(prepared)
         try:

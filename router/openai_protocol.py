@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, Strict, model_validator
 
-from dsv3serve.engine.constraint import Constraint
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.constraint import Constraint
+from dsv3serve.sampling.sampling_params import SamplingParams
 from router.chat_tools import (
     ToolCall,
     ToolChoice,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from dsv3serve.json_types import JSONObject
 from router.chat_output import ChoiceParser, OutputParsing
 from router.openai_protocol import TopLogprobs
 from workers.protocol import TokenChunk
@@ -49,14 +50,14 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def _token_entry(token_id: int, logprob: float, token_text: Callable[[int], str]) -> dict[str, Any]:
+def _token_entry(token_id: int, logprob: float, token_text: Callable[[int], str]) -> JSONObject:
     text = token_text(token_id)
     return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(
     ids: list[int], lps: list[float], tops: TopLogprobs, meta: ResponseMeta
-) -> dict[str, Any]:
+) -> JSONObject:
     """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     entries = []
     for i, (token_id, logprob) in enumerate(zip(ids, lps, strict=False)):
@@ -73,7 +74,7 @@ def completion_logprobs(
     tops: TopLogprobs,
     state: ChoiceState,
     meta: ResponseMeta,
-) -> dict[str, Any]:
+) -> JSONObject:
     """Legacy ``logprobs``: parallel lists; advances ``state.text_offset`` past the tokens."""
     tokens = [meta.token_text(t) for t in ids[: len(lps)]]
     offsets = []
@@ -118,7 +119,7 @@ class ResponseBuilder:
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         return state
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> JSONObject:
         """Token counts summed over the ``n`` choices; the prompt counts once."""
         completion = sum(max(len(s.token_ids), s.reported_tokens) for s in self.choices)
         prompt = self.meta.prompt_tokens
@@ -137,7 +138,7 @@ class ResponseBuilder:
         """The choices whose text is split (all of a chat request that asks for it)."""
         return [s for s in self.choices if s.parser is not None]
 
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _envelope(self, object_name: str, choices: list[JSONObject]) -> JSONObject:
         meta = self.meta
         return {
             "id": meta.request_id,
@@ -149,7 +150,7 @@ class ResponseBuilder:
 
     def _logprobs(
         self, ids: list[int], lps: list[float], tops: TopLogprobs, state: ChoiceState
-    ) -> dict[str, Any] | None:
+    ) -> JSONObject | None:
         if not self.meta.want_logprobs:
             return None
         if self.meta.kind == "chat":
@@ -164,13 +165,13 @@ class ResponseBuilder:
         self,
         index: int,
         text: str,
-        logprobs: dict[str, Any] | None,
+        logprobs: JSONObject | None,
         reason: str | None,
         *,
         stream: bool,
         opening: bool = False,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {"index": index}
+    ) -> JSONObject:
+        body: JSONObject = {"index": index}
         if self.meta.kind == "completion":
             body["text"] = text
         elif not stream:
@@ -181,7 +182,7 @@ class ResponseBuilder:
             body["delta"] = {"content": text} if text else {}
         return body | {"logprobs": logprobs, "finish_reason": reason}
 
-    def opening_events(self) -> list[dict[str, Any]]:
+    def opening_events(self) -> list[JSONObject]:
         """Chat streams open with one ``{"role": "assistant"}`` delta per choice; echoing
         completion streams with one event per choice carrying the prompt."""
         if self.meta.kind != "chat":
@@ -199,7 +200,7 @@ class ResponseBuilder:
             for i in range(self.meta.n)
         ]
 
-    def stream_event(self, chunk: TokenChunk) -> dict[str, Any] | None:
+    def stream_event(self, chunk: TokenChunk) -> JSONObject | None:
         """The event for ``chunk``; None when it carries nothing to show."""
         state = self.add(chunk)
         if state.parser is not None:
@@ -213,7 +214,7 @@ class ResponseBuilder:
 
     def _parsed_event(
         self, chunk: TokenChunk, state: ChoiceState, parser: ChoiceParser
-    ) -> dict[str, Any] | None:
+    ) -> JSONObject | None:
         delta = parser.delta_body(parser.step(chunk.text, chunk.finished))
         if not (delta or chunk.finished or (self.meta.want_logprobs and chunk.token_ids)):
             return None
@@ -222,12 +223,12 @@ class ResponseBuilder:
         choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs}
         return self._envelope(self._chunk_object(), [choice | {"finish_reason": reason}])
 
-    def usage_event(self) -> dict[str, Any]:
+    def usage_event(self) -> JSONObject:
         """The final ``stream_options.include_usage`` event: no choices, only usage."""
         return self._envelope(self._chunk_object(), []) | {"usage": self.usage()}
 
     # ---- whole response -------------------------------------------------------------
-    def _final_choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
+    def _final_choice(self, index: int, state: ChoiceState) -> JSONObject:
         logprobs = self._logprobs(state.token_ids, state.logprobs, state.top_logprobs, state)
         text = self.meta.echo + "".join(state.text)  # echo: completions only, no parser
         if state.parser is None:
@@ -237,7 +238,7 @@ class ResponseBuilder:
         message = state.parser.message()
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
-    def response(self) -> dict[str, Any]:
+    def response(self) -> JSONObject:
         """The non-streaming ``chat.completion`` / ``text_completion`` body."""
         choices = [self._final_choice(i, s) for i, s in enumerate(self.choices)]
         name = "chat.completion" if self.meta.kind == "chat" else "text_completion"

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.body import BodyLimits, read_json_object
 from router.errors import APIError, bad_request, error_response, from_validation_error
@@ -65,7 +66,7 @@ class ModelFacts:
     created: int
     special_tokens_in_content: bool = False
 
-    def card(self) -> dict[str, Any]:
+    def card(self) -> JSONObject:
         """The model object of ``/v1/models``."""
         card = {"id": self.name, "object": "model", "created": self.created}
         return card | {"owned_by": PACKAGE, "root": self.name, "max_model_len": self.max_model_len}
@@ -133,7 +134,7 @@ class UtilityAPI:
             return error_response(err)
         return JSONResponse({"prompt": self.tokenizer.decode(body.tokens, False)})
 
-    def _tokenize(self, body: dict[str, Any]) -> tuple[list[int], bool]:
+    def _tokenize(self, body: JSONObject) -> tuple[list[int], bool]:
         if "messages" in body:
             chat = _validate(TokenizeChat, body)
             self.facts.check_model(chat.model)
@@ -158,7 +159,7 @@ class UtilityAPI:
         return ids
 
 
-def _validate(model: type[Part], body: dict[str, Any]) -> Part:
+def _validate(model: type[Part], body: JSONObject) -> Part:
     try:
         return model.model_validate(body)
     except ValidationError as exc:

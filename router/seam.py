@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from dsv3serve.engine.sampling_params import SamplingParams
-from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
+from dsv3serve.sampling.sampling_params import SamplingParams
+from dsv3serve.sampling.stop import StopStringMatcher, check_stop_token
 from dsv3serve.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
 from workers.protocol import GenerateRequest, TokenChunk
 

@@ -11,11 +11,11 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from dsv3serve.json_types import JSONObject
 from router.admission import Slot
 from router.errors import INTERNAL_ERROR, error_body
 from router.openai_response import ResponseBuilder
@@ -28,7 +28,7 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
+def sse_event(payload: JSONObject) -> bytes:
     """One ``data: <json>`` event."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return b"data: " + data.encode("utf-8") + b"\n\n"

@@ -6,7 +6,7 @@ each tool's JSON schema. This module states that as an xgrammar *structural tag*
 JSON form of ``xgrammar.StructuralTag``, which ``xgrammar.Grammar.from_structural_tag``
 compiles, and which SGLang takes as ``response_format: {"type": "structural_tag"}``);
 the router hands it to the engine as ``SamplingParams.constraint``, a ``structural_tag``
-:class:`~dsv3serve.engine.constraint.Constraint` holding the tag's JSON text. Only plain
+:class:`~dsv3serve.sampling.constraint.Constraint` holding the tag's JSON text. Only plain
 JSON is built here: no xgrammar import.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.parsers.tool_calls import ARGUMENTS_END, CALL_TYPE, HEADER_END
 from dsv3serve.tokenizer.chat_template import (
     THINK_END,
@@ -29,7 +30,7 @@ MAX_WHITESPACE = 16  # longest whitespace run inside arguments (a random model m
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def _call_tag(tool: ToolDef, follow_schema: bool) -> dict[str, Any]:
+def _call_tag(tool: ToolDef, follow_schema: bool) -> JSONObject:
     """One call of ``tool``: its header, JSON arguments, the call's end marker."""
     function = tool.function
     schema = (function.parameters or ANY_OBJECT) if follow_schema else ANY_OBJECT
@@ -45,7 +46,7 @@ def _call_tag(tool: ToolDef, follow_schema: bool) -> dict[str, Any]:
     }
 
 
-def _section(tags: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
+def _section(tags: list[JSONObject], one_call: bool) -> JSONObject:
     """The whole tool-call section: at least one call, newline-separated."""
     calls = {
         "type": "tags_with_separator",
@@ -57,7 +58,7 @@ def _section(tags: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
     return {"type": "tag", "begin": TOOL_CALLS_BEGIN, "content": calls, "end": TOOL_CALLS_END}
 
 
-def _after_reasoning(body: dict[str, Any]) -> dict[str, Any]:
+def _after_reasoning(body: JSONObject) -> JSONObject:
     """``body`` after the reasoning the prompt opened: any text up to ``</think>``."""
     reasoning = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": THINK_END}
     return {"type": "sequence", "elements": [reasoning, body]}
@@ -65,7 +66,7 @@ def _after_reasoning(body: dict[str, Any]) -> dict[str, Any]:
 
 def tool_call_structural_tag(
     tools: list[ToolDef], choice: ToolChoice, parallel: bool, opens_reasoning: bool
-) -> dict[str, Any] | None:
+) -> JSONObject | None:
     """The structural tag ``choice`` needs, or None when the output is free.
 
     ``required``: the output is the tool-call section (at least one call of any tool).
@@ -90,6 +91,6 @@ def tool_call_structural_tag(
     return {"type": "structural_tag", "format": body}
 
 
-def structural_tag_json(tag: dict[str, Any]) -> str:
+def structural_tag_json(tag: JSONObject) -> str:
     """The tag as the JSON text of a ``structural_tag`` :class:`Constraint`."""
     return json.dumps(tag, ensure_ascii=False, separators=(",", ":"))

@@ -17,9 +17,11 @@ import pytest
 from import_graph import Import, cycles, import_graph, parents, project_modules
 
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dsv3serve.json_types",),  # the JSON type aliases (annotations only)
     ("dsv3serve", "dsv3serve.settings", "dsv3serve.config", "dsv3serve.metrics"),
     ("dsv3serve.tokenizer",),
     ("dsv3serve.parsers",),
+    ("dsv3serve.sampling",),  # the request vocabulary: SamplingParams, Constraint, stop rules
     ("dsv3serve.kernels", "dsv3serve.kvcache"),
     ("dsv3serve.eplb",),  # expert placement, the logical -> physical id map, load counts
     ("dsv3serve.parallel",),  # layouts, the shard rule, collectives, dispatch / combine

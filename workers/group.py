@@ -23,14 +23,17 @@ import asyncio
 import socket
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
 
 import ray
-from ray.util.placement_group import get_current_placement_group
+from ray import ObjectRef
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
+from dsv3serve.engine.dp_group import DPGroupLeader
+from dsv3serve.engine.group import GroupLeader, GroupSpec, init_group, rank_timeout_s
 from dsv3serve.engine.rank import run_follower
+from dsv3serve.json_types import JSONObject
 from dsv3serve.parallel.dispatch_meter import process_snapshots
 from workers.config import WorkerConfig
 
@@ -54,7 +57,7 @@ def rank_actor_name(group_name: str, rank: int) -> str:
 class RankWorker:
     """One follower rank: its shard of the model and its KV pool, driven by rank 0."""
 
-    def __init__(self, config_json: str, spec: dict[str, Any]) -> None:
+    def __init__(self, config_json: str, spec: JSONObject) -> None:
         import torch
 
         self.cfg = WorkerConfig.model_validate_json(config_json)
@@ -71,7 +74,7 @@ class RankWorker:
         return run_follower(self.cfg.engine)
 
     @ray.method(concurrency_group="metrics")
-    def dispatch_stats(self) -> list[dict[str, Any]]:
+    def dispatch_stats(self) -> list[JSONObject]:
         """This rank's dispatch / combine meters (``dispatch_meter`` snapshots), answered on
         a thread of their own while ``loop`` runs; empty before the shard is built."""
         return process_snapshots()
@@ -81,14 +84,14 @@ class Group:
     """Rank 0's view of its group: the follower actors and (once the engine is built) the
     leader runner that drives them."""
 
-    def __init__(self, followers: list[Any], loops: list[Any]) -> None:
+    def __init__(self, followers: list[ActorHandle], loops: list[ObjectRef[int]]) -> None:
         self.followers, self.loops = followers, loops
-        self._ends: list[Future[Any]] = [ref.future() for ref in loops]
-        self.leader: Any = None
-        self._stats: list[dict[str, Any]] = []
+        self._ends: list[Future[int]] = [ref.future() for ref in loops]
+        self.leader: GroupLeader | DPGroupLeader | None = None
+        self._stats: list[JSONObject] = []
         self._asking: asyncio.Future[None] | None = None
 
-    def dispatch_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    def dispatch_stats(self, timeout_s: float = 5.0) -> list[JSONObject]:
         """The followers' dispatch meter snapshots as last answered, and a new ask of every
         follower started in the background unless one is under way (call it from the
         replica's event loop). The scrape never waits on a follower: its numbers are one
@@ -119,19 +122,20 @@ class Group:
                 )
 
     def stop(self) -> None:
-        self.leader.stop()
+        if self.leader is not None:
+            self.leader.stop()
         ray.get(self.loops, timeout=60)
 
 
-def _place(pg: Any, rank: int) -> Any:
+def _place(pg: PlacementGroup | None, rank: int) -> PlacementGroupSchedulingStrategy | str:
     if pg is None:
         return "DEFAULT"
     return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
 
-def _spawn(cfg: WorkerConfig, spec: GroupSpec, rank: int, name: str) -> Any:
+def _spawn(cfg: WorkerConfig, spec: GroupSpec, rank: int, name: str) -> ActorHandle:
     """Follower ``rank``'s actor on bundle ``rank`` of this replica's placement group."""
-    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 1 if spec.backend == "nccl" else 0}
+    options: dict[str, int | str] = {"num_cpus": 0, "num_gpus": 1 if spec.backend == "nccl" else 0}
     if name:
         options["name"] = rank_actor_name(name, rank)
     mine = replace(spec, rank=rank, timeout_s=rank_timeout_s(rank, spec.timeout_s))

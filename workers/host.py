@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,11 +52,15 @@ from workers.reservations import reservation_rank, reserve_for
 from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
 
+if TYPE_CHECKING:
+    from kv_transfer.base import KVConnector
+    from workers.group import Group
+
 REAP_INTERVAL_S = 0.2
 logger = logging.getLogger(__name__)
 # Starts ranks 1..N-1, joins them (before the engine is built): ``.stop()``, ``.check()``
 # (raises once a rank died), a ``.leader`` slot the host fills.
-GroupStarter = Callable[[WorkerConfig], Any]
+GroupStarter = Callable[[WorkerConfig], "Group"]
 _REFUSED = (InvalidRequestError, ContextLengthError)
 
 
@@ -107,7 +111,7 @@ class EngineHost:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
-        self.group: Any = None
+        self.group: Group | None = None
         if cfg.group_size > 1:
             if group_starter is None:
                 raise ValueError(f"tp_size {cfg.group_size} needs a group starter (Ray)")
@@ -142,7 +146,7 @@ class EngineHost:
         if self.connector is not None:
             self.connector.close()
 
-    def _make_connector(self) -> Any:
+    def _make_connector(self) -> KVConnector | None:
         if self.cfg.role == "colocated":
             return None
         from kv_transfer.factory import create_kv_connector

@@ -5,11 +5,12 @@ release once no pull writes into them any more."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError
 from dsv3serve.engine.engine import Engine, KVReservation
 from dsv3serve.engine.spec.loop import DraftState
+from kv_transfer.base import KVConnector
 from kv_transfer.handle import KVHandle, TransferError, TransferStats
 from workers.config import WorkerConfig
 from workers.draft_wire import DraftMismatchError, draft_from_wire
@@ -18,6 +19,9 @@ from workers.protocol import DecodeRequest, PullRequest, PullResult
 from workers.range_pulls import RangePulls
 from workers.reservations import range_mismatch, staged_mismatch
 from workers.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from workers.group import Group
 
 
 class HandoffError(RuntimeError):
@@ -36,9 +40,9 @@ class KVIntake:
         self,
         cfg: WorkerConfig,
         aengine: AsyncEngine,
-        connector: Any,
+        connector: KVConnector,
         metrics: WorkerMetrics,
-        group: Any = None,
+        group: Group | None = None,
     ) -> None:
         self.cfg, self.aengine, self.connector = cfg, aengine, connector
         self.metrics, self.group = metrics, group

@@ -9,9 +9,8 @@ Checked when the serving config is validated, before anything starts; no torch h
 
 from __future__ import annotations
 
-from typing import Any
-
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.json_types import JSONObject
 from workers.config import WorkerConfig
 
 # the storage dtype of the KV pool, by kv_cache_dtype, then by dtype (model_runner's rules)
@@ -31,7 +30,7 @@ def kv_storage_dtype(engine: EngineConfig) -> str:
     return "float32" if engine.device.split(":")[0] == "cpu" else "bfloat16"
 
 
-def _kv_fields(engine: EngineConfig) -> dict[str, Any]:
+def _kv_fields(engine: EngineConfig) -> JSONObject:
     """What a KV page's bytes depend on, by the config fields a user sets."""
     return {
         "engine.page_size": engine.page_size,

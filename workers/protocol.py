@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 
 Role = Literal["prefill", "decode", "colocated"]

@@ -10,19 +10,22 @@ for the metrics (as the engine-wide gauges are).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from dsv3serve.engine.dp_scheduler import DPScheduler
+from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.scheduler import Scheduler
 from dsv3serve.metrics import EngineState
 from workers.protocol import MAX_PREFIX_HASHES, RankLoad
 
 
-def rank_schedulers(scheduler: Any) -> list[Any]:
+def rank_schedulers(scheduler: Scheduler | DPScheduler) -> list[Scheduler]:
     """The per-rank schedulers of ``scheduler``, in rank order (itself without DP)."""
     return list(scheduler.ranks) if isinstance(scheduler, DPScheduler) else [scheduler]
 
 
-def rank_loads(scheduler: Any, max_hashes: int = MAX_PREFIX_HASHES) -> list[RankLoad]:
+def rank_loads(
+    scheduler: Scheduler | DPScheduler, max_hashes: int = MAX_PREFIX_HASHES
+) -> list[RankLoad]:
     """Every rank's load and at most ``max_hashes`` of its cached prefixes' hashes."""
     return [
         RankLoad(
@@ -38,14 +41,14 @@ def rank_loads(scheduler: Any, max_hashes: int = MAX_PREFIX_HASHES) -> list[Rank
     ]
 
 
-def _host_hashes(scheduler: Any, max_hashes: int) -> list[int]:
+def _host_hashes(scheduler: Scheduler, max_hashes: int) -> list[int]:
     """Hashes of the prefixes held only in the rank's host tier (none without one)."""
     if scheduler.kv.host_tier is None:
         return []
     return scheduler.kv.prefix_hashes(max_hashes, False)
 
 
-def rank_counts(scheduler: Any) -> tuple[list[int], int]:
+def rank_counts(scheduler: Scheduler | DPScheduler) -> tuple[list[int], int]:
     """Requests each DP rank took, and how many of those a router's rank could not take
     (empty and 0 without DP attention: the router's rank is the only one)."""
     if not isinstance(scheduler, DPScheduler):
@@ -53,7 +56,7 @@ def rank_counts(scheduler: Any) -> tuple[list[int], int]:
     return list(scheduler.placed), sum(scheduler.fallbacks)
 
 
-def rank_state_readers(engine: Any) -> list[Callable[[], EngineState]]:
+def rank_state_readers(engine: Engine) -> list[Callable[[], EngineState]]:
     """One scrape-time reader per DP rank (the engine's own without DP attention)."""
     scheduler = engine.scheduler
     if not isinstance(scheduler, DPScheduler):

@@ -8,11 +8,11 @@ names it, so the cleanup of one try never reaches another try of the same reques
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.kvcache.allocator import pages_for_tokens
+from kv_transfer.base import KVConnector
 from kv_transfer.handle import KVHandle
 from workers.leases import LeaseTable
 from workers.ranges import PrefillRanges
@@ -39,7 +39,7 @@ class AttemptStaging:
     """
 
     def __init__(
-        self, aengine: AsyncEngine, connector: Any, lease_s: float, page_size: int = 1
+        self, aengine: AsyncEngine, connector: KVConnector, lease_s: float, page_size: int = 1
     ) -> None:
         self.aengine, self.connector, self.lease_s = aengine, connector, lease_s
         self.page_size = page_size

@@ -10,7 +10,7 @@ from dsv3serve.bench.greedy_compare import compare, spread
 from dsv3serve.bench.one_batch import measure
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.settings import export_compile_caches
 from router.config import ServingConfig
 

@@ -121,7 +121,7 @@ def _engine(ns: argparse.Namespace, tier: bool) -> Any:
 
 def _ttft(engine: Any, request_id: str, prompt: list[int]) -> float:
     from dsv3serve.engine.request import Request
-    from dsv3serve.engine.sampling_params import SamplingParams
+    from dsv3serve.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
     start = time.perf_counter()

@@ -22,8 +22,8 @@ import torch
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.kvcache.pool import MLAKVPool
+from dsv3serve.sampling.sampling_params import SamplingParams
 from kv_transfer import KVHandle, create_kv_connector
 from kv_transfer.dist_sync import wait_work
 from kv_transfer.dist_wire import (

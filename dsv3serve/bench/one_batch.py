@@ -16,7 +16,7 @@ import torch
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 # Prompt ids are drawn below this: DeepSeek-V3's special tokens start at 128000 (a model
 # with a smaller vocabulary draws from its whole vocabulary).

@@ -7,21 +7,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dsv3serve.engine.grammar import GrammarCompiler, GrammarState, full_bitmask
 from dsv3serve.engine.intake import InvalidRequestError, check_logit_bias, prompt_ids
 from dsv3serve.engine.model_runner import StepResult
+from dsv3serve.engine.protocols import StepRunner, StepScheduler
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
-from dsv3serve.engine.sampling_params import SamplingParams
-from dsv3serve.engine.scheduler import Scheduler
 from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, Sequence
 from dsv3serve.engine.spec.accept import mask_early_stop
-from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
 from dsv3serve.metrics import Metrics
+from dsv3serve.sampling.sampling_params import SamplingParams
+from dsv3serve.sampling.stop import StopStringMatcher, check_stop_token
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
@@ -84,8 +83,8 @@ class EngineCore:
 
     def __init__(
         self,
-        scheduler: Scheduler,
-        runner: Any,
+        scheduler: StepScheduler,
+        runner: StepRunner,
         sampler: Sampler,
         tokenizer: Tokenizer,
         vocab_size: int,

@@ -20,13 +20,13 @@ helpers (:mod:`dsv3serve.engine.graph_capture`) and memory pool.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import (
     GraphCache,
+    GraphPool,
     StaticInputs,
     pad_spans,
     padded_size,
@@ -61,7 +61,7 @@ class DecodeGraphs:
         sizes: list[int],
         scratch_slot: int,
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         """``capture=False`` keeps the padded static-buffer path but runs it eagerly (CPU
         tests of the padding, and a fallback). ``mempool``: a CUDA graph memory pool to

@@ -32,11 +32,11 @@ from dsv3serve.engine.group import (
     OP_DIGEST,
     OP_SAMPLED,
     OP_STOP,
+    LeaderBase,
     Wire,
     comm_device,
     encode_spans,
     gather_digest,
-    send_sampled,
     store_sampled,
 )
 from dsv3serve.engine.group import decode_spans as decode_one
@@ -169,16 +169,13 @@ def recv_pages(runner: ModelRunner, pages: list[int], src: int) -> None:
         buf[idx] = raw.to(buf.device).view(buf.dtype).view(rows.shape)
 
 
-class DPGroupLeader:
-    """Rank 0's runner under DP attention; see the module docstring."""
+class DPGroupLeader(LeaderBase):
+    """Rank 0's runner under DP attention; see the module docstring. Its pool digests
+    differ rank by rank (each DP rank holds its own pool)."""
 
     def __init__(self, runner: ModelRunner, scheduler: DPScheduler) -> None:
-        self.runner, self.scheduler = runner, scheduler
-        self.world_size = scheduler.dp_size
-        self._wire = Wire(comm_device(runner))
-
-    def __getattr__(self, name: str) -> object:  # pool, device, dtype, num_pages, ...
-        return getattr(self.runner, name)
+        super().__init__(runner, scheduler.dp_size)
+        self.scheduler = scheduler
 
     def run(self, items: list[ScheduledItem]) -> StepResult:
         """Forward every rank's items; logits of all sampled rows, rank by rank."""
@@ -193,11 +190,6 @@ class DPGroupLeader:
         assert logits is not None  # rank 0 receives every rank's rows
         sampled = [item for part in parts for item in part if item.sample]
         return StepResult(logits.to(self.runner.device), sampled)
-
-    def share_sampled(self, start: int, token_ids: torch.Tensor) -> None:
-        """Overlap scheduling: every rank's sampled ids (rank 0 samples them all), for every
-        rank's ring."""
-        send_sampled(self._wire, start, token_ids)
 
     def landing_pages(self, pages: list[int]) -> list[int]:
         """Rank 0's pages a KV connector writes a reservation's KV into."""
@@ -214,17 +206,6 @@ class DPGroupLeader:
             send_pages(self.runner, staging, rank)
         finally:  # moved or not, the staging pages go back
             self.scheduler.ranks[0].release_reservation(staging)
-
-    def digests(self) -> list[torch.Tensor]:
-        """Every rank's pool fingerprint (the pools differ under DP attention)."""
-        self._wire.send(OP_DIGEST)
-        return gather_digest(self.runner, self.world_size)
-
-    def stop(self) -> None:
-        """End the other ranks' loops; every rank then releases its collective resources
-        (:meth:`ModelRunner.close`) at the same point."""
-        self._wire.send(OP_STOP)
-        self.runner.close()
 
 
 def dp_follower_loop(

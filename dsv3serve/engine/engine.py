@@ -17,18 +17,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.core import EngineCore
+from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.intake import InvalidRequestError, new_sequence
 from dsv3serve.engine.loops import PlainLoop, SpecLoop, StepLoop
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.overlap import OverlapLoop
 from dsv3serve.engine.pd_hooks import FirstToken, KVExport, PDHooks
+from dsv3serve.engine.protocols import StepRunner, StepScheduler
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
 from dsv3serve.engine.sched_pd import NO_PREFIX
@@ -78,7 +79,7 @@ class Engine:
         self.host_pool = _host_pool(cfg, runner)
         host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
         sched_cfg = _scheduler_config(cfg, self.model_cfg, runner.num_pages, host_pages)
-        self.scheduler = Scheduler(sched_cfg, self.host_pool)
+        self.scheduler: StepScheduler = Scheduler(sched_cfg, self.host_pool)
         self.sampler = Sampler(make_generator(cfg.seed, runner.device))
         self.spec: SpecDecoder | None = None
         self._spec_stats = SpecStats(cfg.spec_num_steps)
@@ -103,7 +104,7 @@ class Engine:
         return PlainLoop(self._core)
 
     @property
-    def runner(self) -> Any:
+    def runner(self) -> StepRunner:
         """What runs the forward: this rank's ModelRunner, or what ``use_runner`` gave."""
         return self._core.runner
 
@@ -133,7 +134,10 @@ class Engine:
         return self._overlap is not None
 
     def use_runner(
-        self, runner: Any, scheduler: Any = None, spec_forwards: SpecForwards | None = None
+        self,
+        runner: StepRunner,
+        scheduler: DPScheduler | None = None,
+        spec_forwards: SpecForwards | None = None,
     ) -> None:
         """Run steps through ``runner`` (e.g. a group leader wrapping ``self.runner``).
 

@@ -1,6 +1,6 @@
 """Structured output with xgrammar: compiled grammars (cached) and per-sequence matchers.
 
-:class:`GrammarCompiler` turns a :class:`~dsv3serve.engine.constraint.Constraint` into an
+:class:`GrammarCompiler` turns a :class:`~dsv3serve.sampling.constraint.Constraint` into an
 xgrammar ``CompiledGrammar`` against the model's vocabulary, keyed by (kind, text,
 strict) in a bounded LRU cache; an invalid constraint raises ``InvalidRequestError`` (a
 400 for the client) saying what is wrong. xgrammar and the vocabulary tables load on the
@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.intake import InvalidRequestError
+from dsv3serve.sampling.constraint import Constraint
 from dsv3serve.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar, GrammarMatcher, TokenizerInfo
+    from xgrammar import GrammarCompiler as XGrammarCompiler
 
 _ANY_OBJECT = '{"type": "object"}'  # non-strict: any properties with any JSON values
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[15:21:41] /project/cpp/x.cc:83: "
@@ -46,13 +51,13 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.cache_size = cache_size
-        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
-        self._xgr: Any = None
-        self._compiler: Any = None
-        self._info: Any = None
+        self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
+        self._xgr: ModuleType | None = None
+        self._compiler: XGrammarCompiler | None = None
+        self._info: TokenizerInfo | None = None
         self._no_control: torch.Tensor | None = None  # see ``new_state``
 
-    def compile(self, constraint: Constraint) -> Any:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The compiled grammar of ``constraint`` (cached); raises InvalidRequestError."""
         key = constraint  # frozen: hashed by kind, text and strict
         if key in self._cache:
@@ -97,7 +102,7 @@ class GrammarCompiler:
             self._no_control = row
         return self._no_control
 
-    def _compile(self, c: Constraint) -> Any:
+    def _compile(self, c: Constraint) -> CompiledGrammar:
         compiler = self._ensure_compiler()
         try:
             if c.kind == "json_schema":
@@ -116,7 +121,7 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequestError(f"invalid {c.kind}: {_clean(exc)}") from None
 
-    def _ensure_compiler(self) -> Any:
+    def _ensure_compiler(self) -> XGrammarCompiler:
         if self._compiler is None:
             import xgrammar
             from transformers import PreTrainedTokenizerFast
@@ -144,7 +149,9 @@ def _clean(exc: BaseException) -> str:
 class GrammarState:
     """One sequence's grammar matcher and how many of its output tokens it has accepted."""
 
-    def __init__(self, matcher: Any, vocab_size: int, ban: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, matcher: GrammarMatcher, vocab_size: int, ban: torch.Tensor | None = None
+    ) -> None:
         """``ban``: a bitmask row [W] ANDed into every row this state fills."""
         self.matcher, self.vocab_size, self.ban = matcher, vocab_size, ban
         self.num_accepted = 0

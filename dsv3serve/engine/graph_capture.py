@@ -19,8 +19,9 @@ import copy
 import dataclasses
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -30,6 +31,9 @@ from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# what torch.cuda.graph_pool_handle() returns: the memory pool graphs of one rank share
+GraphPool = tuple[int, int]
 
 
 def padded_size(sizes: list[int], num_seqs: int) -> int:
@@ -100,7 +104,7 @@ class GraphCache(Generic[T]):
     next replay of any graph sharing the pool: callers copy what they keep.
     """
 
-    def __init__(self, device: torch.device, mempool: Any = None) -> None:
+    def __init__(self, device: torch.device, mempool: GraphPool | None = None) -> None:
         self.device = device
         self._mempool = mempool
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -155,3 +159,70 @@ class GraphCache(Generic[T]):
         graph.replay()
         self.replays += 1
         return self._outputs[size]
+
+
+class SpanGraphs(ABC, Generic[T]):
+    """A captured decode-form forward over ``width`` tokens per sequence, by batch size.
+
+    The shared half of the speculative graphs (verify, draft extend): batches are padded
+    with :attr:`dummy` (``width`` tokens on scratch slots) to a captured size, loaded into
+    one :class:`StaticInputs` and planned on the runner's own attention fork. A subclass
+    gives :meth:`_forward` (what one graph computes), and calls :meth:`_capture_all` once
+    its own buffers exist.
+    """
+
+    kind: ClassVar[str]  # the attention fork's slot and the name in errors
+    label: ClassVar[str]  # the name in the capture log
+
+    def __init__(
+        self,
+        attn: AttentionBackend,
+        device: torch.device,
+        width: int,
+        sizes: list[int],
+        scratch_slots: list[int],
+        sample: bool,
+        mempool: GraphPool | None = None,
+    ) -> None:
+        """``scratch_slots``: at least ``width`` slots, page-aligned from row 0 of a scratch
+        page, for the padding sequences; ``sample``: whether the padding wants logits."""
+        if len(scratch_slots) < width:
+            raise ValueError(
+                f"{self.kind} graphs pad with {width} tokens per sequence, expected as many "
+                f"scratch slots, got {len(scratch_slots)}"
+            )
+        self.width, self.sizes, self.device = width, sorted(sizes), device
+        self.dummy = SeqSpan([0] * width, 0, scratch_slots[:width], sample)
+        self._attn = fork_attention(attn, self.kind)
+        self._inputs = StaticInputs(self.sizes[-1] * width, scratch_slots[0], device)
+        self._graphs: GraphCache[T] = GraphCache(device, mempool)
+        self.runs = 0  # forwards through the padded path (replayed or not)
+
+    @property
+    def replays(self) -> int:
+        """Forwards served by a graph."""
+        return self._graphs.replays
+
+    @abstractmethod
+    def _forward(self, batch: ForwardBatch) -> T:
+        """What one graph computes over the loaded static ``batch``."""
+
+    def _capture_all(self, load: Callable[[int], ForwardBatch]) -> None:
+        """Capture every size, largest first (later graphs reuse its memory)."""
+        for size in reversed(self.sizes):
+            batch = load(size)
+            self._graphs.capture(size, lambda batch=batch: self._forward(batch))
+        logger.info("captured %s CUDA graphs for batch sizes %s", self.label, self.sizes)
+
+    def _load_spans(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
+        """Pad ``spans`` to ``size``, copy them into the static inputs and plan."""
+        padded = pad_spans(spans, size, self.dummy)
+        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
+        plan_for_graph(self._attn, static)
+        return static
+
+    def _replay(self, size: int, batch: ForwardBatch) -> T:
+        """The graph of ``size`` over the loaded ``batch`` (eager where none was captured)."""
+        out = self._graphs.run(size, lambda: self._forward(batch))
+        self.runs += 1
+        return out

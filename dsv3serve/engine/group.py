@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import SeqSpan
@@ -169,26 +170,59 @@ def broadcast_pages(runner: ModelRunner, pages: torch.Tensor, wire: Wire, send: 
                 buf[idx] = raw.to(pool.device).view(buf.dtype).view(rows.shape)
 
 
-class GroupLeader:
-    """Rank 0's runner: broadcasts each step, then runs it like a plain ModelRunner."""
+class LeaderBase:
+    """What every group's rank 0 runner shares: the wire to the other ranks, the rank's
+    own :class:`ModelRunner` (whose attributes it passes through), the overlap ring's
+    sampled ids, pool digests and the group's stop."""
 
     def __init__(self, runner: ModelRunner, world_size: int) -> None:
         self.runner = runner
         self.world_size = world_size
         self._wire = Wire(comm_device(runner))
 
-    def __getattr__(self, name: str) -> object:  # pool, device, num_pages, read_pages, ...
+    def __getattr__(self, name: str) -> object:  # num_pages, graphs, read_pages, ...
         return getattr(self.runner, name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def pool(self) -> MLAKVPool:
+        return self.runner.pool
+
+    @property
+    def eplb(self) -> EplbRuntime | None:
+        return self.runner.eplb
+
+    def share_sampled(self, start: int, token_ids: torch.Tensor) -> None:
+        """Overlap scheduling: the step's sampled ids, for every rank's ring."""
+        send_sampled(self._wire, start, token_ids)
+
+    def digests(self) -> list[torch.Tensor]:
+        """Every rank's pool fingerprint (rank order)."""
+        self._wire.send(OP_DIGEST)
+        return gather_digest(self.runner, self.world_size)
+
+    def stop(self) -> None:
+        """End the other ranks' loops; every rank then releases its collective resources
+        (:meth:`ModelRunner.close`) at the same point."""
+        self._wire.send(OP_STOP)
+        self.runner.close()
+
+
+class GroupLeader(LeaderBase):
+    """Rank 0's runner: broadcasts each step, then runs it like a plain ModelRunner."""
 
     def run(self, items: list[ScheduledItem]) -> StepResult:
         """Broadcast the step's spans, then forward them here."""
         batch_spans = self.runner.spans(items)
         self._wire.send(OP_STEP, encode_spans(batch_spans))
         return self.runner.run_spans(batch_spans, items)
-
-    def share_sampled(self, start: int, token_ids: torch.Tensor) -> None:
-        """Overlap scheduling: the step's sampled ids, for every rank's ring."""
-        send_sampled(self._wire, start, token_ids)
 
     def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Write pages here (compute dtype) and replicate their raw storage to every rank."""
@@ -200,17 +234,6 @@ class GroupLeader:
         idx = torch.tensor(pages, dtype=torch.int64)
         self._wire.send(OP_WRITE_PAGES, idx)
         broadcast_pages(self.runner, idx, self._wire, send=True)
-
-    def digests(self) -> list[torch.Tensor]:
-        """Every rank's pool fingerprint (rank order); equal when the pools are in sync."""
-        self._wire.send(OP_DIGEST)
-        return gather_digest(self.runner, self.world_size)
-
-    def stop(self) -> None:
-        """End the other ranks' loops; every rank then releases its collective resources
-        (:meth:`ModelRunner.close`) at the same point."""
-        self._wire.send(OP_STOP)
-        self.runner.close()
 
 
 def send_sampled(wire: Wire, start: int, token_ids: torch.Tensor) -> None:

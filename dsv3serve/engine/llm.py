@@ -10,7 +10,7 @@ from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.local_group import LocalGroup, rank_config, spawn_followers
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 
 @dataclass

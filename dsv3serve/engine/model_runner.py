@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +17,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.future_tokens import FutureTokens
+from dsv3serve.engine.graph_capture import GraphPool
 from dsv3serve.engine.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
@@ -117,7 +118,8 @@ class ModelRunner:
             cuda_graph=self._graph_limits() if use_graphs and self._capture else None,
         )
         self.graphs: DecodeGraphs | None = None
-        self.graph_pool: Any = None  # the memory pool every CUDA graph of this rank shares
+        # the memory pool every CUDA graph of this rank shares
+        self.graph_pool: GraphPool | None = None
         if use_graphs:
             self.graphs = self._decode_graphs()
 

@@ -7,20 +7,18 @@ other ranks.
 
 from __future__ import annotations
 
-from typing import Any
-
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.dp_group import DPGroupLeader, dp_follower_loop
 from dsv3serve.engine.dp_scheduler import DPScheduler
-from dsv3serve.engine.engine import resolve_model_dir
+from dsv3serve.engine.engine import Engine, resolve_model_dir
 from dsv3serve.engine.group import GroupLeader, follower_loop
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.spec.dp_group import DPSpecFollower, DPSpecForwards
 from dsv3serve.engine.spec.group import GroupSpecForwards, SpecFollower
 
 
-def attach_leader(engine: Any) -> Any:
+def attach_leader(engine: Engine) -> GroupLeader | DPGroupLeader:
     """Make ``engine`` (rank 0, group joined) drive its group; returns the leader runner.
 
     DP attention also gives the engine one scheduler per DP rank. Speculative decoding runs
@@ -29,7 +27,7 @@ def attach_leader(engine: Any) -> Any:
     parallel, spec = engine.cfg.parallel, engine.spec
     if parallel.enable_dp_attention:
         scheduler = DPScheduler(engine.scheduler.config, parallel.dp_size)
-        leader: Any = DPGroupLeader(engine.runner, scheduler)
+        leader: GroupLeader | DPGroupLeader = DPGroupLeader(engine.runner, scheduler)
         dp_forwards = (
             None if spec is None else DPSpecForwards(spec.runner, spec.draft, parallel.dp_size)
         )

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.json_types import JSONObject
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.settings import Settings
 
 WARMUP_ID = "warmup-0"
@@ -29,7 +29,7 @@ def warmup_prompt(length: int, vocab: int) -> list[int]:
     return [2 + (7919 * i) % span for i in range(length)]
 
 
-def _generate(llm: LLM, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+def _generate(llm: LLM, prompt_len: int, new_tokens: int) -> JSONObject:
     """One greedy request; unix time of its first token, and seconds per phase."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -51,7 +51,7 @@ def _generate(llm: LLM, prompt_len: int, new_tokens: int) -> dict[str, Any]:
     }
 
 
-def run_warmup(cfg: EngineConfig, prompt_len: int = 64, new_tokens: int = 4) -> dict[str, Any]:
+def run_warmup(cfg: EngineConfig, prompt_len: int = 64, new_tokens: int = 4) -> JSONObject:
     """Build the engine, run one request of ``prompt_len`` prompt ids and ``new_tokens``
     decoded; the phases' seconds and the cache dir's variables."""
     settings = Settings.from_env()
@@ -75,7 +75,7 @@ def record_path(cache_dir: Path, model: str) -> Path:
     return cache_dir / "warmup" / f"{name or 'model'}.json"
 
 
-def write_record(result: dict[str, Any]) -> Path:
+def write_record(result: JSONObject) -> Path:
     """Write ``result`` to :func:`record_path` under its cache dir; returns the path."""
     path = record_path(Path(result["cache_dir"]), result["model"])
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.settings import Settings
 from dsv3serve.tokenizer.files import write_tokenizer_files
 
@@ -67,7 +68,7 @@ DEEPSEEK_V3_CONFIG: dict[str, Any] = {
 PRESETS = {"deepseek-v3": DEEPSEEK_V3_CONFIG}
 
 
-def preset_dir(name: str, overrides: dict[str, Any] | None = None) -> Path:
+def preset_dir(name: str, overrides: JSONObject | None = None) -> Path:
     """A directory with the preset's config.json (+ overrides) and tokenizer, no weights."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")

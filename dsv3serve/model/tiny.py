@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kernels.fp8_ref import quant_weight_block
 from dsv3serve.settings import Settings
 from dsv3serve.tokenizer.files import write_tokenizer_files
@@ -83,7 +84,7 @@ GENERATION_CONFIG = {
 }
 
 
-def _attn_shapes(c: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
+def _attn_shapes(c: JSONObject, p: str) -> dict[str, tuple[int, ...]]:
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     return {
@@ -108,7 +109,7 @@ def _mlp_shapes(p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(c: JSONObject, i: int) -> dict[str, tuple[int, ...]]:
     h, p = c["hidden_size"], f"model.layers.{i}"
     shapes = {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
     shapes.update(_attn_shapes(c, f"{p}.self_attn"))
@@ -124,7 +125,7 @@ def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def checkpoint_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(c: JSONObject) -> dict[str, tuple[int, ...]]:
     """Every tensor of a DeepSeek-V3 checkpoint (before FP8 scales) with its shape."""
     h, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
@@ -169,7 +170,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> tor
     return torch.randn(shape, generator=g) * (shape[-1] ** -0.5)
 
 
-def make_tensors(c: dict[str, Any], fp8: bool, seed: int) -> dict[str, torch.Tensor]:
+def make_tensors(c: JSONObject, fp8: bool, seed: int) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors: bf16 (bias fp32), or e4m3 + block scales when ``fp8``."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -209,7 +210,7 @@ def make_tiny_checkpoint(
     fp8: bool = True,
     seed: int = 0,
     num_shards: int = 2,
-    overrides: dict[str, Any] | None = None,
+    overrides: JSONObject | None = None,
 ) -> Path:
     """Write a complete tiny HF checkpoint directory and return its path.
 

@@ -19,7 +19,8 @@ import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+
+from dsv3serve.json_types import JSONObject
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SHARED_FUSION_FILE = "shared_fusion.json"
@@ -50,11 +51,11 @@ class MoEConfig:
     gate_up: GemmTile
     down: GemmTile
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return asdict(self)
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> MoEConfig:
+    def from_json(d: JSONObject) -> MoEConfig:
         return MoEConfig(d["block_m"], GemmTile(**d["gate_up"]), GemmTile(**d["down"]))
 
 

@@ -30,11 +30,11 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.metrics import DISPATCH_LATENCY_BUCKETS
 
 PHASES = ("dispatch", "combine")
@@ -155,7 +155,7 @@ class DispatchMeter:
         while self._pending and self._pending[0].ready():
             self._add(self._pending.popleft())
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         """The cumulative numbers so far, as plain data: ``rank``, ``dropped`` and per
         (phase, mode) ``bytes``, ``count``, ``seconds`` and ``buckets``."""
         with self._lock:
@@ -168,6 +168,6 @@ class DispatchMeter:
         return {"rank": self.rank, "dropped": self.dropped, "phases": phases}
 
 
-def process_snapshots() -> list[dict[str, Any]]:
+def process_snapshots() -> list[JSONObject]:
     """The snapshot of every live meter of this process (one per dispatcher)."""
     return [m.snapshot() for m in list(_METERS)]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv3serve.config import ModelConfig
+from dsv3serve.json_types import JSONObject
 from dsv3serve.parallel.args import add_layout_args, layout_from_args
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.plan.planner import Plan, PlanError, plan
@@ -48,7 +49,7 @@ def add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=run_plan)
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def _json_object(text: str) -> JSONObject:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -58,7 +59,7 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def model_config(model: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+def model_config(model: str, overrides: JSONObject | None = None) -> ModelConfig:
     """``tiny`` (FP8), a preset name, or a checkpoint directory's config.json, with
     ``overrides`` (the engine's ``hf_overrides``) replacing its fields."""
     from dsv3serve.model.presets import PRESETS

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.plan.planner import GB, KINDS, Plan, describe
 
 
@@ -61,7 +61,7 @@ def _symmetry(p: Plan) -> str:
     return f"ranks differ (worst, rank {p.worst.rank}, shown)"
 
 
-def plan_json(p: Plan, model: str, fits: bool) -> dict[str, Any]:
+def plan_json(p: Plan, model: str, fits: bool) -> JSONObject:
     """The plan as JSON-ready data (bytes, not GB), every rank listed."""
     return {
         "model": model,

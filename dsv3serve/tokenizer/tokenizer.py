@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.tokenizer.chat_template import (
     THINK_END,
     ChatFlavor,
@@ -32,7 +33,7 @@ def _token_content(value: Any, key: str) -> str:
     )
 
 
-def _detect_flavor(config: dict[str, Any]) -> ChatFlavor:
+def _detect_flavor(config: JSONObject) -> ChatFlavor:
     template = config.get("chat_template") or ""
     return "deepseek-r1" if THINK_END in template else "deepseek-v3"
 
@@ -45,7 +46,7 @@ class Tokenizer:
     in the padding range decode to nothing.
     """
 
-    def __init__(self, backend: HFTokenizer, config: dict[str, Any], flavor: ChatFlavor) -> None:
+    def __init__(self, backend: HFTokenizer, config: JSONObject, flavor: ChatFlavor) -> None:
         self._backend = backend
         self.bos_token = _token_content(config.get("bos_token"), "bos_token")
         self.eos_token = _token_content(config.get("eos_token"), "eos_token")

@@ -30,10 +30,10 @@ from dsv3serve.config import ModelConfig  # noqa: E402
 from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.request import Request  # noqa: E402
-from dsv3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 from dsv3serve.model.weights import load_checkpoint  # noqa: E402
+from dsv3serve.sampling.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

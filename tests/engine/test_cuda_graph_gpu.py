@@ -20,9 +20,9 @@ from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.model_runner import ModelRunner, kv_slots  # noqa: E402
 from dsv3serve.engine.request import Request  # noqa: E402
-from dsv3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsv3serve.forward_batch import SeqSpan  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
+from dsv3serve.sampling.sampling_params import SamplingParams  # noqa: E402
 
 PAGE = 64
 MAX_BS = 8

@@ -15,7 +15,7 @@ from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 SMALL = {"num_kv_tokens": 160, "chunked_prefill_size": 8, "max_num_batched_tokens": 16}
 

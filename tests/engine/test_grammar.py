@@ -13,14 +13,14 @@ import xgrammar
 from schema_cases import SCHEMAS, valid
 from test_engine import make_engine
 
-from dsv3serve.engine.constraint import Constraint
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.grammar import GrammarCompiler, full_bitmask
 from dsv3serve.engine.intake import InvalidRequestError
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.sampler import Sampler, SamplingBatch
-from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.model.tiny import cached_tiny_checkpoint
+from dsv3serve.sampling.constraint import Constraint
+from dsv3serve.sampling.sampling_params import SamplingParams, SamplingParamsError
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

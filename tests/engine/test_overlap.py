@@ -22,7 +22,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.request import Request, TokenOutput
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 CHUNKED = (("chunked_prefill_size", 8), ("max_num_batched_tokens", 16))
 SMALL_KV = (("num_kv_tokens", 64), ("enable_prefix_caching", False))

@@ -18,8 +18,8 @@ pytest.importorskip("flashinfer")
 from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.request import Request  # noqa: E402
-from dsv3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
+from dsv3serve.sampling.sampling_params import SamplingParams  # noqa: E402
 
 PAGE = 64
 MAX_BS = 8

@@ -17,7 +17,7 @@ from dsv3serve.engine.sampler import (
     filtered_probs,
     make_generator,
 )
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 DEVICES = [
     "cpu",

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dsv3serve.engine.sampling_params import SamplingParams, SamplingParamsError
+from dsv3serve.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_defaults_match_vllm_names() -> None:

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import xgrammar
 
-from dsv3serve.engine.constraint import Constraint
-from dsv3serve.engine.schema_support import schema_problem
+from dsv3serve.sampling.constraint import Constraint
+from dsv3serve.sampling.schema_support import schema_problem
 
 STR = {"type": "string"}
 INTS = {"type": "array", "items": {"type": "integer"}}

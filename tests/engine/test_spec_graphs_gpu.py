@@ -22,8 +22,8 @@ from test_cuda_graph_gpu import PAGE, _config, _kv, ckpt  # noqa: E402, F401
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.model_runner import ModelRunner, kv_slots  # noqa: E402
 from dsv3serve.engine.request import Request  # noqa: E402
-from dsv3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan  # noqa: E402
+from dsv3serve.sampling.sampling_params import SamplingParams  # noqa: E402
 
 STEPS = 3
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": STEPS}

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv3serve.engine.sampling_params import SamplingParams
-from dsv3serve.engine.stop import StopStringMatcher, check_stop_token
+from dsv3serve.sampling.sampling_params import SamplingParams
+from dsv3serve.sampling.stop import StopStringMatcher, check_stop_token
 
 ALPHABET = "ab#é"
 

@@ -12,13 +12,13 @@ from dsv3serve.cli import build_parser
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.moe import MOE_BACKENDS, create_moe_backend
 from dsv3serve.moe.experts import random_experts
 from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.gate_triton import grouped_topk_fused
 from dsv3serve.moe.ref import TorchRefMoE
 from dsv3serve.moe.triton_moe import TritonMoE
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 
 def test_registry_names_both_backends() -> None:

@@ -19,7 +19,7 @@ from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.files import write_tokenizer_files
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer

@@ -13,7 +13,7 @@ import pytest
 from serving_util import TINY_ENGINE, holds_nothing
 
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from workers.config import WorkerConfig
 from workers.host import EngineHost

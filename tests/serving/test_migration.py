@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.metrics import Identity, Metrics
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer

@@ -45,7 +45,7 @@ from serving_util import (
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 DP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
 DP2_EP2 = DP2 | {"ep_size": 2}

@@ -18,7 +18,7 @@ from serving_util import TINY_ENGINE
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 from router.seam import Seam, continuation, unsupported
 from workers.convert import chunk_from_output

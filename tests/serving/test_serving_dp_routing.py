@@ -36,7 +36,7 @@ from serving_util import (
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from workers.protocol import WorkerLoad, decode
 
 APP = "dprank"

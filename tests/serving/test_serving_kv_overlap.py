@@ -26,7 +26,7 @@ from serving_util import (
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 CHUNKED = {**TINY_ENGINE, "chunked_prefill_size": 64}
 ON, OFF, ON_TORCH_DIST, FAILING = "ovon", "ovoff", "ovtd", "ovfail"

@@ -40,7 +40,7 @@ from spec_util import make_oracle_draft_checkpoint
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 STEPS = 2
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": STEPS}

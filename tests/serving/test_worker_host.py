@@ -14,7 +14,7 @@ from spec_util import scratch_drafts
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 from workers.config import WorkerConfig
 from workers.host import EngineHost, WrongRoleError
 from workers.protocol import (

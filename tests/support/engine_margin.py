@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.model_runner import kv_slots
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.forward_batch import SeqSpan
 from dsv3serve.model.tiny import make_tiny_checkpoint
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 EMBED_GAIN = 3.0
 VOCAB_LO, VOCAB_HI = 2, 120000  # prompt token ids (clear of BOS/EOS)

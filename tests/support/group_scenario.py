@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 SCENARIO_ENGINE: dict[str, Any] = {
     "dtype": "float32",

@@ -25,9 +25,9 @@ from dsv3serve.engine.sampler import (
     apply_penalties,
     filtered_probs,
 )
-from dsv3serve.engine.sampling_params import SamplingParams
 from dsv3serve.engine.spec.verify import greedy_verify, rejection_verify
-from dsv3serve.engine.stop import check_stop_token
+from dsv3serve.sampling.sampling_params import SamplingParams
+from dsv3serve.sampling.stop import check_stop_token
 
 
 @dataclass(frozen=True)

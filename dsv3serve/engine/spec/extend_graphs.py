@@ -30,28 +30,19 @@ result.
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
-from dsv3serve.engine.graph_capture import (
-    GraphCache,
-    StaticInputs,
-    fork_attention,
-    pad_spans,
-    padded_size,
-    plan_for_graph,
-)
+from dsv3serve.engine.graph_capture import GraphPool, SpanGraphs, padded_size
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 
-logger = logging.getLogger(__name__)
 
-
-class ExtendGraphs:
+class ExtendGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
     """Captured fixed-shape draft extends (``k + 1`` positions per sequence) by batch size."""
+
+    kind = "extend"
+    label = "draft-extend"
 
     def __init__(
         self,
@@ -61,42 +52,21 @@ class ExtendGraphs:
         sizes: list[int],
         scratch_slots: list[int],
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
         scratch page, for the padding sequences (the verify graphs' scratch slots)."""
-        width = num_steps + 1
-        if len(scratch_slots) < width:
-            raise ValueError(
-                f"extend graphs pad with {width} tokens per sequence, expected as many "
-                f"scratch slots, got {len(scratch_slots)}"
-            )
-        self.draft, self.width, self.sizes = draft, width, sorted(sizes)
         target = draft.target
-        self.device = target.embed_tokens.weight.device
-        n = self.sizes[-1]
-        self.dummy = SeqSpan([0] * width, 0, scratch_slots[:width], False)
-        self._attn = fork_attention(attn, "extend")
-        self._inputs = StaticInputs(n * width, scratch_slots[0], self.device)
-        dtype = target.embed_tokens.weight.dtype
+        device = target.embed_tokens.weight.device
+        super().__init__(attn, device, num_steps + 1, sizes, scratch_slots, False, mempool)
+        self.draft = draft
+        n, dtype = self.sizes[-1], target.embed_tokens.weight.dtype
         self._hidden = torch.zeros(
-            n * width, target.cfg.hidden_size, dtype=dtype, device=self.device
+            n * self.width, target.cfg.hidden_size, dtype=dtype, device=device
         )
-        self._rows = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self._graphs: GraphCache[tuple[torch.Tensor, torch.Tensor]] = GraphCache(
-            self.device, mempool
-        )
-        self.runs = 0  # extends through the padded path (replayed or not)
+        self._rows = torch.zeros(n, dtype=torch.int64, device=device)
         if capture:
-            for size in reversed(self.sizes):
-                batch = self._load([], self._hidden[:0], [], size)
-                self._graphs.capture(size, lambda batch=batch: self._forward(batch))
-            logger.info("captured draft-extend CUDA graphs for batch sizes %s", self.sizes)
-
-    @property
-    def replays(self) -> int:
-        """Extends served by a graph."""
-        return self._graphs.replays
+            self._capture_all(lambda size: self._load([], self._hidden[:0], [], size))
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]
@@ -105,9 +75,7 @@ class ExtendGraphs:
         self, spans: list[SeqSpan], hidden: torch.Tensor, rows: list[int], size: int
     ) -> ForwardBatch:
         """Pad, copy token ids, positions, slots, hidden states and gather rows in; plan."""
-        padded = pad_spans(spans, size, self.dummy)
-        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
-        plan_for_graph(self._attn, static)
+        static = self._load_spans(spans, size)
         n = hidden.shape[0]
         self._hidden[:n].copy_(hidden)
         self._hidden[n : size * self.width].zero_()
@@ -145,7 +113,5 @@ class ExtendGraphs:
         if any(len(s.token_ids) != self.width for s in spans):
             raise ValueError(f"expected {self.width} tokens in every extend span")
         size = padded_size(self.sizes, n)
-        static = self._load(spans, hidden, rows, size)
-        last, tokens = self._graphs.run(size, lambda: self._forward(static))
-        self.runs += 1
+        last, tokens = self._replay(size, self._load(spans, hidden, rows, size))
         return last[:n].clone(), tokens[:n].clone()

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import (
     GraphCache,
+    GraphPool,
+    SpanGraphs,
     StaticInputs,
     fork_attention,
     pad_spans,
@@ -45,8 +46,11 @@ from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 logger = logging.getLogger(__name__)
 
 
-class VerifyGraphs:
+class VerifyGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
     """Captured verify forwards (target + LM head on every row) for each of ``sizes``."""
+
+    kind = "verify"
+    label = "verify"
 
     def __init__(
         self,
@@ -56,47 +60,21 @@ class VerifyGraphs:
         sizes: list[int],
         scratch_slots: list[int],
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
         scratch page, for the padding sequences."""
-        width = num_steps + 1
-        if len(scratch_slots) < width:
-            raise ValueError(
-                f"verify graphs pad with {width} tokens per sequence, expected as many "
-                f"scratch slots, got {len(scratch_slots)}"
-            )
-        self.model, self.width, self.sizes = model, width, sorted(sizes)
-        self.device = model.embed_tokens.weight.device
-        self._attn = fork_attention(attn, "verify")
-        self._dummy = SeqSpan([0] * width, 0, scratch_slots[:width], True)
-        self._inputs = StaticInputs(self.sizes[-1] * width, scratch_slots[0], self.device)
-        self._graphs: GraphCache[tuple[torch.Tensor, torch.Tensor]] = GraphCache(
-            self.device, mempool
-        )
-        self.runs = 0  # verify steps through the padded path (replayed or not)
+        device = model.embed_tokens.weight.device
+        super().__init__(attn, device, num_steps + 1, sizes, scratch_slots, True, mempool)
+        self.model = model
         if capture:
-            for size in reversed(self.sizes):
-                batch = self._load([], size)
-                self._graphs.capture(size, lambda batch=batch: self._forward(batch))
-            logger.info("captured verify CUDA graphs for batch sizes %s", self.sizes)
-
-    @property
-    def replays(self) -> int:
-        """Verify steps served by a graph."""
-        return self._graphs.replays
+            self._capture_all(lambda size: self._load_spans([], size))
 
     def can_run(self, spans: list[SeqSpan]) -> bool:
         """``k + 1`` tokens and logits for each decode span, within the largest size."""
         return 0 < len(spans) <= self.sizes[-1] and all(
             len(s.token_ids) == self.width and s.sample for s in spans
         )
-
-    def _load(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
-        padded = pad_spans(spans, size, self._dummy)
-        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
-        plan_for_graph(self._attn, static)
-        return static
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch, self._attn, planned=True)
@@ -106,9 +84,7 @@ class VerifyGraphs:
         """Hidden states [n, H] and logits [n, V] (float32) of every row, ``n =
         len(spans) * (k + 1)``, span by span (fresh tensors, not the graph's buffers)."""
         size = padded_size(self.sizes, len(spans))
-        static = self._load(spans, size)
-        hidden, logits = self._graphs.run(size, lambda: self._forward(static))
-        self.runs += 1
+        hidden, logits = self._replay(size, self._load_spans(spans, size))
         rows = len(spans) * self.width
         return hidden[:rows].clone(), logits[:rows].clone()
 
@@ -124,7 +100,7 @@ class DraftChainGraphs:
         sizes: list[int],
         scratch_slot: int,
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> None:
         if num_steps < 2:
             raise ValueError(f"a draft chain needs num_steps >= 2, got {num_steps}")
@@ -213,7 +189,7 @@ class SpecGraphs:
         sizes: list[int],
         scratch_slots: list[int],
         capture: bool = True,
-        mempool: Any = None,
+        mempool: GraphPool | None = None,
     ) -> SpecGraphs:
         """Capture (or with ``capture=False`` only prepare) every kind of graph."""
         model = draft.target

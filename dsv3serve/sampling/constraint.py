@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from dsv3serve.engine.schema_support import schema_problem
+from dsv3serve.sampling.schema_support import schema_problem
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
 _JSON_KINDS = ("json_schema", "structural_tag")

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from dsv3serve.engine.constraint import Constraint
+from dsv3serve.sampling.constraint import Constraint
 
 # Temperatures below this are treated as greedy: dividing logits by them would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
