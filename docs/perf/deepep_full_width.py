@@ -42,7 +42,7 @@ from dsv3serve.bench.group import copy_bandwidth, decode_batch, prefill_rate, pr
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "gather": {"moe_a2a_backend": "none"},  # decode: uniform gather (graphs); prefill: a2a

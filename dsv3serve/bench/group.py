@@ -35,7 +35,7 @@ from dsv3serve.bench.group_roofline import (
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sampling_params import SamplingParams
+from dsv3serve.sampling.sampling_params import SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 2, 120_000
 
