@@ -80,3 +80,18 @@ def test_kv_pressure_adds_a_decode_and_idle_prefill_gives_one_back() -> None:
     assert by_name(targets) == {"prefill-0": 1, "prefill-1": 0, "decode-0": 1, "decode-1": 1}
     assert states[DeploymentID(name="decode-1", app_name=APP)]["reason"] == "kv_pressure"
     assert states[DeploymentID(name="prefill-1", app_name=APP)]["reason"] == "idle"
+
+
+def test_a_role_in_its_cooldown_keeps_its_count() -> None:
+    """Serve calls the policy every tick: within ``cooldown_s`` of the policy's start (or
+    of the role's last change) a decision to change is held as steady."""
+    held = PDAutoscaler(2.0, 0.1, {"prefill": [1, 3], "decode": [1, 2]}, cooldown_s=1e6)
+    contexts = [
+        context("prefill-0", 1, {"queued_prompt_tokens": 2500, "prefill_tokens_per_s": 1000.0}),
+        context("prefill-1", 0, {}),
+        context("decode-0", 1, {"kv_usage": 0.95, "running": 10, "itl_p99_s": 0.05}),
+        context("decode-1", 0, {}),
+    ]
+    targets, states = held({c.deployment_id: c for c in contexts})
+    assert by_name(targets) == {"prefill-0": 1, "prefill-1": 0, "decode-0": 1, "decode-1": 0}
+    assert states[DeploymentID(name="decode-1", app_name=APP)]["reason"] == "steady"
