@@ -28,6 +28,7 @@ from router.autoscale_app import (
     worker_autoscaling,
     worker_count,
 )
+from router.autoscale_metrics import AutoscaleMetrics
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
 from router.grpc_api import GenerationService
@@ -138,7 +139,7 @@ class Router:
             )
             for role in roles
         }
-        self._follow_members(list(sets.values()))
+        self._follow_members(sets)
         settings = self.cfg.router
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
@@ -173,7 +174,7 @@ class Router:
         )
         return OpenAIServer(api, tokenizer, backend)
 
-    def _follow_members(self, sets: list[ReplicaSet]) -> None:
+    def _follow_members(self, sets: dict[Role, ReplicaSet]) -> None:
         """Autoscaled: start with the deployments Serve starts (the first num_replicas of
         each role) and follow Serve's running replicas from then on."""
         slo = self.cfg.slo
@@ -184,7 +185,8 @@ class Router:
             for role in self.cfg.roles()
             for i in range(len(self._workers[role]))
         }
-        watch = MembershipWatch(sets, self._running, slo.membership_period_s)
+        metrics = AutoscaleMetrics(self.metrics.registry, self.metrics.identity, slo)
+        watch = MembershipWatch(dict(sets), self._running, slo.membership_period_s, metrics)
         watch.apply(initial)
         self._watch = asyncio.get_running_loop().create_task(watch.run())
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from router.autoscale_metrics import AutoscaleMetrics
 from router.config import ServingConfig
 from router.policy import ReplicaSet
 from workers.protocol import Role
@@ -93,15 +94,25 @@ class MembershipWatch:
     """Keeps each ReplicaSet's members equal to the worker deployments that run a
     replica: one joins once Serve reports it RUNNING, one leaves when it does not."""
 
-    def __init__(self, sets: list[ReplicaSet], read: RunningReader, period_s: float) -> None:
+    def __init__(
+        self,
+        sets: Mapping[str, ReplicaSet],
+        read: RunningReader,
+        period_s: float,
+        metrics: AutoscaleMetrics | None = None,
+    ) -> None:
         self.sets = sets
         self.read = read
         self.period_s = period_s
+        self.metrics = metrics
 
     def apply(self, running: Mapping[str, int]) -> None:
         """One update from a ``{deployment: running replicas}`` reading."""
-        for replica_set in self.sets:
+        for role, replica_set in self.sets.items():
+            before = len(replica_set.members())
             replica_set.set_members(running)
+            if self.metrics is not None:
+                self.metrics.observe(role, before, replica_set)
 
     async def run(self) -> None:
         """Poll and apply until cancelled; a failed reading keeps the last members."""

@@ -15,12 +15,14 @@ changes at most once per ``cooldown_s`` (the policy, not Serve, keeps that time)
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Mapping
 
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingContext
+from ray.util.metrics import Counter
 
 from router.autoscale import (
     Bounds,
@@ -37,6 +39,7 @@ DECODE_METRICS = ("kv_usage", "running", "itl_p99_s")
 _WORKER = re.compile(r"^(prefill|decode)-(\d+)$")
 
 PolicyState = dict[str, str | int]
+logger = logging.getLogger("ray.serve")
 
 
 class PDAutoscaler:
@@ -59,6 +62,11 @@ class PDAutoscaler:
         self.started = time.monotonic()  # the first change waits a cooldown too
         self.changed_at: dict[str, float] = {}
         self.current: dict[str, int] = {}
+        self.decisions = Counter(
+            "dsv3serve_autoscale_decisions",
+            description="Replica-count changes the PD autoscaling policy made, by reason.",
+            tag_keys=("role", "reason", "direction"),
+        )
 
     def __call__(
         self, contexts: dict[DeploymentID, AutoscalingContext]
@@ -81,6 +89,10 @@ class PDAutoscaler:
         if now - self.changed_at.get(role, self.started) < self.cooldown_s:
             return Decision(current, "steady")
         self.changed_at[role] = now
+        direction = "up" if decision.replicas > current else "down"
+        tags = {"role": role, "reason": decision.reason, "direction": direction}
+        self.decisions.inc(1.0, tags=tags)
+        logger.info(f"autoscale {role}: {current} -> {decision.replicas} ({decision.reason})")
         return decision
 
     def decide(self, role: str, members: list[AutoscalingContext]) -> Decision:

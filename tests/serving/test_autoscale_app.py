@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from ray import serve
-from serving_util import local_serve, serving_config
+from serving_util import TINY_ENGINE, local_serve, serving_config
 
 from router.autoscale_app import (
     MembershipWatch,
@@ -31,7 +31,7 @@ from router.policy import ReplicaSet
 APP = "scaled"
 STREAMS = 6
 TOKENS = 400
-COOLDOWN_S = 25.0
+COOLDOWN_S = 20.0
 
 
 def running(deployment: str) -> int:
@@ -44,6 +44,7 @@ def running(deployment: str) -> int:
 def app_url() -> Iterator[str]:
     cfg = serving_config(
         mode="pd",
+        engine=TINY_ENGINE | {"num_kv_tokens": 65536},  # the streams' KV fits one replica
         decode={"num_cpus": 0.5, "num_replicas": 2, "min_replicas": 1, "max_replicas": 2},
         slo={
             "ttft_p99_s": 60.0,
@@ -148,7 +149,7 @@ def test_the_router_follows_which_worker_deployments_run() -> None:
     """A deployment Serve reports at 0 running replicas leaves the choice; one that runs
     again joins; names not in the reading keep their state."""
     replicas = ReplicaSet(["decode-0", "decode-1", "decode-2"], [object()] * 3)
-    watch = MembershipWatch([replicas], lambda: {}, 1.0)
+    watch = MembershipWatch({"decode": replicas}, lambda: {}, 1.0)
     watch.apply({"decode-0": 1, "decode-1": 0, "decode-2": 0, "router": 2})
     assert replicas.members() == [0]
     watch.apply({"decode-2": 1})
