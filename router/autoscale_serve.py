@@ -61,7 +61,8 @@ class PDAutoscaler:
         self.cooldown_s = cooldown_s
         self.started = time.monotonic()  # the first change waits a cooldown too
         self.changed_at: dict[str, float] = {}
-        self.current: dict[str, int] = {}
+        self.current: dict[str, int] = {}  # as Serve reports it
+        self.decided: dict[str, int] = {}  # as this policy last set it
         self.decisions = Counter(
             "dsv3serve_autoscale_decisions",
             description="Replica-count changes the PD autoscaling policy made, by reason.",
@@ -81,18 +82,20 @@ class PDAutoscaler:
         return targets, states
 
     def held(self, role: str, decision: Decision) -> Decision:
-        """``decision``, or the running count while the role is in its cooldown."""
+        """``decision``, or the role's last decided count while it is in its cooldown (the
+        decided count, not the reported one: Serve may not have applied it yet)."""
         now = time.monotonic()
-        current = self.current.get(role)
-        if current is None or decision.replicas == current:
+        last = self.decided.setdefault(role, self.current[role])
+        if decision.replicas == last:
             return decision
         if now - self.changed_at.get(role, self.started) < self.cooldown_s:
-            return Decision(current, "steady")
+            return Decision(last, "steady")
         self.changed_at[role] = now
-        direction = "up" if decision.replicas > current else "down"
+        self.decided[role] = decision.replicas
+        direction = "up" if decision.replicas > last else "down"
         tags = {"role": role, "reason": decision.reason, "direction": direction}
         self.decisions.inc(1.0, tags=tags)
-        logger.info(f"autoscale {role}: {current} -> {decision.replicas} ({decision.reason})")
+        logger.info(f"autoscale {role}: {last} -> {decision.replicas} ({decision.reason})")
         return decision
 
     def decide(self, role: str, members: list[AutoscalingContext]) -> Decision:
