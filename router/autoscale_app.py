@@ -46,6 +46,10 @@ def worker_autoscaling(cfg: ServingConfig, role: Role, index: int) -> dict[str, 
             "initial_replicas": 1 if index < group.num_replicas else 0,
             "metrics_interval_s": cfg.slo.metrics_interval_s,
             "look_back_period_s": cfg.slo.look_back_period_s,
+            # Serve holds a custom policy's decisions for these too (600 s down by
+            # default); the policy's own cooldown_s paces the changes instead.
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
         },
         "graceful_shutdown_timeout_s": cfg.slo.drain_timeout_s,
         "graceful_shutdown_wait_loop_s": 0.5,
