@@ -26,9 +26,9 @@ from router.launch import deploy_autoscaled, use_proxy_middleware
 
 ENGINE = {"model": "tiny", "device": "cpu", "page_size": 16, "num_kv_tokens": 16384}
 ENGINE |= {"fp8_act_quant": False}
-SLO = {"ttft_p99_s": 2.0, "itl_p99_s": 0.5, "cooldown_s": 5.0}
+SLO = {"ttft_p99_s": 0.8, "itl_p99_s": 0.3, "cooldown_s": 5.0}
 SLO |= {"metrics_interval_s": 1.0, "look_back_period_s": 5.0, "drain_timeout_s": 120.0}
-PHASES = (("low", 0.5, 8), ("high", 6.0, 60), ("low", 0.5, 8))  # name, req/s, prompts
+PHASES = (("low", 0.5, 8), ("high", 10.0, 100), ("low", 0.5, 16))  # name, req/s, prompts
 BOUNDS = {"num_replicas": 1, "min_replicas": 1, "max_replicas": 2}
 
 
@@ -76,7 +76,7 @@ def ramp(url: str, label: str) -> list[dict[str, Any]]:
             base_url=url,
             num_prompts=prompts,
             random_input_len=384,
-            random_output_len=24,
+            random_output_len=32,
             request_rate=rate,
             ignore_eos=True,
             seed=i + 1,
@@ -121,8 +121,9 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(8, 2.8), sharey=True, dpi=80)
     for ax, (label, run) in zip(axes, runs.items(), strict=True):
         t = [s["t"] for s in run["replicas"]]
-        for role in ("prefill", "decode"):
-            ax.step(t, [s[role] for s in run["replicas"]], where="post", label=role)
+        for role, shift, style in (("prefill", 0.03, "-"), ("decode", -0.03, "--")):
+            counts = [s[role] + shift for s in run["replicas"]]  # shifted apart to be seen
+            ax.step(t, counts, where="post", linestyle=style, label=role)
         for phase in run["phases"]:
             ax.axvline(phase["t0"], color="grey", lw=0.5)
             ax.text(phase["t0"], 2.15, phase["phase"], fontsize=7)
