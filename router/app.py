@@ -22,6 +22,13 @@ from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
 from router.auth import APIKeyAuth, unauthorized_response
+from router.autoscale_app import (
+    MembershipWatch,
+    running_replicas,
+    worker_autoscaling,
+    worker_count,
+)
+from router.autoscale_metrics import AutoscaleMetrics
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
 from router.grpc_api import GenerationService
@@ -90,6 +97,7 @@ class Router:
         self._workers = workers
         self._server: OpenAIServer | None = None
         self._init_lock = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
         settings = self.cfg.router
         rank = router_rank()
         self.metrics = Metrics(Identity("router", rank.name, settings.served_model_name))
@@ -131,6 +139,7 @@ class Router:
             )
             for role in roles
         }
+        self._follow_members(sets)
         settings = self.cfg.router
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
@@ -164,6 +173,25 @@ class Router:
             special_tokens_in_content=settings.special_tokens_in_content,
         )
         return OpenAIServer(api, tokenizer, backend)
+
+    def _follow_members(self, sets: dict[Role, ReplicaSet]) -> None:
+        """Autoscaled: start with the deployments Serve starts (the first num_replicas of
+        each role) and follow Serve's running replicas from then on."""
+        slo = self.cfg.slo
+        if slo is None:
+            return
+        initial = {
+            replica_name(role, i): int(i < getattr(self.cfg, role).num_replicas)
+            for role in self.cfg.roles()
+            for i in range(len(self._workers[role]))
+        }
+        metrics = AutoscaleMetrics(self.metrics.registry, self.metrics.identity, slo)
+        watch = MembershipWatch(dict(sets), self._running, slo.membership_period_s, metrics)
+        watch.apply(initial)
+        self._watch = asyncio.get_running_loop().create_task(watch.run())
+
+    def _running(self) -> dict[str, int]:
+        return running_replicas(serve.get_replica_context().app_name)
 
     def _count(self, response: Response) -> Response:
         self.metrics.answered("http", response.status_code)
@@ -251,13 +279,16 @@ def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
     group = getattr(cfg, role)
     options: dict[str, Any] = {
         "name": replica_name(role, index),
-        "num_replicas": 1,
         "ray_actor_options": {
             "num_cpus": group.num_cpus,
             "num_gpus": group.num_gpus,
             "resources": dict(group.resources),
         },
     }
+    if cfg.slo is None:
+        options["num_replicas"] = 1
+    else:
+        options |= worker_autoscaling(cfg, role, index)
     worker = cfg.worker_config(role)
     if worker.group_size > 1:
         options["placement_group_bundles"] = _bundles(group, worker.group_size)
@@ -286,7 +317,7 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
     router, ...}]`` entry would set them (e.g. ``{"ray_actor_options": {"runtime_env":
     {"env_vars": {...}}}}``)."""
     workers = {
-        role: [_worker_app(cfg, role, i) for i in range(getattr(cfg, role).num_replicas)]
+        role: [_worker_app(cfg, role, i) for i in range(worker_count(cfg, role))]
         for role in cfg.roles()
     }
     options = {"num_replicas": cfg.router.num_replicas} | dict(router_options or {})

@@ -8,17 +8,21 @@ metrics (names in :data:`PREFILL_METRICS` / :data:`DECODE_METRICS`) reach it thr
 ``ctx.aggregated_metrics``. It returns, per worker deployment, 1 for the first N of the
 role and 0 for the rest, and keeps the decision's reason in the policy state.
 
-Not yet wired into ``build_app`` (see docs/autoscaling.md): nothing runs this in the
-served app today.
+``router/autoscale_app.py`` binds the deployments and names this class in the deploy
+config's ``autoscaling_policy``. Serve calls it every control-loop tick; a role's count
+changes at most once per ``cooldown_s`` (the policy, not Serve, keeps that time).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Mapping
 
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingContext
+from ray.util.metrics import Counter
 
 from router.autoscale import (
     Bounds,
@@ -35,6 +39,7 @@ DECODE_METRICS = ("kv_usage", "running", "itl_p99_s")
 _WORKER = re.compile(r"^(prefill|decode)-(\d+)$")
 
 PolicyState = dict[str, str | int]
+logger = logging.getLogger("ray.serve")
 
 
 class PDAutoscaler:
@@ -43,12 +48,26 @@ class PDAutoscaler:
     {"prefill": [1, 3], "decode": [1, 2]}}``."""
 
     def __init__(
-        self, ttft_p99_s: float, itl_p99_s: float, bounds: Mapping[str, list[int]]
+        self,
+        ttft_p99_s: float,
+        itl_p99_s: float,
+        bounds: Mapping[str, list[int]],
+        cooldown_s: float = 0.0,
     ) -> None:
         self.ttft_p99_s = ttft_p99_s
         self.itl_p99_s = itl_p99_s
         self.bounds = {role: Bounds(low, high) for role, (low, high) in bounds.items()}
         self.knobs = PolicyKnobs()
+        self.cooldown_s = cooldown_s
+        self.started = time.monotonic()  # the first change waits a cooldown too
+        self.changed_at: dict[str, float] = {}
+        self.current: dict[str, int] = {}  # as Serve reports it
+        self.decided: dict[str, int] = {}  # as this policy last set it
+        self.decisions = Counter(
+            "dsv3serve_autoscale_decisions",
+            description="Replica-count changes the PD autoscaling policy made, by reason.",
+            tag_keys=("role", "reason", "direction"),
+        )
 
     def __call__(
         self, contexts: dict[DeploymentID, AutoscalingContext]
@@ -56,15 +75,33 @@ class PDAutoscaler:
         targets: dict[DeploymentID, int] = {}
         states: dict[DeploymentID, PolicyState] = {}
         for role, members in _by_role(contexts).items():
-            decision = self.decide(role, [contexts[d] for d in members])
+            decision = self.held(role, self.decide(role, [contexts[d] for d in members]))
             for index, dep in enumerate(members):
                 targets[dep] = 1 if index < decision.replicas else 0
                 states[dep] = {"reason": decision.reason, "role_replicas": decision.replicas}
         return targets, states
 
+    def held(self, role: str, decision: Decision) -> Decision:
+        """``decision``, or the role's last decided count while it is in its cooldown (the
+        decided count, not the reported one: Serve may not have applied it yet)."""
+        now = time.monotonic()
+        last = self.decided.setdefault(role, self.current[role])
+        if decision.replicas == last:
+            return decision
+        if now - self.changed_at.get(role, self.started) < self.cooldown_s:
+            return Decision(last, "steady")
+        self.changed_at[role] = now
+        self.decided[role] = decision.replicas
+        direction = "up" if decision.replicas > last else "down"
+        tags = {"role": role, "reason": decision.reason, "direction": direction}
+        self.decisions.inc(1.0, tags=tags)
+        logger.info(f"autoscale {role}: {last} -> {decision.replicas} ({decision.reason})")
+        return decision
+
     def decide(self, role: str, members: list[AutoscalingContext]) -> Decision:
         """The role's decision from its deployments' contexts (in index order)."""
         replicas = sum(min(1, ctx.target_num_replicas) for ctx in members)
+        self.current[role] = replicas
         bounds = self.bounds.get(role, Bounds(replicas, replicas))
         if role == "prefill":
             snap = prefill_snapshot(replicas, members)

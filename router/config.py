@@ -74,6 +74,24 @@ class SLO(BaseModel):
 
     ttft_p99_s: float = Field(gt=0, description="time to first token, p99: drives prefill")
     itl_p99_s: float = Field(gt=0, description="inter-token latency, p99: drives decode")
+    cooldown_s: float = Field(
+        10.0, ge=0, description="a role's replica count changes at most once per cooldown"
+    )
+    metrics_interval_s: float = Field(
+        2.0, gt=0, description="how often workers report their autoscaling metrics to Serve"
+    )
+    look_back_period_s: float = Field(
+        10.0, gt=0, description="Serve's window over the reported metrics"
+    )
+    drain_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="a stopping worker replica waits this long for its decode streams and "
+        "prefills to finish (Serve's graceful_shutdown_timeout_s)",
+    )
+    membership_period_s: float = Field(
+        1.0, gt=0, description="how often the router reads which worker replicas run"
+    )
 
 
 class RouterSettings(BaseModel):
@@ -212,9 +230,9 @@ class ServingConfig(BaseModel):
     router: RouterSettings = RouterSettings()
     slo: SLO | None = Field(
         None,
-        description="latency targets; None: no autoscaling policy is computed (the "
-        "policies in router/autoscale.py are not yet wired into the app: see "
-        "docs/autoscaling.md)",
+        description="latency targets; set: prefill and decode autoscale between their "
+        "min_replicas and max_replicas under Serve's autoscaling (docs/autoscaling.md); "
+        "None: fixed num_replicas",
     )
     test_prefill_delay_s: float = Field(0.0, ge=0, description="fault injection, tests only")
     test_receive_delay_s: float = Field(
@@ -283,14 +301,17 @@ class ServingConfig(BaseModel):
 
 
 def _refuse_unwired_autoscaling(cfg: ServingConfig, roles: tuple[Role, ...]) -> None:
-    """The SLO policies (router/autoscale.py) are not yet wired into the Serve app: a
-    config asking for them is refused rather than silently run at fixed size."""
+    """Autoscaling runs in PD mode with ``slo`` set; varying bounds without ``slo`` (no
+    targets to scale by) or ``slo`` in colocated mode are refused rather than ignored."""
     varying = [r for r in roles if len(set(getattr(cfg, r).bounds())) > 1]
-    if cfg.slo is not None or varying:
+    if cfg.slo is None and varying:
         raise ValueError(
-            "slo / min_replicas < max_replicas: autoscaling is not yet wired into the app "
-            "(issue 33; docs/autoscaling.md); expected no slo and min_replicas == "
-            f"max_replicas, found slo={cfg.slo} and varying bounds on {varying or 'none'}"
+            f"min_replicas < max_replicas on {varying}: expected slo set (the targets "
+            "the replicas scale by) or min_replicas == max_replicas"
+        )
+    if cfg.slo is not None and cfg.mode != "pd":
+        raise ValueError(
+            f"slo: autoscaling runs prefill and decode; expected mode pd, found {cfg.mode}"
         )
 
 

@@ -165,13 +165,56 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
 
     http = http_options(data, port)
     serve.start(http_options=http, grpc_options=grpc_options(data, grpc_port))
+    autoscaled = []
     for app in data["applications"]:
+        cfg = ServingConfig.parse(app.get("args") or {})
+        if cfg.slo is not None:
+            autoscaled.append(app)
+            continue
         serve.run(
-            build_app(ServingConfig.parse(app.get("args") or {})),
+            build_app(cfg),
             name=app.get("name", APP_NAME),
             route_prefix=app.get("route_prefix", "/"),
         )
+    if autoscaled:
+        deploy_autoscaled(autoscaled)
     return f"http://{http['host']}:{http['port']}"
+
+
+def deploy_autoscaled(apps: list[dict[str, Any]], timeout_s: float = 900.0) -> None:
+    """Deploy application entries whose ``args`` set ``slo`` through one Serve deploy
+    config (Ray 2.60 takes an application-level ``autoscaling_policy`` only there; a
+    later config replaces these apps), each with its policy filled in
+    (``router.autoscale_app``); wait until they run.
+
+    Raises RuntimeError when one fails to deploy or is not running within ``timeout_s``."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from router.autoscale_app import with_autoscaling_policy
+
+    entries = [
+        {"name": APP_NAME, "route_prefix": "/"} | with_autoscaling_policy(app) for app in apps
+    ]
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=entries))
+    for entry in entries:
+        wait_running(entry["name"], timeout_s)
+
+
+def wait_running(name: str, timeout_s: float) -> None:
+    """Block until Serve reports application ``name`` RUNNING; RuntimeError when it
+    reports DEPLOY_FAILED, or after ``timeout_s``."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(name)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
+        time.sleep(1.0)
+    raise RuntimeError(f"application {name!r} not running after {timeout_s:.0f} s")
 
 
 def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = APP_NAME) -> str:

@@ -109,6 +109,23 @@ PD = [
         (rate("dp_rank_fallbacks_total", M, "role, dp_rank"),
          "{{role}} rank {{dp_rank}} fallback"),
     ]),
+    # SLO autoscaling (docs/autoscaling.md): measured p99 against the target, the replicas
+    # each role runs as the router sees them, and the policy's changes with their reasons
+    # (Ray's metric, from Serve's controller).
+    ("Autoscaling: p99 TTFT and ITL vs SLO target", "s", [
+        (quantiles("time_to_first_token_seconds", ROUTER)[2][0], "TTFT p99"),
+        (f'max(dsv3serve:slo_target_seconds{{{ROUTER}, slo="ttft_p99"}})', "TTFT target"),
+        (quantiles("inter_token_latency_seconds", ROUTER)[2][0], "ITL p99"),
+        (f'max(dsv3serve:slo_target_seconds{{{ROUTER}, slo="itl_p99"}})', "ITL target"),
+    ]),
+    ("Autoscaling: worker replicas per role", "short", [
+        (f"max by (pool) (dsv3serve:autoscale_replicas{{{ROUTER}}})", "{{pool}}"),
+    ]),
+    ("Autoscaling: decisions by reason (per 5 min)", "short", [
+        ("sum by (role, direction, reason) "
+         "(increase(ray_dsv3serve_autoscale_decisions_total[5m]))",
+         "{{role}} {{direction}} ({{reason}})"),
+    ]),
 ]  # fmt: skip
 
 ENGINE = [

@@ -415,3 +415,26 @@ def test_dashboard_file_names_become_config_map_names(tmp_path: Path) -> None:
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(config_map["data"]["PD_Overview.json"]) == board
     kubernetes_validate.validate(config_map, latest_version(), strict=True)
+
+
+def test_slo_values_reach_the_serving_config_the_policy_and_kuberay() -> None:
+    """``slo`` and the roles' min/max replicas become the app's ``slo`` and bounds, the
+    deploy config names the same app-level policy the local launcher submits, and
+    KubeRay's autoscaler is on."""
+    from router.autoscale_app import autoscaling_policy
+
+    values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
+    values["slo"] = {"ttftP99S": 2.0, "itlP99S": 0.1, "drainTimeoutS": 300}
+    values["decode"] |= {"numReplicas": 1, "minReplicas": 1, "maxReplicas": 2}
+    values["decode"]["workers"] |= {"minReplicas": 1, "maxReplicas": 2}
+    service = rayservice(values)
+    assert kuberay_validator().is_valid(service)
+    assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    cfg = ServingConfig.parse(app["args"])
+    assert cfg.slo is not None and cfg.slo.drain_timeout_s == 300
+    assert cfg.decode.bounds() == (1, 2)
+    assert app["autoscaling_policy"] == autoscaling_policy(cfg)
+    assert "autoscaling_policy" not in serve_config(LAYOUTS["two-node-h200-pd"])["applications"][0]

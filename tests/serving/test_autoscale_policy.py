@@ -92,11 +92,14 @@ def test_role_bounds_default_to_num_replicas_and_are_checked() -> None:
         SLO(ttft_p99_s=0, itl_p99_s=0.05)
 
 
-def test_a_config_asking_for_autoscaling_is_refused_until_it_is_wired() -> None:
-    """Accepting slo or varying bounds and running at fixed size would silently ignore
-    them: the app refuses them, naming why."""
+def test_varying_bounds_without_slo_and_slo_outside_pd_are_refused() -> None:
+    """Varying bounds with no targets to scale by, or slo in colocated mode, would be
+    silently run at a fixed size: refused, naming why; PD with slo is accepted."""
     ServingConfig.parse(pd_args())
-    with pytest.raises(ConfigError, match="autoscaling is not yet wired"):
-        ServingConfig.parse(pd_args(slo={"ttft_p99_s": 1.0, "itl_p99_s": 0.05}))
-    with pytest.raises(ConfigError, match="varying bounds on \\['decode'\\]"):
+    slo = {"ttft_p99_s": 1.0, "itl_p99_s": 0.05}
+    cfg = ServingConfig.parse(pd_args(slo=slo, decode={"min_replicas": 1, "max_replicas": 2}))
+    assert cfg.slo is not None and cfg.decode.bounds() == (1, 2)
+    with pytest.raises(ConfigError, match="expected slo set"):
         ServingConfig.parse(pd_args(decode={"min_replicas": 1, "max_replicas": 2}))
+    with pytest.raises(ConfigError, match="expected mode pd, found colocated"):
+        ServingConfig.parse(pd_args(mode="colocated", slo=slo))

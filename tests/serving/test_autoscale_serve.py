@@ -4,6 +4,7 @@ workers' custom metrics and turns the role's decision into 0/1 per deployment.""
 
 from __future__ import annotations
 
+import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
@@ -80,3 +81,42 @@ def test_kv_pressure_adds_a_decode_and_idle_prefill_gives_one_back() -> None:
     assert by_name(targets) == {"prefill-0": 1, "prefill-1": 0, "decode-0": 1, "decode-1": 1}
     assert states[DeploymentID(name="decode-1", app_name=APP)]["reason"] == "kv_pressure"
     assert states[DeploymentID(name="prefill-1", app_name=APP)]["reason"] == "idle"
+
+
+def test_a_role_in_its_cooldown_keeps_its_count() -> None:
+    """Serve calls the policy every tick: within ``cooldown_s`` of the policy's start (or
+    of the role's last change) a decision to change is held as steady."""
+    held = PDAutoscaler(2.0, 0.1, {"prefill": [1, 3], "decode": [1, 2]}, cooldown_s=1e6)
+    contexts = [
+        context("prefill-0", 1, {"queued_prompt_tokens": 2500, "prefill_tokens_per_s": 1000.0}),
+        context("prefill-1", 0, {}),
+        context("decode-0", 1, {"kv_usage": 0.95, "running": 10, "itl_p99_s": 0.05}),
+        context("decode-1", 0, {}),
+    ]
+    targets, states = held({c.deployment_id: c for c in contexts})
+    assert by_name(targets) == {"prefill-0": 1, "prefill-1": 0, "decode-0": 1, "decode-1": 0}
+    assert states[DeploymentID(name="decode-1", app_name=APP)]["reason"] == "steady"
+
+
+def test_a_change_holds_through_its_cooldown_while_serve_still_reports_the_old_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode goes 1 -> 2 on KV pressure; on the next tick Serve still reports 1 replica
+    and the load looks calm: within the cooldown the policy keeps its 2, not the reported
+    1 (which would undo its own decision)."""
+    now = [0.0]
+    monkeypatch.setattr("router.autoscale_serve.time.monotonic", lambda: now[0])
+    scaler = PDAutoscaler(2.0, 0.1, {"prefill": [1, 1], "decode": [1, 2]}, cooldown_s=50.0)
+
+    def tick(decode_load: dict[str, float]) -> dict[str, int]:
+        contexts = [
+            context("prefill-0", 1, {"queued_prompt_tokens": 0}),
+            context("decode-0", 1, decode_load),
+            context("decode-1", 0, {}),
+        ]
+        return by_name(scaler({c.deployment_id: c for c in contexts})[0])
+
+    now[0] = 100.0
+    assert tick({"kv_usage": 0.95, "running": 10, "itl_p99_s": 0.05})["decode-1"] == 1
+    now[0] = 101.0
+    assert tick({"kv_usage": 0.1, "running": 1, "itl_p99_s": 0.01})["decode-1"] == 1

@@ -24,7 +24,23 @@ placement group fills one pod's GPUs, then the next).
 {{- $_ = set $group "resources" (dict (include "dsv3serve.nodeResource" $role) 1) -}}
 {{- $layout := merge (dict "tp_size" (int $g.tpSize)) (deepCopy ($g.layout | default dict)) -}}
 {{- $_ = set $group "engine" (merge (deepCopy ($g.engine | default dict)) $layout) -}}
+{{- if hasKey $g "minReplicas" -}}
+{{- $_ = set $group "min_replicas" (int $g.minReplicas) -}}
+{{- end -}}
+{{- if hasKey $g "maxReplicas" -}}
+{{- $_ = set $group "max_replicas" (int $g.maxReplicas) -}}
+{{- end -}}
 {{- $_ = set $args $role $group -}}
+{{- end -}}
+{{- with $v.slo -}}
+{{- $slo := dict "ttft_p99_s" .ttftP99S "itl_p99_s" .itlP99S -}}
+{{- if hasKey . "cooldownS" -}}
+{{- $_ := set $slo "cooldown_s" .cooldownS -}}
+{{- end -}}
+{{- if hasKey . "drainTimeoutS" -}}
+{{- $_ := set $slo "drain_timeout_s" .drainTimeoutS -}}
+{{- end -}}
+{{- $_ := set $args "slo" $slo -}}
 {{- end -}}
 {{- toYaml $args -}}
 {{- end -}}
@@ -47,6 +63,20 @@ applications:
       - name: router
         ray_actor_options:
           resources: {"node:__internal_head__": 0.001}
+    {{- with .Values.slo }}
+    # Serve's application-level autoscaling policy (router/autoscale_app.py writes the same)
+    autoscaling_policy:
+      policy_function: router.autoscale_serve:PDAutoscaler
+      policy_kwargs:
+        ttft_p99_s: {{ .ttftP99S }}
+        itl_p99_s: {{ .itlP99S }}
+        bounds:
+          {{- range $role := list "prefill" "decode" }}
+          {{- $g := index $.Values $role }}
+          {{ $role }}: [{{ int (default $g.numReplicas $g.minReplicas) }}, {{ int (default $g.numReplicas $g.maxReplicas) }}]
+          {{- end }}
+        cooldown_s: {{ default 10.0 .cooldownS }}
+    {{- end }}
     args:
       {{- include "dsv3serve.servingArgs" . | nindent 6 }}
 {{- end -}}

@@ -1,0 +1,156 @@
+"""The autoscaled PD app on real local Ray: Serve's controller runs ``PDAutoscaler`` over
+the worker deployments, the router follows them, and a decode replica stopped while its
+streams run drains them (no request fails, greedy texts equal the unscaled run's).
+
+The app starts with two decode replicas (min 1, max 2) and no load, so the policy's first
+decision after its cooldown is to stop ``decode-1``; the streams are started before that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from ray import serve
+from serving_util import TINY_ENGINE, local_serve, serving_config
+
+from router.autoscale_app import (
+    MembershipWatch,
+    autoscaling_policy,
+    with_autoscaling_policy,
+    worker_autoscaling,
+    worker_count,
+)
+from router.launch import deploy_autoscaled
+from router.policy import ReplicaSet
+
+APP = "scaled"
+STREAMS = 6
+TOKENS = 400
+COOLDOWN_S = 20.0
+
+
+def running(deployment: str) -> int:
+    """RUNNING replicas of ``deployment`` in the app."""
+    status = serve.status().applications[APP].deployments[deployment]
+    return int(status.replica_states.get("RUNNING", 0))
+
+
+@pytest.fixture(scope="module")
+def app_url() -> Iterator[str]:
+    cfg = serving_config(
+        mode="pd",
+        engine=TINY_ENGINE | {"num_kv_tokens": 65536},  # the streams' KV fits one replica
+        decode={"num_cpus": 0.5, "num_replicas": 2, "min_replicas": 1, "max_replicas": 2},
+        slo={
+            "ttft_p99_s": 60.0,
+            "itl_p99_s": 30.0,
+            "cooldown_s": COOLDOWN_S,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 2.0,
+            "membership_period_s": 0.2,
+        },
+        router={"served_model_name": "tiny", "max_in_flight": 64},
+    )
+    app = {"name": APP, "route_prefix": f"/{APP}", "import_path": "router.app:build_app"}
+    with local_serve() as base:
+        deploy_autoscaled([app | {"args": cfg.model_dump(mode="json")}])
+        try:
+            yield f"{base}/{APP}"
+        finally:
+            serve.delete(APP)
+
+
+def greedy_stream(url: str, i: int, started: threading.Event) -> str:
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    stream = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": f"Count to {i + 2}, slowly."}],
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text = ""
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            started.set()
+    return text
+
+
+def test_decode_scale_down_drains_running_streams(app_url: str) -> None:
+    """Streams run on both decode replicas when the policy stops ``decode-1``: every
+    stream completes, with the text the same prompts give on the one replica left."""
+    assert running("decode-1") == 1
+    started = [threading.Event() for _ in range(STREAMS)]
+    with ThreadPoolExecutor(STREAMS) as pool:
+        futures = [pool.submit(greedy_stream, app_url, i, started[i]) for i in range(STREAMS)]
+        assert all(event.wait(300) for event in started)
+        stopped_during = False
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not all(f.done() for f in futures):
+            if running("decode-1") == 0 or _stopping("decode-1"):
+                stopped_during = True
+                break
+            time.sleep(0.2)
+        texts = [f.result(timeout=600) for f in futures]
+    assert stopped_during, "the streams ended before decode-1 was stopped: raise TOKENS"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and running("decode-1") != 0:
+        time.sleep(0.5)
+    assert running("decode-1") == 0 and running("decode-0") == 1
+    done = [threading.Event() for _ in range(STREAMS)]
+    with ThreadPoolExecutor(STREAMS) as pool:
+        expected = list(pool.map(lambda i: greedy_stream(app_url, i, done[i]), range(STREAMS)))
+    assert texts == expected
+
+
+def _stopping(deployment: str) -> bool:
+    status = serve.status().applications[APP].deployments[deployment]
+    return int(status.replica_states.get("STOPPING", 0)) > 0
+
+
+SLO = {"ttft_p99_s": 2.0, "itl_p99_s": 0.1, "cooldown_s": 5.0, "drain_timeout_s": 90.0}
+
+
+def test_an_autoscaled_role_binds_max_replicas_deployments_of_zero_or_one() -> None:
+    """Deployment i of a role: kept at 1 below min_replicas, started at 1 below
+    num_replicas, never above 1; stopping waits drain_timeout_s."""
+    cfg = serving_config(
+        prefill={"num_cpus": 0.5, "num_replicas": 1, "min_replicas": 1, "max_replicas": 3},
+        decode={"num_cpus": 0.5, "num_replicas": 2, "min_replicas": 1, "max_replicas": 2},
+        slo=SLO,
+    )
+    assert (worker_count(cfg, "prefill"), worker_count(cfg, "decode")) == (3, 2)
+    scaling = [worker_autoscaling(cfg, "prefill", i)["autoscaling_config"] for i in range(3)]
+    assert [(s["min_replicas"], s["max_replicas"], s["initial_replicas"]) for s in scaling] == [
+        (1, 1, 1),
+        (0, 1, 0),
+        (0, 1, 0),
+    ]
+    assert worker_autoscaling(cfg, "decode", 1)["autoscaling_config"]["initial_replicas"] == 1
+    assert worker_autoscaling(cfg, "decode", 1)["graceful_shutdown_timeout_s"] == 90.0
+    policy = autoscaling_policy(cfg)
+    assert policy is not None and policy["policy_function"] == "router.autoscale_serve:PDAutoscaler"
+    assert policy["policy_kwargs"]["bounds"] == {"prefill": [1, 3], "decode": [1, 2]}
+    assert policy["policy_kwargs"]["cooldown_s"] == 5.0
+    fixed = serving_config()
+    assert worker_count(fixed, "decode") == 1 and autoscaling_policy(fixed) is None
+    entry = {"name": "a", "args": cfg.model_dump(mode="json")}
+    assert with_autoscaling_policy(entry)["autoscaling_policy"] == policy
+
+
+def test_the_router_follows_which_worker_deployments_run() -> None:
+    """A deployment Serve reports at 0 running replicas leaves the choice; one that runs
+    again joins; names not in the reading keep their state."""
+    replicas = ReplicaSet(["decode-0", "decode-1", "decode-2"], [object()] * 3)
+    watch = MembershipWatch({"decode": replicas}, lambda: {}, 1.0)
+    watch.apply({"decode-0": 1, "decode-1": 0, "decode-2": 0, "router": 2})
+    assert replicas.members() == [0]
+    watch.apply({"decode-2": 1})
+    assert replicas.members() == [0, 2]
