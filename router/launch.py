@@ -181,7 +181,7 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
     return f"http://{http['host']}:{http['port']}"
 
 
-def deploy_autoscaled(apps: list[dict[str, Any]], timeout_s: float = 900.0) -> None:
+def deploy_autoscaled(apps: list[JSONObject], timeout_s: float = 900.0) -> None:
     """Deploy application entries whose ``args`` set ``slo`` through one Serve deploy
     config (Ray 2.60 takes an application-level ``autoscaling_policy`` only there; a
     later config replaces these apps), each with its policy filled in
