@@ -30,7 +30,8 @@ from dsv3serve.kvcache.pool import (
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
 from dsv3serve.page_table import slots_of
-from dsv3serve.plan.planner import PlanSettings, plan_deepep, reserves
+from dsv3serve.parallel.deepep_sizes import planned_deepep
+from dsv3serve.plan.planner import PlanSettings, reserves
 
 if TYPE_CHECKING:
     from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
@@ -241,7 +242,7 @@ class ModelRunner:
             max_running_requests=self.cfg.max_running_requests,
         )
         graph, activation = reserves(settings, self.cfg.parallel.world_size)
-        deepep = plan_deepep(self.model_cfg, self.cfg.parallel, settings)
+        deepep = planned_deepep(self.model_cfg, self.cfg.parallel, self.cfg.max_running_requests)
         return graph + activation + (0 if deepep is None else deepep.activations)
 
     def _make_pool(self) -> MLAKVPool:

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv3serve.config import ModelConfig
+from dsv3serve.parallel.config import ParallelConfig
+
 NUM_SMS = 20  # deep_ep.Buffer.num_sms
 NVL_PEERS = 8  # NUM_MAX_NVL_PEERS
 ALIGN = 128  # NUM_BUFFER_ALIGNMENT_BYTES
@@ -101,4 +104,24 @@ def deepep_bytes(
             if low
             else 0
         ),
+    )
+
+
+def planned_deepep(
+    model_cfg: ModelConfig, parallel: ParallelConfig, max_running_requests: int
+) -> DeepEPBytes | None:
+    """DeepEP's buffers on each rank under ``moe_a2a_backend`` ``deepep`` (None otherwise):
+    the low-latency part sized by ``max_running_requests`` per rank; rows travel as e4m3
+    with an FP8 checkpoint (the engine's default activation quantisation)."""
+    if parallel.moe_a2a_backend != "deepep" or parallel.ep_size == 1:
+        return None
+    moe_tp = max(parallel.tp_size // parallel.ep_size, 1)
+    return deepep_bytes(
+        parallel.deepep_mode,
+        model_cfg.hidden_size,
+        model_cfg.n_routed_experts,
+        parallel.ep_size,
+        model_cfg.moe_intermediate_size // moe_tp,
+        max_running_requests,
+        model_cfg.quant_method == "fp8",
     )

@@ -21,7 +21,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
 from dsv3serve.parallel.config import ParallelConfig
-from dsv3serve.parallel.deepep_sizes import DeepEPBytes, deepep_bytes
+from dsv3serve.parallel.deepep_sizes import DeepEPBytes, planned_deepep
 from dsv3serve.parallel.shard import RankLayout, check_model
 from dsv3serve.parallel.shard_tensors import SCALE_SUFFIX, TensorInfo, local_tensors
 
@@ -307,33 +307,13 @@ def plan(
     )
     graph, activation = reserves(settings, parallel.world_size)
     per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype)
-    deepep = plan_deepep(model_cfg, parallel, settings)
+    deepep = planned_deepep(model_cfg, parallel, settings.max_running_requests)
     draft = Plan(parallel, settings, ranks, graph, activation, per_token, 0, 0, deepep)
     result = dataclasses.replace(
         draft, kv_tokens=_kv_tokens(draft), min_kv_tokens=min_kv_tokens(settings)
     )
     check_fits(result)
     return result
-
-
-def plan_deepep(
-    model_cfg: ModelConfig, parallel: ParallelConfig, s: PlanSettings
-) -> DeepEPBytes | None:
-    """DeepEP's buffers on each rank under ``moe_a2a_backend`` ``deepep`` (None otherwise):
-    the low-latency part sized by ``max_running_requests`` per rank; rows travel as e4m3
-    with an FP8 checkpoint (the engine's default activation quantisation)."""
-    if parallel.moe_a2a_backend != "deepep" or parallel.ep_size == 1:
-        return None
-    moe_tp = parallel.tp_size // parallel.ep_size
-    return deepep_bytes(
-        parallel.deepep_mode,
-        model_cfg.hidden_size,
-        model_cfg.n_routed_experts,
-        parallel.ep_size,
-        model_cfg.moe_intermediate_size // max(moe_tp, 1),
-        s.max_running_requests,
-        model_cfg.quant_method == "fp8",
-    )
 
 
 def _kv_tokens(p: Plan) -> int:
