@@ -117,7 +117,7 @@ def test_health(served: Served) -> None:
 
 
 def test_the_printed_grpc_example_streams_a_reply(served: Served) -> None:
-    """The Python line ``dsv3serve serve`` prints (and the README shows) instead of grpcurl."""
+    """The Python line ``dsv3serve serve`` prints (and docs/api.md shows) instead of grpcurl."""
     line = grpc_example(served.grpc_port, APP)
     done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip(), done.stderr
