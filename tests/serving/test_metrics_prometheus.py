@@ -35,10 +35,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def panel_queries() -> list[tuple[str, str, str]]:
-    """(dashboard, panel title, expression with template variables substituted)."""
+    """(dashboard, panel title, expression with template variables substituted). The
+    autoscaling panels are left out: their series exist only for an app whose config sets
+    ``slo`` (this stack's fixed 1 + 1 app has none)."""
     out = []
     for path in sorted(GRAFANA.glob("*.json")):
         for panel in json.loads(path.read_text())["panels"]:
+            if panel["title"].startswith("Autoscaling:"):
+                continue
             for target in panel["targets"]:
                 expr = target["expr"]
                 for var, value in SUBSTITUTIONS.items():
