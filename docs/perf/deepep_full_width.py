@@ -29,6 +29,7 @@ the throughput table. ``--device cpu`` runs the plumbing on the tiny checkpoint 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -39,6 +40,8 @@ from typing import Any
 
 from dsv3serve.bench.greedy_compare import compare, first_difference, spread
 from dsv3serve.bench.group import copy_bandwidth, decode_batch, prefill_rate, prompt
+from dsv3serve.bench.group_roofline import RankBytes, roofline_ms, step_bytes
+from dsv3serve.bench.group_roofline import rank_bytes as group_rank_bytes
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
@@ -56,6 +59,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "deepep-normal": {"moe_a2a_backend": "deepep", "deepep_mode": "normal"},  # eager
 }
 GREEDY_PROMPTS, GREEDY_TOKENS, TOP = 16, 32, 5
+RANKS, TOP_K, EXPERTS = 2, 8, 256  # the DP2 + EP2 group of DeepSeek-V3 this script runs
 VOCAB_LOW, VOCAB_HIGH = 2, 120_000
 
 
@@ -128,24 +132,13 @@ def greedy(engine: Any, one_at_a_time: bool) -> dict[str, Any]:
 
 
 def rank_bytes(llm: LLM, per_rank: int, ctx: int) -> dict[str, int] | None:
-    """Bytes rank 0 reads per decode step: its routed experts (``experts``), its other
-    parameters, and its batch's KV over the layers (bf16 latent + rope per token)."""
+    """Rank 0's bytes by kind (:func:`dsv3serve.bench.group_roofline.rank_bytes`), with
+    its batch's KV (bf16 latent + rope per token and layer)."""
     model = getattr(getattr(llm.engine, "runner", None), "model", None)
     if model is None:
         return None
-    sizes = {"experts": 0, "other": 0}
-    for name, p in model.named_parameters():
-        sizes["experts" if ".experts." in name else "other"] += p.numel() * p.element_size()
-    cfg = model.cfg
-    kv_row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
-    sizes["kv"] = per_rank * ctx * kv_row * cfg.num_hidden_layers
-    return sizes
-
-
-def hit_fraction(per_rank: int, ranks: int = 2, top_k: int = 8, experts: int = 256) -> float:
-    """Expected share of experts a decode step hits when the group's ``ranks * per_rank``
-    tokens pick ``top_k`` each, uniformly (dummy weights route about uniformly)."""
-    return 1.0 - (1.0 - 1.0 / experts) ** (ranks * per_rank * top_k)
+    kv_row = (model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim) * 2
+    return dataclasses.asdict(group_rank_bytes(model, per_rank * ctx, kv_row))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -237,14 +230,15 @@ def gather_spread(ref: dict[str, Any]) -> float:
 
 
 def roofline_ratio(r: dict[str, Any], copy_bw: float | None) -> float | None:
-    """Step time over the rank's roofline: the bytes it must read (its other parameters,
-    the experts the step hits, the KV) at the copy bandwidth measured in the same run
-    (bytes read + written per second: HBM traffic, so read-only traffic moves as fast)."""
+    """Step time over the rank's roofline (:mod:`dsv3serve.bench.group_roofline`: the
+    bytes a step reads at the copy bandwidth measured in the same run). Records of calls 1-3
+    kept ``{experts, other, kv}`` (embedding and head inside ``other``, 12 layers, 9 MoE)."""
     b = r.get("rank_bytes")
     if not b or not copy_bw or "experts" not in b:
         return None
-    need = b["other"] + b["experts"] * hit_fraction(r["per_rank"]) + b["kv"]
-    return round(r["median_step_ms"] / (1e3 * need / copy_bw), 2)
+    full = {"head": 0, "layers": 12, "moe_layers": 9} | b
+    need = step_bytes(RankBytes(**full), RANKS * r["per_rank"], TOP_K, EXPERTS)
+    return round(r["median_step_ms"] / roofline_ms(need, copy_bw), 2)
 
 
 def report(out: Path) -> dict[str, Any]:

@@ -85,9 +85,9 @@ class StaticInputs:
         """Copy ``batch``'s inputs in; returns ``batch`` over views of the buffers.
         ``real``: how many leading rows are real tokens (None: all of them)."""
         n = batch.num_tokens
-        self.real.fill_(n if real is None else real)
         if n > self.ids.shape[0]:
             raise ValueError(f"expected at most {self.ids.shape[0]} graph tokens, got {n}")
+        self.real.fill_(n if real is None else real)
         self.ids[:n].copy_(batch.input_ids)
         self.pos[:n].copy_(batch.positions)
         self.out[:n].copy_(batch.out_slots)

@@ -32,6 +32,13 @@ class Dispatched:
     state: Any = None
 
 
+def dequant_rows(q: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """e4m3 rows [..., H] with float32 scales [..., ceil(H/128)] (any strides) -> ``dtype``."""
+    h = q.shape[-1]
+    s = scales.float().repeat_interleave(BLOCK, dim=-1)[..., :h]
+    return (q.float() * s).to(dtype)
+
+
 class Dispatcher(ABC):
     """Moves tokens to their experts' ranks and their results back.
 
@@ -101,9 +108,7 @@ class MaskedDispatched:
         pass, for checks and identity experts; the masked MoE reads e4m3 as it is)."""
         if self.x_scale is None:
             return self.x.to(dtype)
-        h = self.x.shape[-1]
-        s = self.x_scale.float().repeat_interleave(BLOCK, dim=-1)[..., :h]
-        return (self.x.float() * s).to(dtype)
+        return dequant_rows(self.x, self.x_scale, dtype)
 
 
 class MaskedDispatcher(ABC):

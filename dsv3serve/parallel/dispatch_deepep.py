@@ -41,6 +41,7 @@ from dsv3serve.parallel.dispatch_base import (
     Dispatcher,
     MaskedDispatched,
     MaskedDispatcher,
+    dequant_rows,
 )
 from dsv3serve.parallel.dispatch_meter import DispatchMeter
 
@@ -68,13 +69,6 @@ class _MaskedState:
     handle: tuple
     topk_ids: Tensor
     topk_weights: Tensor
-
-
-def dequant_rows(q: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """e4m3 rows [..., H] with float32 scales [..., ceil(H/128)] (any strides) -> ``dtype``."""
-    h = q.shape[-1]
-    s = scales.float().repeat_interleave(BLOCK, dim=-1)[..., :h]
-    return (q.float() * s).to(dtype)
 
 
 def _check_bf16(x: Tensor) -> None:
