@@ -8,7 +8,7 @@ and moves the per-token inputs to the device in one copy from one (pinned) buffe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -16,6 +16,10 @@ import numpy as np
 import torch
 
 from dsv3serve.page_table import flat_positions, pages_needed, pages_of_slots, slots_of
+
+# moves a batch's per-token host arrays (ids, positions, out slots, logits rows; int64)
+# to the device: ``_to_device`` by default, a graph's static buffers for CUDA graphs
+Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 
 
 class SeqSpan:
@@ -191,14 +195,21 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, spans: list[SeqSpan], device: torch.device | str, decode: bool | None = None
+        cls,
+        spans: list[SeqSpan],
+        device: torch.device | str,
+        decode: bool | None = None,
+        upload: Upload | None = None,
     ) -> ForwardBatch:
         """Flatten ``spans``: per-token inputs go to the device in one copy.
 
         ``is_decode`` is ``decode``, or when None whether every span has one token. A
         speculative verify (a few tokens per sequence over its cache) passes True. When a
         span has a page table, the batch is paged (slot-list spans join it if their slots
-        fill pages of that size, else the whole batch uses slot lists).
+        fill pages of that size, else the whole batch uses slot lists). ``upload``: how
+        the per-token arrays reach the device (a CUDA graph's static buffers:
+        :meth:`~dsv3serve.engine.static_inputs.StaticInputs.upload`); one pinned copy to
+        new tensors when None.
         """
         q_lens = np.fromiter((len(s.token_ids) for s in spans), np.int64, len(spans))
         starts = np.fromiter((s.start for s in spans), np.int64, len(spans))
@@ -217,7 +228,9 @@ class ForwardBatch:
         qo_indptr = _indptr(q_lens)
         sample = np.fromiter((s.sample for s in spans), bool, len(spans))
         logits_rows = qo_indptr[1:][sample] - 1
-        ids_t, pos_t, out_t, logits_t = _to_device([ids, pos, out, logits_rows], device)
+        arrays = [ids, pos, out, logits_rows]
+        moved = _to_device(arrays, device) if upload is None else upload(arrays)
+        ids_t, pos_t, out_t, logits_t = moved
         return cls(
             input_ids=ids_t,
             positions=pos_t,

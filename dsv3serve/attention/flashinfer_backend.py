@@ -37,10 +37,10 @@ import torch
 from dsv3serve.attention.base import ExpandKV, MLADims, PooledAttentionBackend
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
+    PlanStage,
     batch_kv_index,
     int32_host,
     seq_lens_list,
-    stage_host,
 )
 from dsv3serve.attention.flashinfer_mha import FlashInferExtend
 from dsv3serve.forward_batch import ForwardBatch
@@ -188,6 +188,8 @@ class FlashInferMLAAttention(PooledAttentionBackend):
         self._mla_run: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._mha_planned = False
         self._planned: torch.cuda.Event | None = None
+        self._planned_owner = 0  # id() of the instance that made ``_planned``
+        self._stage: PlanStage | None = None
         self._warned_unaligned = False
         self.graph_slot = "decode"  # CUDA-graph wrappers this instance plans into
         self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
@@ -217,9 +219,18 @@ class FlashInferMLAAttention(PooledAttentionBackend):
             self._planned.synchronize()
 
     def _mark_planned(self) -> None:
-        if self.pool.device.type == "cuda":
-            self._planned = torch.cuda.Event()
-            self._planned.record()
+        if self.pool.device.type != "cuda":
+            return
+        if self._planned is None or self._planned_owner != id(self):  # forks own theirs
+            self._planned, self._planned_owner = torch.cuda.Event(), id(self)
+        self._planned.record()
+
+    def _plan_stage(self) -> PlanStage:
+        """This instance's reused host buffer for plan arrays (not a fork's)."""
+        stage = self._stage
+        if stage is None or stage.owner != id(self):
+            stage = self._stage = PlanStage(id(self), pin=self.pool.device.type == "cuda")
+        return stage
 
     def _kv_index(self, batch: ForwardBatch) -> KVIndex:
         index, fallback = batch_kv_index(batch, self.pool.page_size, self.paged)
@@ -235,7 +246,7 @@ class FlashInferMLAAttention(PooledAttentionBackend):
         on_host = index.indices.device.type == "cpu"
         if on_host:
             host.append(index.indices)
-        staged = stage_host(host, pin=self.pool.device.type == "cuda")
+        staged = self._plan_stage().stage(host)
         qo, indptr, lens = staged[:3]
         return [qo, indptr, staged[3] if on_host else index.indices, lens]
 

@@ -104,13 +104,28 @@ def batch_kv_index(batch: ForwardBatch, page_size: int, paged: bool) -> tuple[KV
     return token_kv_index(batch.kv_indptr, batch.kv_slots), reason
 
 
-def stage_host(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
-    """Host int32 ``tensors`` as views of one buffer, pinned when ``pin`` (so that the
-    device copies flashinfer's ``plan()`` issues with ``non_blocking=True`` are async)."""
-    flat = torch.cat([t.to(torch.int32).flatten() for t in tensors])
-    if pin:
-        flat = flat.pin_memory()
-    return list(flat.split([t.numel() for t in tensors]))
+class PlanStage:
+    """A reused host buffer for a backend's plan arrays (pinned on CUDA), so a plan does
+    not allocate one. The caller must have waited for the copies of its previous plan,
+    which read the same memory (``FlashInferMLAAttention._wait_previous_plan``).
+    ``owner``: the backend instance (``id``) it belongs to: attention forks are shallow
+    copies and must not share one."""
+
+    def __init__(self, owner: int, pin: bool) -> None:
+        self.owner, self._pin = owner, pin
+        self._buffer = torch.empty(0, dtype=torch.int32)
+
+    def stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Int32 copies of ``tensors`` as views of the buffer (grown when too small)."""
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
+        if self._buffer.numel() < total:
+            grown = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.int32)
+            self._buffer = grown.pin_memory() if self._pin else grown
+        views = list(self._buffer[:total].split(sizes))
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t.flatten())
+        return views
 
 
 @dataclass(frozen=True)

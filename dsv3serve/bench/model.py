@@ -214,7 +214,8 @@ def measure_profile(bench: ModelBench) -> dict[str, Any]:
     if bench.runner.device.type != "cuda":
         return {"skipped": "no CUDA device"}
     plan = bench.plan
-    return profile_graphs(bench.runner, plan.mtp_context, plan.warmup, plan.iters)
+    k = max(plan.mtp_steps) if plan.mtp_steps else 3
+    return profile_graphs(bench.runner, plan.mtp_context, plan.warmup, plan.iters, k)
 
 
 def run_bench_model(args: argparse.Namespace) -> dict[str, Any]:

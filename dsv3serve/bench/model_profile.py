@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dsv3serve.bench.model_batches import context_spans
+from dsv3serve.bench.model_host import host_breakdown
 from dsv3serve.bench.model_spec_graphs import SpecGraphTimer, median_call_ms
 from dsv3serve.engine.model_runner import ModelRunner
 
@@ -99,11 +100,24 @@ def summarize_ops(
     }
 
 
+def timeline(ops: list[DeviceOp], window: tuple[float, float]) -> list[list[Any]]:
+    """The device ops of one call in launch order: [name, us, gap_us before it]."""
+    inside = sorted((op for op in ops if window[0] <= op.start_us <= window[1]),
+                    key=lambda op: op.start_us)  # fmt: skip
+    rows, last = [], None
+    for op in inside:
+        gap = 0.0 if last is None else max(0.0, op.start_us - last)
+        rows.append([op.name[:120], round(op.us, 2), round(gap, 2)])
+        last = op.end_us
+    return rows
+
+
 def profile_call(
     run: Callable[[], Any], warmup: int, iters: int, calls: int = 5, top: int = TOP_OPS
 ) -> dict[str, Any]:
-    """``run``'s wall time (unprofiled median of ``iters``) and its device ops (``calls``
-    profiled calls, each from an idle device)."""
+    """``run``'s wall time (unprofiled median of ``iters``), its device ops (``calls``
+    profiled calls, each from an idle device; ``timeline``: the last call's ops in order)
+    and where its host time goes (``host``: cProfile)."""
     wall_ms = median_call_ms(run, warmup, iters)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -113,27 +127,38 @@ def profile_call(
                 run()
                 torch.cuda.synchronize()
     events = prof.events()
-    summary = summarize_ops(device_ops(events), call_windows(events), calls, top)
+    ops, windows = device_ops(events), call_windows(events)
+    summary = summarize_ops(ops, windows, calls, top)
+    summary["timeline"] = timeline(ops, windows[-1]) if windows else []
+    summary["host"] = host_breakdown(run)
     return {"wall_ms": wall_ms, "host_ms": wall_ms - summary["kernel_ms"], **summary}
 
 
-def profile_graphs(runner: ModelRunner, context: int, warmup: int, iters: int) -> dict[str, Any]:
-    """The graphed decode step and one graphed draft step (the one-step chain) of one
-    sequence over ``context`` cached tokens; ``skipped`` says why where they cannot run."""
+def profile_graphs(
+    runner: ModelRunner, context: int, warmup: int, iters: int, num_steps: int = 3
+) -> dict[str, Any]:
+    """The graphed decode step, one graphed draft step (the one-step chain), the chain of
+    ``num_steps - 1`` steps and the verify of ``num_steps + 1`` tokens, for one sequence
+    over ``context`` cached tokens; ``skipped`` says why where they cannot run."""
     graphs = runner.graphs
     if graphs is None:
         return {"skipped": "no decode CUDA graphs (they need CUDA and the flashinfer backend)"}
     page, vocab = runner.cfg.page_size, runner.model_cfg.vocab_size
     spans = context_spans(1, context, 1, page, vocab)
-    result: dict[str, Any] = {"batch_size": 1, "context": context}
+    result: dict[str, Any] = {"batch_size": 1, "context": context, "num_steps": num_steps}
     result["decode"] = profile_call(lambda: graphs.run(spans), warmup, iters)
     if runner.model.nextn is None:
         result["draft_step"] = {"skipped": "no NextN layer (--no-mtp)"}
         return result
-    call, _ = SpecGraphTimer(runner, warmup, iters).chain_call(1, context, 2)
-    try:
-        result["draft_step"] = profile_call(call, warmup, iters)
-    finally:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    timer = SpecGraphTimer(runner, warmup, iters)
+    calls = {"draft_step": lambda: timer.chain_call(1, context, 2)[0]}
+    if num_steps > 2:
+        calls["chain"] = lambda: timer.chain_call(1, context, num_steps)[0]
+    calls["verify"] = lambda: timer.verify_call(1, context, num_steps)
+    for name, make in calls.items():
+        try:
+            result[name] = profile_call(make(), warmup, iters)
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
     return result

@@ -39,11 +39,14 @@ def median_call_ms(run: Callable[[], Any], warmup: int, iters: int) -> float:
 
 
 def chain_steps(spans: list[SeqSpan], num_steps: int) -> list[list[SeqSpan]]:
-    """The ``num_steps - 1`` chained draft steps over the verify ``spans``' first slots."""
-    return [
-        [SeqSpan([s.token_ids[0]], s.start + i, s.kv_slots[: s.start + i + 1]) for s in spans]
-        for i in range(num_steps - 1)
-    ]
+    """The ``num_steps - 1`` chained draft steps over the verify ``spans``' first slots,
+    by page table where the spans have one (as the engine gives them)."""
+    def step(s: SeqSpan, i: int) -> SeqSpan:
+        if s.page_table is None:  # a slot-list span
+            return SeqSpan([s.token_ids[0]], s.start + i, s.kv_slots[: s.start + i + 1])
+        return SeqSpan.from_pages([s.token_ids[0]], s.start + i, s.page_table, s.page_size)
+
+    return [[step(s, i) for s in spans] for i in range(num_steps - 1)]
 
 
 class SpecGraphTimer:
@@ -86,15 +89,26 @@ class SpecGraphTimer:
         assert chain.replays > 0, "the chain did not replay its graph"
         return ms
 
-    def verify_ms(self, batch_size: int, context: int, num_steps: int) -> float:
-        """The target over ``num_steps + 1`` tokens per sequence, logits at every one."""
+    def verify_call(
+        self, batch_size: int, context: int, num_steps: int
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """A graphed verify call as the engine makes it (its graph captured here)."""
         r = self.runner
         scratch = r.scratch_slots(num_steps + 1)
         verify = VerifyGraphs(r.model, r.attn, num_steps, [batch_size], scratch)
         spans = self._spans(batch_size, context, num_steps)
-        ms = median_call_ms(lambda: verify.run(spans), self.warmup, self.iters)
-        assert verify.replays > 0, "the verify did not replay its graph"
-        return ms
+
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            out = verify.run(spans)
+            assert verify.replays > 0, "the verify did not replay its graph"
+            return out
+
+        return call
+
+    def verify_ms(self, batch_size: int, context: int, num_steps: int) -> float:
+        """The target over ``num_steps + 1`` tokens per sequence, logits at every one."""
+        return median_call_ms(self.verify_call(batch_size, context, num_steps),
+                              self.warmup, self.iters)  # fmt: skip
 
     def extend_ms(self, batch_size: int, context: int, num_steps: int) -> float:
         """The draft over all ``num_steps + 1`` positions per sequence after a verify, the

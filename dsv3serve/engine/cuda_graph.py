@@ -27,11 +27,11 @@ from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import (
     GraphCache,
     GraphPool,
-    StaticInputs,
     pad_spans,
     padded_size,
     plan_for_graph,
 )
+from dsv3serve.engine.static_inputs import StaticInputs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsv3serve.parallel.uniform import uniform_batch
@@ -97,8 +97,7 @@ class DecodeGraphs:
     def _load(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
         """Pad ``spans`` to ``size``, copy the inputs into the static buffers and plan."""
         padded = pad_spans(spans, size, self._dummy)
-        batch = ForwardBatch.build(padded, self.device, decode=True)
-        static = self._inputs.load(batch, real=len(spans))  # one token per decode span
+        static = self._inputs.build(padded, real=len(spans))  # one token per decode span
         plan_for_graph(self.attn, static)
         return static
 

@@ -16,7 +16,6 @@ wrappers (``graph_slot``), so one plan does not overwrite another's buffers.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -26,6 +25,7 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.engine.static_inputs import StaticInputs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 
 logger = logging.getLogger(__name__)
@@ -68,32 +68,6 @@ def fork_attention(attn: AttentionBackend, slot: str) -> AttentionBackend:
     if hasattr(fork, "graph_slot"):
         fork.graph_slot = slot
     return fork
-
-
-class StaticInputs:
-    """Token ids, positions and output slots [max_tokens] (int64) a graph reads, and
-    ``real``: how many of the rows are real tokens (a 0-dim int64 tensor; the rest pad)."""
-
-    def __init__(self, max_tokens: int, fill_slot: int, device: torch.device) -> None:
-        """``fill_slot``: a scratch slot the unused tail of ``out_slots`` points at."""
-        self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.pos = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.out = torch.full((max_tokens,), fill_slot, dtype=torch.int64, device=device)
-        self.real = torch.zeros((), dtype=torch.int64, device=device)
-
-    def load(self, batch: ForwardBatch, real: int | None = None) -> ForwardBatch:
-        """Copy ``batch``'s inputs in; returns ``batch`` over views of the buffers.
-        ``real``: how many leading rows are real tokens (None: all of them)."""
-        n = batch.num_tokens
-        if n > self.ids.shape[0]:
-            raise ValueError(f"expected at most {self.ids.shape[0]} graph tokens, got {n}")
-        self.real.fill_(n if real is None else real)
-        self.ids[:n].copy_(batch.input_ids)
-        self.pos[:n].copy_(batch.positions)
-        self.out[:n].copy_(batch.out_slots)
-        return dataclasses.replace(
-            batch, input_ids=self.ids[:n], positions=self.pos[:n], out_slots=self.out[:n]
-        )
 
 
 class GraphCache(Generic[T]):
@@ -217,7 +191,7 @@ class SpanGraphs(ABC, Generic[T]):
     def _load_spans(self, spans: list[SeqSpan], size: int) -> ForwardBatch:
         """Pad ``spans`` to ``size``, copy them into the static inputs and plan."""
         padded = pad_spans(spans, size, self.dummy)
-        static = self._inputs.load(ForwardBatch.build(padded, self.device, decode=True))
+        static = self._inputs.build(padded)
         plan_for_graph(self._attn, static)
         return static
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv3serve.attention.flashinfer_meta import paged_kv_index, prefix_chunks, token_kv_index
+from dsv3serve.attention.flashinfer_meta import (
+    PlanStage,
+    paged_kv_index,
+    prefix_chunks,
+    token_kv_index,
+)
 
 
 def _slots(pages: list[int], page_size: int, length: int) -> list[int]:
@@ -69,3 +74,15 @@ def test_chunk_with_keys_for_every_row_needs_no_merge_mask() -> None:
     assert chunk.merge_rows is None
     assert chunk.kv_indptr.tolist() == [0, 3, 5]
     assert chunk.kv_positions.tolist() == [0, 1, 2, 4, 5]
+
+
+def test_plan_stage_reuses_its_buffer_and_grows_when_needed() -> None:
+    stage = PlanStage(owner=1, pin=False)
+    first = stage.stage([torch.tensor([0, 1, 3]), torch.tensor([5, 6], dtype=torch.int64)])
+    assert [v.tolist() for v in first] == [[0, 1, 3], [5, 6]]
+    assert all(v.dtype == torch.int32 for v in first)
+    again = stage.stage([torch.tensor([9]), torch.tensor([8])])
+    assert [v.tolist() for v in again] == [[9], [8]]
+    assert again[0].data_ptr() == first[0].data_ptr()  # the same memory, no allocation
+    big = stage.stage([torch.arange(40)])
+    assert big[0].tolist() == list(range(40))

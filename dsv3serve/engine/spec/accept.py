@@ -26,6 +26,7 @@ from dsv3serve.engine.sampler import (
     filtered_probs,
 )
 from dsv3serve.engine.spec.verify import greedy_verify, rejection_verify
+from dsv3serve.kernels.argmax import row_argmax
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.sampling.stop import check_stop_token
 
@@ -138,7 +139,7 @@ class SpecVerifier:
         drafts: Tensor,
         num_drafts: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        num_accepted, tokens = greedy_verify(logits.argmax(-1)[index], drafts, num_drafts)
+        num_accepted, tokens = greedy_verify(row_argmax(logits)[index], drafts, num_drafts)
         random_rows = [b for b, r in enumerate(reqs) if not r.params.is_greedy]
         if not random_rows:
             return num_accepted, tokens

@@ -36,6 +36,7 @@ from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import GraphPool, SpanGraphs, padded_size
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.kernels.argmax import row_argmax
 
 
 class ExtendGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
@@ -91,7 +92,7 @@ class ExtendGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
         size = batch.batch_size
         out = self.draft.forward(batch, self._hidden[: batch.num_tokens], self._attn, planned=True)
         last = out[self._rows[:size]]
-        return last, self.draft.compute_logits(last).argmax(-1)
+        return last, row_argmax(self.draft.compute_logits(last))
 
     def run(
         self, spans: list[SeqSpan], hidden: torch.Tensor, rows: list[int]

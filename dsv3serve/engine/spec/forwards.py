@@ -15,6 +15,7 @@ from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.kernels.argmax import row_argmax
 
 
 def make_draft(runner: ModelRunner, quant: DraftQuant | None) -> NextNDraft:
@@ -78,4 +79,4 @@ class SpecForwards:
         batch = ForwardBatch.build(spans, self.runner.device)
         out = self.draft.forward(batch, hidden, self.runner.attn)
         last = out[batch.logits_indices]
-        return last, self.draft.compute_logits(last).argmax(-1)
+        return last, row_argmax(self.draft.compute_logits(last))

@@ -32,7 +32,6 @@ from dsv3serve.engine.graph_capture import (
     GraphCache,
     GraphPool,
     SpanGraphs,
-    StaticInputs,
     fork_attention,
     pad_spans,
     padded_size,
@@ -40,7 +39,9 @@ from dsv3serve.engine.graph_capture import (
 )
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
+from dsv3serve.engine.static_inputs import StaticInputs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.kernels.argmax import row_argmax
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class DraftChainGraphs:
         batches = []
         for spans, inputs, attn in zip(steps, self._steps, self._attns, strict=True):
             padded = pad_spans(spans, size, self._dummy)
-            static = inputs.load(ForwardBatch.build(padded, self.device, decode=True))
+            static = inputs.build(padded)
             plan_for_graph(attn, static)
             batches.append(static)
         n = hidden.shape[0]
@@ -151,7 +152,7 @@ class DraftChainGraphs:
         for batch, attn in zip(batches, self._attns, strict=True):
             step = dataclasses.replace(batch, input_ids=ids)
             hidden = self.draft.forward(step, hidden, attn, planned=True)
-            ids = self.draft.compute_logits(hidden).argmax(-1)
+            ids = row_argmax(self.draft.compute_logits(hidden))
             tokens.append(ids)
         return torch.stack(tokens, dim=1)
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 34 (one-GPU latency) on one H200, one device call, from the repo root, with carry
+# [".deepep"]:
+#   bash benchmarks/run_latency_gpu.sh            (stages: bench mla)
+#   bash benchmarks/run_latency_gpu.sh tests bench (some of them, in this order)
+# Stages:
+#   tests : GPU tests of the paths this issue changes (spec graphs, fused paths, MLA kernels)
+#   bench : `bench model` (1 dense + 2 MoE layers at DeepSeek-V3 width, dummy FP8, flashinfer +
+#           Triton MoE, ctx 1024): graphed decode at batch 1 against the same run's roofline,
+#           the MTP costs (k = 1..3) through graphs, and --profile-graphs: device ops, the
+#           op timeline and the host functions (cProfile) of the decode step, one draft
+#           step, the k = 3 chain and the k = 3 verify
+#   fp8probe: flashinfer's FP8-KV MLA decode against its bf16 decode, with its errors
+#   mla   : `bench kernels --only mla` at 64 x 4K and 128 x 4K: flashinfer bf16 beside our
+#           kernels on bf16 and fp8 pools
+# .deepep/gpu-site-engine.tar.xz holds the engine's packages the image lacks (flashinfer,
+# pydantic, ...: ENGINE_ONLY=1 bash docs/perf/gpu_site.sh). Logs and JSON go to $OUT; each
+# stage gets at most what is left of BUDGET_S (default 540 s).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+START=$(date +%s); BUDGET_S=${BUDGET_S:-540}
+mkdir -p /tmp/site && tar -xJf .deepep/gpu-site-engine.tar.xz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+export DSV3SERVE_CACHE=/tmp/dsv3serve_cache
+mkdir -p "$DSV3SERVE_CACHE"
+FAST="--device cuda --attention-backend flashinfer --moe-backend triton"
+
+left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+run() {  # run NAME MAX_S CMD...: under min(MAX_S, what is left); skipped below 20 s left
+  local name=$1 max=$2; shift 2
+  local t; t=$(left); [ "$t" -gt "$max" ] && t=$max
+  if [ "$t" -lt 20 ]; then echo "$name: skipped ($(left) s left)"; return 1; fi
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc ($(($(date +%s) - START)) s elapsed)"; return $rc
+}
+
+stage_tests() {
+  run gpu_tests "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    ${GPU_TESTS:-tests/engine/test_spec_graphs_gpu.py tests/engine/test_cuda_graph_gpu.py \
+    tests/attention/test_attention_flashinfer_gpu.py tests/kernels/test_argmax_gpu.py}
+  grep -E "passed|failed|Error" "$OUT/gpu_tests.log" | tail -15
+}
+stage_bench() {
+  run bench_model "${BENCH_S:-300}" python3 -m dsv3serve.cli bench model $FAST --profile-graphs \
+    --num-moe-layers 2 --prefill-lens --decode-batch-sizes 1 --decode-contexts 1024 \
+    --mtp-batch-sizes 1 --mtp-steps 1 2 3 --warmup 3 --iters 20 --out "$OUT/bench_model.json"
+  python3 benchmarks/latency_summary.py "$OUT/bench_model.json" 2>&1 | tail -60
+}
+stage_fp8probe() {
+  run fp8probe "${PROBE_S:-120}" python3 benchmarks/mla_fp8_flashinfer_probe.py "$OUT/fp8probe.json"
+  cat "$OUT/fp8probe.log" | tail -8
+}
+stage_mla() {
+  run mla "${MLA_S:-150}" python3 -m dsv3serve.cli bench kernels --only mla --mla-batch 64 128 \
+    --mla-context 4096 --mla-index page --json "$OUT/mla.json"
+  grep -v "^{" "$OUT/mla.log" | tail -25
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  date -u; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(bench mla)
+for s in "${stages[@]}"; do "stage_$s"; done
+ls -la "$OUT"; echo "total $(($(date +%s) - START)) s"
