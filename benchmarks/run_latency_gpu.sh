@@ -10,6 +10,8 @@
 #           the MTP costs (k = 1..3) through graphs, and --profile-graphs: device ops, the
 #           op timeline and the host functions (cProfile) of the decode step, one draft
 #           step, the k = 3 chain and the k = 3 verify
+#   benchfp8: the same with an fp8 KV pool (decode attention through our Triton kernel, whose
+#           plan is lighter than flashinfer's)
 #   fp8probe: flashinfer's FP8-KV MLA decode against its bf16 decode, with its errors
 #   mla   : `bench kernels --only mla` at 64 x 4K and 128 x 4K: flashinfer bf16 beside our
 #           kernels on bf16 and fp8 pools
@@ -40,12 +42,15 @@ stage_tests() {
     tests/attention/test_attention_flashinfer_gpu.py tests/kernels/test_argmax_gpu.py}
   grep -E "passed|failed|Error" "$OUT/gpu_tests.log" | tail -15
 }
-stage_bench() {
-  run bench_model "${BENCH_S:-300}" python3 -m dsv3serve.cli bench model $FAST --profile-graphs \
+bench_model() {  # bench_model NAME [FLAGS...]
+  local name=$1; shift
+  run "$name" "${BENCH_S:-300}" python3 -m dsv3serve.cli bench model $FAST --profile-graphs \
     --num-moe-layers 2 --prefill-lens --decode-batch-sizes 1 --decode-contexts 1024 \
-    --mtp-batch-sizes 1 --mtp-steps 1 2 3 --warmup 3 --iters 20 --out "$OUT/bench_model.json"
-  python3 benchmarks/latency_summary.py "$OUT/bench_model.json" 2>&1 | tail -60
+    --mtp-batch-sizes 1 --mtp-steps 1 2 3 --warmup 3 --iters 20 --out "$OUT/$name.json" "$@"
+  python3 benchmarks/latency_summary.py "$OUT/$name.json" 2>&1 | head -40
 }
+stage_bench() { bench_model bench_model; }
+stage_benchfp8() { bench_model bench_model_fp8kv --kv-cache-dtype fp8_e4m3; }
 stage_fp8probe() {
   run fp8probe "${PROBE_S:-120}" python3 benchmarks/mla_fp8_flashinfer_probe.py "$OUT/fp8probe.json"
   cat "$OUT/fp8probe.log" | tail -8

@@ -113,15 +113,17 @@ class PlanStage:
 
     def __init__(self, owner: int, pin: bool) -> None:
         self.owner, self._pin = owner, pin
-        self._buffer = torch.empty(0, dtype=torch.int32)
+        with torch.inference_mode(False):
+            self._buffer = torch.empty(0, dtype=torch.int32)
 
     def stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Int32 copies of ``tensors`` as views of the buffer (grown when too small)."""
         sizes = [t.numel() for t in tensors]
         total = sum(sizes)
         if self._buffer.numel() < total:
-            grown = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.int32)
-            self._buffer = grown.pin_memory() if self._pin else grown
+            with torch.inference_mode(False):  # a plan inside inference mode, the next not
+                grown = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.int32)
+                self._buffer = grown.pin_memory() if self._pin else grown
         views = list(self._buffer[:total].split(sizes))
         for view, t in zip(views, tensors, strict=True):
             view.copy_(t.flatten())

@@ -32,7 +32,13 @@ class StaticInputs:
     rest pad)."""
 
     def __init__(self, max_tokens: int, fill_slot: int, device: torch.device) -> None:
-        """``fill_slot``: a scratch slot the unused tail of ``out_slots`` points at."""
+        """``fill_slot``: a scratch slot the unused tail of ``out_slots`` points at. The
+        buffers are normal tensors even when made in inference mode (later fills may run
+        outside it)."""
+        with torch.inference_mode(False):
+            self._allocate(max_tokens, fill_slot, device)
+
+    def _allocate(self, max_tokens: int, fill_slot: int, device: torch.device) -> None:
         m = self._max = max_tokens
         self.device = device
         template = np.zeros(4 * m + 1, dtype=np.int64)

@@ -86,3 +86,10 @@ def test_plan_stage_reuses_its_buffer_and_grows_when_needed() -> None:
     assert again[0].data_ptr() == first[0].data_ptr()  # the same memory, no allocation
     big = stage.stage([torch.arange(40)])
     assert big[0].tolist() == list(range(40))
+
+
+def test_plan_stage_made_in_inference_mode_stages_outside_it() -> None:
+    with torch.inference_mode():
+        stage = PlanStage(owner=1, pin=False)
+        stage.stage([torch.arange(4)])
+    assert stage.stage([torch.arange(3)])[0].tolist() == [0, 1, 2]
