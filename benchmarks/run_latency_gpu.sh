@@ -16,7 +16,7 @@
 #   mla   : `bench kernels --only mla` at 64 x 4K and 128 x 4K: flashinfer bf16 beside our
 #           kernels on bf16 and fp8 pools
 # .deepep/gpu-site-engine.tar.xz holds the engine's packages the image lacks (flashinfer,
-# pydantic, ...: ENGINE_ONLY=1 bash docs/perf/gpu_site.sh). Logs and JSON go to $OUT; each
+# pydantic, ...: ENGINE_ONLY=1 bash benchmarks/gpu_site.sh). Logs and JSON go to $OUT; each
 # stage gets at most what is left of BUDGET_S (default 540 s).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

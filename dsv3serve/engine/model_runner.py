@@ -67,7 +67,7 @@ class ModelRunner:
     """Builds the model and its KV pool on one device and runs scheduled batches.
 
     ``parts``: this rank's layout, collectives and dispatcher, given instead of joined from
-    torch.distributed (the one-GPU timing-only loopback of ``docs/perf/bench_ep_rank.py``);
+    torch.distributed (the one-GPU timing-only loopback of ``benchmarks/bench_ep_rank.py``);
     they must match ``cfg``'s layout. CUDA graphs stay on if they are graph safe.
     """
 

@@ -22,7 +22,7 @@ from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher
 
 INSTALL_HINT = (
-    "DeepEP has no official wheel: build one on a GPU machine with docs/deepep/build.sh "
+    "DeepEP has no official wheel: build one on a GPU machine with benchmarks/deepep/build.sh "
     "(upstream DeepEP source + NVSHMEM from the nvidia-nvshmem-cu13 wheel) and pip install "
     "it; see docs/deepep.md. Or use moe_a2a_backend 'none' (the torch.distributed all-to-all)"
 )

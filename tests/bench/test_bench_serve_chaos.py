@@ -2,7 +2,7 @@
 
 The report is computed from request results written here (times chosen so each number
 can be checked by hand); the kills themselves need a Ray cluster with the app
-(``docs/perf/run_chaos_cpu.py`` runs one).
+(``benchmarks/run_chaos_cpu.py`` runs one).
 """
 
 from __future__ import annotations

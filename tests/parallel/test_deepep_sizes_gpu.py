@@ -1,6 +1,6 @@
 """The planner's DeepEP size formulas against the built ``deep_ep`` library's own hints
 (``Buffer.get_low_latency_rdma_size_hint``, the NVLink hint of its recommended configs),
-over the layouts the engine uses. Needs the wheel ``docs/deepep/build.sh`` makes."""
+over the layouts the engine uses. Needs the wheel ``benchmarks/deepep/build.sh`` makes."""
 
 from __future__ import annotations
 

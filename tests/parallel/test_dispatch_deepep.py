@@ -109,7 +109,7 @@ def test_self_check_refuses_a_deep_ep_that_returns_wrong_data(ranks) -> None:
             msg = res["_refusals"][key]
             assert msg.startswith("DispatchBackendUnavailable"), msg
             assert f"self-check failed ({mode} mode round trip differs" in msg
-            assert "docs/deepep/build.sh" in msg and "moe_a2a_backend 'none'" in msg
+            assert "benchmarks/deepep/build.sh" in msg and "moe_a2a_backend 'none'" in msg
 
 
 def test_glue_refusals(ranks) -> None:
@@ -136,7 +136,7 @@ def test_refused_when_deep_ep_does_not_import(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(__import__("sys").modules, "deep_ep", None)  # import raises ImportError
     with pytest.raises(DispatchBackendUnavailable, match=r"deep_ep does not import \(Module") as e:
         create_dispatcher(_cfg(), 16, 0, deepep=DeepEPOptions(hidden=128))
-    assert "docs/deepep/build.sh" in str(e.value) and "nvidia-nvshmem-cu13" in str(e.value)
+    assert "benchmarks/deepep/build.sh" in str(e.value) and "nvidia-nvshmem-cu13" in str(e.value)
 
 
 def test_refused_without_options_or_with_loopback() -> None:

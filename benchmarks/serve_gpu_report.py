@@ -1,6 +1,6 @@
-"""Print docs/perf/serve_gpu.md's tables from a docs/perf/serve_gpu.py record (JSON).
+"""Print docs/perf/serve_gpu.md's tables from a benchmarks/serve_gpu.py record (JSON).
 
-python3 docs/perf/serve_gpu_report.py docs/perf/serve_gpu_2xh200.json
+python3 benchmarks/serve_gpu_report.py docs/perf/serve_gpu_2xh200.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The offline side of docs/perf/serve_gpu.py: the engine the app's decode replica (or
+"""The offline side of benchmarks/serve_gpu.py: the engine the app's decode replica (or
 colocated group) runs, built here from the same deploy file, on this process's GPU."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Beside the bench's record it keeps the router's mean ``dsv3serve:pd_handoff_seco
 (prefill result to the first decode output: what the overlap shortens). The two settings
 alternate for ROUNDS rounds (the 2 cores are shared), each run on its own cluster, with the
 1-minute load average before and after. Writes ``bench_kv_overlap_tiny_cpu.json`` into
-OUT_DIR. Usage: ``.venv/bin/python docs/perf/run_kv_overlap_cpu.py OUT_DIR [ROUNDS]``."""
+OUT_DIR. Usage: ``.venv/bin/python benchmarks/run_kv_overlap_cpu.py OUT_DIR [ROUNDS]``."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def main(out: Path, rounds: int) -> None:
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": "2-core CPU VM, shared with other sessions",
-        "command": f"python docs/perf/run_kv_overlap_cpu.py docs/perf {rounds}",
+        "command": f"python benchmarks/run_kv_overlap_cpu.py docs/perf {rounds}",
         "app": f"deploy/local-pd.yaml (tiny, CPU, page_size 16, shm), chunked_prefill_size "
         f"{CHUNK}, kv_transfer_overlap on/off",
     }

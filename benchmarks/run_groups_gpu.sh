@@ -2,7 +2,7 @@
 # One device run after the engine restructure and the sharded groups (2026-11-25):
 #   stage tests : every GPU-marked test (the restructured engine, backends' capabilities,
 #                 graphs, kernels), light files in parallel, heavy ones one at a time
-#   stage ep    : the EP rank-share benchmark (docs/perf/run_ep_rank.sh)
+#   stage ep    : the EP rank-share benchmark (benchmarks/run_ep_rank.sh)
 # Needs the wheels in .whl/ (pydantic stack, flashinfer-python 0.6.18.post1, apache-tvm-ffi,
 # hypothesis, pytest-xdist) and .whl/site (tokenizer data). Logs and JSON go to $OUT.
 set -u
@@ -20,7 +20,7 @@ stage_tests() {
   timeout -k 5 240 $PYT $heavy > "$OUT/gpu_tests_heavy.log" 2>&1; echo "heavy rc=$?"
   tail -15 "$OUT/gpu_tests_heavy.log"
 }
-stage_ep() { bash docs/perf/run_ep_rank.sh "$@"; }
+stage_ep() { bash benchmarks/run_ep_rank.sh "$@"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u; } \
   > "$OUT/env.txt"
 cat "$OUT/env.txt"

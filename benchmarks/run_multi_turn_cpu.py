@@ -5,7 +5,7 @@ the pool) and once without, each loaded by ``bench serve --dataset-name multi-tu
 ``--metrics-url`` (prefill tokens computed, host-tier hits, decode KV pages). The two
 settings alternate for ROUNDS rounds, each on a fresh loopback Ray cluster, with the
 1-minute load average before and after. Writes ``bench_multi_turn_tiny_cpu.json`` into
-OUT_DIR. Usage: ``.venv/bin/python docs/perf/run_multi_turn_cpu.py OUT_DIR [ROUNDS]``."""
+OUT_DIR. Usage: ``.venv/bin/python benchmarks/run_multi_turn_cpu.py OUT_DIR [ROUNDS]``."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def main(out: Path, rounds: int) -> None:
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": "2-core CPU dev VM, shared with other sessions",
-        "command": f"python docs/perf/run_multi_turn_cpu.py docs/perf {rounds}",
+        "command": f"python benchmarks/run_multi_turn_cpu.py docs/perf {rounds}",
         "app": f"deploy/local-pd.yaml with num_kv_tokens {POOL_TOKENS}, hierarchical cache "
         "(hicache_ratio 4) on / off",
     }

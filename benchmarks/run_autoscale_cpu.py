@@ -3,7 +3,7 @@
 (prefill and decode 1..2 replicas), one after the other on one fresh loopback Ray cluster,
 sampling each role's running replicas every second. Writes ``autoscale_tiny_cpu.json`` and
 ``autoscale_tiny_cpu.png`` (replicas over time) to OUT_DIR and prints a table.
-Usage: ``PYTHONPATH=. .venv/bin/python docs/perf/run_autoscale_cpu.py OUT_DIR``."""
+Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/run_autoscale_cpu.py OUT_DIR``."""
 
 from __future__ import annotations
 

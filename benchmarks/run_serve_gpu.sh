@@ -3,11 +3,11 @@
 # `dsv3serve serve --config deploy/h200x2-pd.yaml` as a user starts it (cold, then warm),
 # greedy text over HTTP against the offline engine on the decode GPU, `bench serve` at
 # ISL 1024 / OSL 256 for concurrency 1..256, a decode kill under load, and the engine's own
-# one-batch decode rates; docs/perf/serve_gpu.py does the stages.
-#   bash docs/perf/run_serve_gpu.sh "cold,greedy,bench,stop" [engine]
+# one-batch decode rates; benchmarks/serve_gpu.py does the stages.
+#   bash benchmarks/run_serve_gpu.sh "cold,greedy,bench,stop" [engine]
 # $1: the app stages (serve_gpu.py --stages); $2: "engine" to run the offline stage after
 # them on GPU 1 (the decode replica's GPU when Ray hands out GPUs 0, 1 in order; the record
-# notes which GPU each replica had). Needs .whl/gpu-site.tar.xz (docs/perf/gpu_site.sh).
+# notes which GPU each replica had). Needs .whl/gpu-site.tar.xz (benchmarks/gpu_site.sh).
 # Results: $OUT/serve_gpu.json, $OUT/logs.tar.gz (app, bench and Ray logs), $OUT/env.txt.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,12 +25,12 @@ cat "$OUT/env.txt"
 # the run's own copy of the result, so a later call adds to it
 [ -f /tmp/serve_gpu/serve_gpu.json ] || mkdir -p /tmp/serve_gpu/logs
 RUN=/tmp/serve_gpu
-timeout -k 10 "${APP_S:-480}" python3 docs/perf/serve_gpu.py "$RUN" --stages "${1:-cold,greedy,bench,stop}" \
+timeout -k 10 "${APP_S:-480}" python3 benchmarks/serve_gpu.py "$RUN" --stages "${1:-cold,greedy,bench,stop}" \
   ${SERVE_GPU_ARGS:-}
 echo "app stages rc=$? after $(($(date +%s) - START)) s"
 if [ "${2:-}" = engine ]; then
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-  CUDA_VISIBLE_DEVICES=1 timeout -k 10 "${ENGINE_S:-240}" python3 docs/perf/serve_gpu.py "$RUN" \
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 "${ENGINE_S:-240}" python3 benchmarks/serve_gpu.py "$RUN" \
     --stages engine ${SERVE_GPU_ARGS:-}
   echo "engine stage rc=$? after $(($(date +%s) - START)) s"
 fi

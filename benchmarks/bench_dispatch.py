@@ -17,8 +17,8 @@ Ceiling: a plain point-to-point send of the same bytes from rank 0 to rank 1. ``
 the busiest rank's traffic to other ranks (dispatch rows out + combine rows back, excluding
 its copies to itself); ``ratio`` is the backend's bandwidth over that ceiling's.
 
-    python docs/perf/bench_dispatch.py --device cuda --ranks 8 --out docs/perf/dispatch.json
-    python docs/perf/bench_dispatch.py --device cpu --ranks 2 --tokens 1 8 --hidden 256 \\
+    python benchmarks/bench_dispatch.py --device cuda --ranks 8 --out docs/perf/dispatch.json
+    python benchmarks/bench_dispatch.py --device cpu --ranks 2 --tokens 1 8 --hidden 256 \\
         --out /tmp/dispatch_cpu.json
 
 CPU smoke of the DeepEP rows over the fake (``tests/support`` on ``PYTHONPATH``): add

@@ -1,8 +1,8 @@
 """DeepEP at DeepSeek-V3's width in a DP2 + EP2 group (issue 28): greedy tokens against the
 gather dispatcher's, and decode / prefill throughput per GPU against the rank's roofline.
 
-    python docs/perf/deepep_full_width.py run OUT_DIR CONFIG [--layers 12] [--per-rank 16 64 256]
-    python docs/perf/deepep_full_width.py report OUT_DIR  # table, OUT_DIR/deepep_full_width.json
+    python benchmarks/deepep_full_width.py run OUT_DIR CONFIG [--layers 12] [--per-rank 16 64 256]
+    python benchmarks/deepep_full_width.py report OUT_DIR  # table, OUT_DIR/deepep_full_width.json
 
 One ``run`` builds one group (``LLM``: it spawns the ranks, NCCL) of full-width DeepSeek-V3
 (hidden 7168, 256 experts, top-8, dummy FP8 weights, the first ``--layers`` layers, seed 0 on

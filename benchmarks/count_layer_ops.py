@@ -14,7 +14,7 @@ records which fused branches the layer really took (``DecoderLayer.fuses_norm_qu
 ``MLAttention.fuses_mla``). Prints a table and writes JSON (``--out``).
 
 Needs a CUDA GPU with triton and flashinfer. Usage, from the repository root:
-``python docs/perf/count_layer_ops.py --out /tmp/layer_ops.json``
+``python benchmarks/count_layer_ops.py --out /tmp/layer_ops.json``
 """
 
 from __future__ import annotations

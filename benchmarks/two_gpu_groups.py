@@ -1,7 +1,7 @@
 """Two GPUs: a sharded group's greedy tokens against one GPU's, over NCCL, with CUDA graphs
 and the overlap scheduler on (issue 16, item 1).
 
-    python docs/perf/two_gpu_groups.py OUT_DIR [--layouts tp2 tp2-ep2 ...] [--budget-s 360]
+    python benchmarks/two_gpu_groups.py OUT_DIR [--layouts tp2 tp2-ep2 ...] [--budget-s 360]
 
 Each layout runs the scripted workload of ``tests/support/group_scenario.py`` (chunked
 prefill, prefix hits, preemption, an abort) on the tiny checkpoint with DeepSeek-V3's
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from attention_cases import DEEPSEEK_ATTENTION  # noqa: E402
 from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, run_scenario  # noqa: E402
 

@@ -18,8 +18,8 @@ Stages, run in the order given (``--stages``), each adding its part to ``OUT/ser
   (batched, and one at a time for the engine's own spread), the comparison with the HTTP
   tokens, and ``bench one-batch``'s measurement at the bench's concurrencies.
 
-Usage (repository root; docs/perf/run_serve_gpu.sh sets up the GPU machine):
-    python3 docs/perf/serve_gpu.py OUT --config deploy/h200x2-pd.yaml --stages cold,greedy
+Usage (repository root; benchmarks/run_serve_gpu.sh sets up the GPU machine):
+    python3 benchmarks/serve_gpu.py OUT --config deploy/h200x2-pd.yaml --stages cold,greedy
 """
 
 from __future__ import annotations

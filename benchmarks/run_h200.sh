@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device runs on an H200 for the kernels and MTP issues. Usage: bash docs/perf/run_h200.sh STAGE...
+# Device runs on an H200 for the kernels and MTP issues. Usage: bash benchmarks/run_h200.sh STAGE...
 # Stages: tests (every `-m gpu` test), kernels (bench kernels, all sections), model (bench model,
 # fast backends), tune (MoE tuner, fp8, one table per token count; the first T compiles for
 # over a minute, later ones reuse Triton's cache; merge the tables into dsv3serve/moe/configs/). Needs the wheels in .whl/

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU speed run (issue 20), one call of under 8 minutes on an H100, from the repo root:
-#   bash docs/perf/run_speed_gpu.sh            (all stages, in this order)
-#   bash docs/perf/run_speed_gpu.sh ttft ops   (some of them)
+#   bash benchmarks/run_speed_gpu.sh            (all stages, in this order)
+#   bash benchmarks/run_speed_gpu.sh ttft ops   (some of them)
 # Stages:
 #   tests  : the fused kernels' GPU tests (add + RMSNorm + FP8 quant; the MLA q/kv norms and
 #            RoPE inside the KV-cache write; the FP8 GEMM), and the model's fused paths
@@ -17,7 +17,7 @@
 #   ops    : device ops per dense / MoE decoder layer in the same three states
 #            (count_layer_ops.py)
 # Needs flashinfer-python 0.6.18.post1, apache-tvm-ffi and the pydantic stack: installed by
-# the caller, or carried as wheels in .whl/ (with .whl/site), as docs/perf/run_groups_gpu.sh. Logs and JSON go to $OUT. Each stage gets
+# the caller, or carried as wheels in .whl/ (with .whl/site), as benchmarks/run_groups_gpu.sh. Logs and JSON go to $OUT. Each stage gets
 # at most what is left of BUDGET_S (default 450 s) and is skipped when too little is left.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -73,7 +73,7 @@ stage_tests() {
   grep -E "norm_quant|mla_norm|rope_kv|relative|passed|failed|Error" "$OUT/gpu_tests.log" | tail -25
 }
 stage_ops() {
-  run layer_ops 160 python3 docs/perf/count_layer_ops.py --out "$OUT/layer_ops.json"
+  run layer_ops 160 python3 benchmarks/count_layer_ops.py --out "$OUT/layer_ops.json"
   tail -9 "$OUT/layer_ops.log"
 }
 stage_bench() {

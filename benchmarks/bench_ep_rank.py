@@ -1,7 +1,7 @@
 """One EP rank's share of the FULL 61-layer DeepSeek-V3 on one GPU (issue 14), timing only.
 
-    python docs/perf/bench_ep_rank.py --layout ep8    # one H200: rank 0 of DP8 + EP8, ~103 GB
-    python docs/perf/bench_ep_rank.py --layout ep16   # one H100: rank 0 of DP16 + EP16, ~62 GB
+    python benchmarks/bench_ep_rank.py --layout ep8    # one H200: rank 0 of DP8 + EP8, ~103 GB
+    python benchmarks/bench_ep_rank.py --layout ep16   # one H100: rank 0 of DP16 + EP16, ~62 GB
 
 Builds rank 0's shard (attention, 3 dense layers, the whole lm_head, 256 / n experts per MoE
 layer; dummy FP8 weights, bf16 compute, flashinfer attention + Triton MoE), with

@@ -5,7 +5,7 @@ once with decode-side prefix reuse and once without (``decode_prefix_reuse``), e
 replica's KV transfer counters). The two settings alternate for ROUNDS rounds (the 2 cores
 are shared: alternating spreads other load over both), each run on its own cluster, with the
 1-minute load average before and after. Writes ``bench_shared_prefix_tiny_cpu.json`` into
-OUT_DIR. Usage: ``.venv/bin/python docs/perf/run_shared_prefix_cpu.py OUT_DIR [ROUNDS]``."""
+OUT_DIR. Usage: ``.venv/bin/python benchmarks/run_shared_prefix_cpu.py OUT_DIR [ROUNDS]``."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def main(out: Path, rounds: int) -> None:
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": "2-core CPU VM (24 GiB), shared with other sessions",
-        "command": f"python docs/perf/run_shared_prefix_cpu.py docs/perf {rounds}",
+        "command": f"python benchmarks/run_shared_prefix_cpu.py docs/perf {rounds}",
         "app": "deploy/local-pd.yaml (tiny, CPU, page_size 16, shm), decode_prefix_reuse on/off",
     }
     path = out / "bench_shared_prefix_tiny_cpu.json"

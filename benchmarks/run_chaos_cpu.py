@@ -1,6 +1,6 @@
 """The CPU chaos run of ``docs/perf/chaos_tiny_cpu.md``: the local PD app (tiny model, one
 prefill and one decode replica) on a fresh loopback Ray cluster, then ``bench serve --chaos``
-against it. Usage: ``.venv/bin/python docs/perf/run_chaos_cpu.py OUT_DIR``."""
+against it. Usage: ``.venv/bin/python benchmarks/run_chaos_cpu.py OUT_DIR``."""
 
 from __future__ import annotations
 

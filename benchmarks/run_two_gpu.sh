@@ -2,16 +2,16 @@
 # Issue 16's run on two GPUs of one host (the device tool's nvidia-h100-x2), one call:
 #   stage pd       : the KV connectors cuda:0 -> cuda:1 (tests/transfer/test_kv_transfer_gpu.py)
 #   stage deepep   : installs the DeepEP wheel carried in .deepep/, or builds it there in the
-#                    background (docs/deepep/build.sh, from the source tarball in .deepep/,
+#                    background (benchmarks/deepep/build.sh, from the source tarball in .deepep/,
 #                    the image's NVSHMEM) into $OUT; the groups stage waits for it
 #   stage jit      : compiles flashinfer's and Triton's JIT modules on GPU 1 in the background
 #                    (`dsv3serve warmup`, DeepSeek-V3 attention shapes), so the graphed
 #                    layouts later find them in the shared cache
-#   stage groups   : docs/perf/two_gpu_groups.py: tp2, tp2+ep2, dp2+ep2 (+ DP lm head), the
+#   stage groups   : benchmarks/two_gpu_groups.py: tp2, tp2+ep2, dp2+ep2 (+ DP lm head), the
 #                    bench model's layers at full width, DeepEP auto / low_latency / normal,
 #                    greedy tokens vs one GPU, graphs and overlap on; a layout that stalls
 #                    leaves every rank's stacks in groups.log and the script goes on
-#   stage dispatch : docs/perf/bench_dispatch.py: all-to-all vs DeepEP normal vs low-latency,
+#   stage dispatch : benchmarks/bench_dispatch.py: all-to-all vs DeepEP normal vs low-latency,
 #                    bf16 and fp8, 1..4096 tokens per rank, vs an NVLink p2p copy
 # Needs a wheels dir ($WHEELS, default .whl/): the pydantic stack, flashinfer-python and
 # apache-tvm-ffi, and site/ (the tokenizer package). Results go to $OUT.
@@ -34,12 +34,12 @@ stage_pd() {
     tests/transfer/test_kv_transfer_gpu.py > "$OUT/pd.log" 2>&1
   echo "pd rc=$? ($(elapsed))"; tail -3 "$OUT/pd.log"
 }
-stage_deepep() {  # the wheel docs/deepep/build.sh made (carried in .deepep/), else build it
+stage_deepep() {  # the wheel benchmarks/deepep/build.sh made (carried in .deepep/), else build it
   if ls .deepep/deep_ep-*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps .deepep/deep_ep-*.whl
     python3 -c 'import deep_ep; print("deep_ep", deep_ep.__file__)'
   else
-    (bash docs/deepep/build.sh build .deepep "$OUT" > "$OUT/deepep_build.log" 2>&1
+    (bash benchmarks/deepep/build.sh build .deepep "$OUT" > "$OUT/deepep_build.log" 2>&1
      echo "deepep build rc=$? ($(elapsed))" >> "$OUT/deepep_build.log") &
     DEEPEP_PID=$!
   fi
@@ -57,7 +57,7 @@ groups() {
   while :; do
     local left=$((budget - ($(date +%s) - t0)))
     [ "$left" -lt 30 ] && { echo "groups: budget spent"; break; }
-    timeout -k 5 "$left" python3 docs/perf/two_gpu_groups.py "$OUT" --budget-s $((left - 20)) \
+    timeout -k 5 "$left" python3 benchmarks/two_gpu_groups.py "$OUT" --budget-s $((left - 20)) \
       --stall-s "${STALL_S:-150}" --layouts "$@" >> "$OUT/groups.log" 2>&1
     local rc=$?; echo "groups rc=$rc ($(elapsed))"; [ "$rc" -eq 3 ] || break
   done
@@ -73,7 +73,7 @@ stage_groups() {  # DeepEP and float32 layouts need no flashinfer: they run whil
   grep -E "^[a-z0-9-]+ \{|stalled|checkpoint" "$OUT/groups.log" | cut -c1-400
 }
 stage_dispatch() {
-  timeout -k 5 "${DISPATCH_S:-150}" python3 docs/perf/bench_dispatch.py ${DISPATCH_ARGS:-} \
+  timeout -k 5 "${DISPATCH_S:-150}" python3 benchmarks/bench_dispatch.py ${DISPATCH_ARGS:-} \
     --out "$OUT/dispatch_2xh100.json" > "$OUT/dispatch.log" 2>&1
   echo "dispatch rc=$? ($(elapsed))"; tail -25 "$OUT/dispatch.log"
 }

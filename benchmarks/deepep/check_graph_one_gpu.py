@@ -1,7 +1,7 @@
 """One GPU: capture DeepEP's low-latency pair (dispatch_masked -> combine_masked) in a CUDA
 graph through dsv3serve's dispatcher, and check replays against eager runs.
 
-    python docs/deepep/check_graph_one_gpu.py OUT.json
+    python benchmarks/deepep/check_graph_one_gpu.py OUT.json
 
 A one-rank group sends every token to itself, so this checks what a graphed decode step needs
 of the glue on one GPU: the pair captures (no host sync, fixed shapes) and a replay reads the

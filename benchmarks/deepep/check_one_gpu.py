@@ -1,7 +1,7 @@
 """One GPU: import the built ``deep_ep``, build its buffer for a one-rank group and run
 dsv3serve's start-up self-check in each mode and payload, as far as one rank allows.
 
-    python docs/deepep/check_one_gpu.py OUT.json
+    python benchmarks/deepep/check_one_gpu.py OUT.json
 
 Prints and writes, per (mode, payload), ``passed`` or the exception it raised. One rank sends
 every token to itself, so this checks the build, the buffer and the glue's shapes; traffic

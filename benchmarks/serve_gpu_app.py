@@ -1,4 +1,4 @@
-"""``dsv3serve serve`` as a child process for docs/perf/serve_gpu.py: start, first answer,
+"""``dsv3serve serve`` as a child process for benchmarks/serve_gpu.py: start, first answer,
 stop (SIGTERM, as a user's Ctrl-C), and the check that the GPUs are free again."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The final device runs on an H200 (two calls while the machine stays warm):
-#   bash docs/perf/run_h200_final.sh tests kernels   then   bash docs/perf/run_h200_final.sh model onebatch
+#   bash benchmarks/run_h200_final.sh tests kernels   then   bash benchmarks/run_h200_final.sh model onebatch
 # Needs the wheels in .whl/ (see run_h200.sh). Logs and JSON go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -9,14 +9,14 @@
 # Two steps, because the GPU machine cannot reach the network:
 #
 #   1. where the network is reachable (a developer machine):
-#        docs/deepep/build.sh pack DIR [DEEPEP_GIT_DIR]
+#        benchmarks/deepep/build.sh pack DIR [DEEPEP_GIT_DIR]
 #      writes DIR/deepep-src.tar.gz (the v1.2.1 tag, from DEEPEP_GIT_DIR: a clone or the bare
 #      snapshot the session's `fetch github:deepseek-ai/DeepEP` tool leaves under
 #      /work/.mirror/deepseek-ai+DeepEP/repo; default: clone upstream) and the NVSHMEM wheel
 #      (pip download, for the GPU machine's Python version, PY_VER, default 3.11).
 #      Carry DIR to the GPU machine (an ignored path named in `carry`, or shared/).
 #   2. on the GPU machine:
-#        docs/deepep/build.sh build DIR OUT
+#        benchmarks/deepep/build.sh build DIR OUT
 #      installs the NVSHMEM wheel from DIR (no index; without one there, it uses the NVSHMEM
 #      the GPU image already has, as torch's dependency), builds DeepEP against the installed
 #      torch and CUDA (TORCH_CUDA_ARCH_LIST, default 9.0 for H100 / H200), writes the wheel to
