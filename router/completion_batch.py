@@ -4,7 +4,7 @@ Each prompt runs as its own request (its own id on the backend, its own admissio
 all at once; the answer is one response whose choices are ordered by prompt, then by
 sample: prompt ``i``'s ``n`` choices have ``index`` ``i * n`` to ``i * n + n - 1``, and the
 usage is summed over the prompts. Streaming a list is refused (400): each prompt can be
-streamed as its own request.
+streamed as its own request; so is a list longer than ``max_in_flight``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ _SUMMED = ("prompt_tokens", "completion_tokens", "total_tokens")
 Item = TypeVar("Item")
 
 
-def batch_prompts(body: Body) -> list[Any] | None:
+def batch_prompts(body: Body, max_in_flight: int) -> list[Any] | None:
     """The prompts of a body that holds a list of two or more, else None (one prompt:
-    the ordinary path). Raises a 400 for a streamed list."""
+    the ordinary path). Raises a 400 for a streamed list, and for more prompts than the
+    router admits at once (``max_in_flight``): a 429 there could never end."""
     prompt = body.get("prompt")
     if not isinstance(prompt, list) or len(prompt) < 2 or isinstance(prompt[0], int):
         return None
+    if len(prompt) > max_in_flight:
+        raise bad_request(
+            f"a list of {len(prompt)} prompts is more than this router admits at once "
+            f"(router.max_in_flight, {max_in_flight}): send it in parts",
+            "prompt",
+        )
     if body.get("stream") is True:
         raise bad_request(
             f"a list of {len(prompt)} prompts is answered whole: stream each prompt as its "

@@ -287,7 +287,9 @@ class OpenAIServer:
     async def _handle(self, request: Request, kind: Kind) -> Response:
         try:
             body = await read_json_object(request, self.body_limits)
-            prompts = batch_prompts(body) if kind == "completion" else None
+            prompts = (
+                batch_prompts(body, self.config.max_in_flight) if kind == "completion" else None
+            )
             if prompts is not None:
                 batch = [self.prepare(one, kind) for one in split_batch(body, prompts)]
                 return await run_until_disconnect(request, self._run_batch(batch))

@@ -125,6 +125,7 @@ class SamplingFields(RequestPart):
     }
 
     model: str | None = None
+    user: str | None = None  # an end-user id: checked, then ignored (vLLM does the same)
     n: int = 1
     max_tokens: int | None = None
     temperature: float | None = None

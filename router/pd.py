@@ -48,7 +48,7 @@ from router.fan_out import fan_out
 from router.migration import DecodeLost, Migrator
 from router.overlap import RangeForwarder, consume_prefill
 from router.policy import ReplicaSet
-from router.prefill_watch import until_stalled
+from router.prefill_watch import prefill_failure, until_stalled
 from router.rank_routing import PDTargets, Target
 from router.relay import relay
 from router.replica_health import ReplicaHealth
@@ -420,15 +420,6 @@ async def lost_on_503(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenC
         if exc.status != 503:
             raise
         raise DecodeLost(exc.message) from None
-
-
-def prefill_failure(exc: Exception, timeout_s: float) -> str:
-    """Why a prefill attempt failed, for the 503's message (a time-out says what it
-    waited for and how long; asyncio's TimeoutError carries no message)."""
-    if isinstance(exc, TimeoutError):
-        detail = f": {exc}" if str(exc) else ""
-        return f"no prefill result within prefill_timeout_s ({timeout_s:g} s){detail}"
-    return type(exc).__name__  # the replica died or its call failed
 
 
 async def _progress(handle: Any) -> WorkerProgress:

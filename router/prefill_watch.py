@@ -6,6 +6,7 @@ failure. While a prefill runs the router asks its replica for progress every
 up only when the replica is unresponsive: the progress call does not answer within
 ``stall_s``, or no engine step finished and none runs over a whole ``stall_s`` window
 (the engine is idle while the attempt waits). ``ceiling_s`` bounds the whole attempt.
+:func:`prefill_failure` words a failed try for the 503.
 """
 
 from __future__ import annotations
@@ -60,3 +61,15 @@ async def _advanced(progress: Progress, stall_s: float, last: int | None) -> int
             f"replica's engine finished no step in router.prefill_stall_timeout_s ({stall_s:g} s)"
         )
     return now.steps
+
+
+def prefill_failure(exc: Exception, timeout_s: float) -> str:
+    """Why a prefill attempt failed, for the 503's message (a time-out says what it
+    waited for and how long; asyncio's TimeoutError carries no message; a stall says
+    which check the replica failed, not the ceiling it did not reach)."""
+    if isinstance(exc, PrefillStalled):
+        return f"prefill given up: {exc}"
+    if isinstance(exc, TimeoutError):
+        detail = f": {exc}" if str(exc) else ""
+        return f"no prefill result within prefill_timeout_s ({timeout_s:g} s){detail}"
+    return type(exc).__name__  # the replica died or its call failed

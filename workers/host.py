@@ -133,6 +133,7 @@ class EngineHost:
         self._reaper: asyncio.Task[None] | None = None
         self.overlap_off = self._overlap_off()
         self.autoscale = AutoscaleStats()
+        self.cancelled_prefills = 0  # prefill tries cancelled while they ran (WorkerStats)
         if cfg.role == "prefill" and self.overlap_off is None:
             self.engine.on_pages_dropped(self.staging.ranges.drop)
         elif cfg.role == "prefill":
@@ -236,6 +237,7 @@ class EngineHost:
                 pending_kv=len(self.staging.ranges) + len(self.intake.pulls),
                 rank_requests=placed,
                 rank_fallbacks=fallbacks,
+                cancelled_prefills=self.cancelled_prefills,
             )
 
         return self.aengine.call(read)
@@ -287,6 +289,9 @@ class EngineHost:
             return PrefillResult(first=error_chunk(req.request_id, str(exc), 400), kv=None)
         except PrefillReleasedError:
             return _released_result(req, attempt)
+        except asyncio.CancelledError:  # its router gave the try up, or its client left
+            self.cancelled_prefills += 1
+            raise
         finally:
             self.autoscale.prefill_ended(prompt, took)
         if self.staging.is_released(attempt):  # its release is queued or done: stage nothing

@@ -300,6 +300,8 @@ class WorkerStats(_Msg):
     router-chosen rank was invalid or full. Without DP attention there is no placement to
     count (the replica's one rank takes every request): ``[]`` and 0. (The router routes
     by ``WorkerLoad.ranks``, which has the one entry; these counters are for tests.)
+    ``cancelled_prefills`` (prefill side): tries cancelled while they ran (their router
+    gave up on them, or their client left).
     """
 
     role: Role
@@ -316,3 +318,4 @@ class WorkerStats(_Msg):
     pending_kv: int = 0
     rank_requests: list[int] = []
     rank_fallbacks: int = 0
+    cancelled_prefills: int = 0

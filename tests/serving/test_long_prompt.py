@@ -53,3 +53,6 @@ def test_a_prompt_of_ninety_percent_of_the_context_and_a_short_one_beside_it(
         assert wait_until(lambda: worker_stats(APP, "prefill-0").live_requests > 0, 600)
         assert complete(url, model, "Hi") == "length"  # queued behind the long prefill
         assert long.result() == "length"
+    # each prefill ran in one try: none was given up (a retry could hide that: it reuses
+    # the given-up try's cached prefix)
+    assert worker_stats(APP, "prefill-0").cancelled_prefills == 0

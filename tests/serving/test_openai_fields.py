@@ -225,6 +225,9 @@ def test_user_is_accepted_and_changes_nothing(served: Served) -> None:
     legacy = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "temperature": 0}
     text = client.completions.create(**legacy).choices[0].text
     assert client.completions.create(**legacy, user="u-1").choices[0].text == text
+    bad = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": 5}  # not a string
+    response = httpx.post(served.url + "/v1/completions", json=bad, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user"
 
 
 def test_sampling_fields_reach_the_engine(served: Served) -> None:

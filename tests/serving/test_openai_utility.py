@@ -117,3 +117,14 @@ def test_a_streamed_list_of_prompts_is_refused(served: Served) -> None:
     bad = post(served, "/v1/completions", {"model": MODEL, "prompt": ["ok", ""]})
     assert bad.status_code == 400, bad.text  # every prompt is checked before any runs
     wait_idle(served)
+
+
+def test_a_list_longer_than_the_router_admits_is_a_400_not_a_429(served: Served) -> None:
+    """Each prompt takes an admission slot: a list over max_in_flight could never run,
+    so a 429 (retry later) would be retried for ever."""
+    limit = served.server.config.max_in_flight
+    body = {"model": MODEL, "prompt": ["a"] * (limit + 1), "max_tokens": 1}
+    response = post(served, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert str(limit) in response.json()["error"]["message"]
+    wait_idle(served)

@@ -29,7 +29,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.sampling.sampling_params import SamplingParams
-from router.pd import prefill_failure
+from router.prefill_watch import PrefillStalled, prefill_failure
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"
@@ -333,3 +333,11 @@ def test_a_prefill_time_out_says_what_timed_out() -> None:
     said = prefill_failure(asyncio.TimeoutError(), 30.0)
     assert said == "no prefill result within prefill_timeout_s (30 s)", said
     assert prefill_failure(RuntimeError("x"), 30.0) == "RuntimeError"
+
+
+def test_a_stalled_prefill_names_the_check_not_the_ceiling() -> None:
+    """A stall (no progress over prefill_stall_timeout_s) is not the ceiling: the 503 read
+    "no prefill result within prefill_timeout_s (600 s)" after 30 s."""
+    stalled = PrefillStalled("replica's engine finished no step in x (30 s)")
+    said = prefill_failure(stalled, 600.0)
+    assert said == "prefill given up: replica's engine finished no step in x (30 s)", said
