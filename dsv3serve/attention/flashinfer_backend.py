@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from dsv3serve.attention.base import ExpandKV, MLADims, PooledAttentionBackend
+from dsv3serve.attention.flashinfer_graph_plan import GraphIndexBuffers, can_replan, replan
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
     PlanStage,
@@ -104,17 +106,6 @@ class CudaGraphLimits:
     max_kv_indices: int
 
 
-class _GraphBuffers:
-    """The fixed index buffers CUDA-graph wrappers of one slot plan into."""
-
-    def __init__(self, limits: CudaGraphLimits, device: torch.device) -> None:
-        i32, n = torch.int32, limits.max_batch_size
-        self.qo = torch.zeros(n + 1, dtype=i32, device=device)
-        self.kv_indptr = torch.zeros(n + 1, dtype=i32, device=device)
-        self.kv_lens = torch.zeros(n, dtype=i32, device=device)
-        self.kv_indices = torch.zeros(limits.max_kv_indices, dtype=i32, device=device)
-
-
 class _MLAWrappers:
     """The eager MLA wrapper, plus CUDA-graph wrappers keyed by (slot, batch size).
 
@@ -128,7 +119,7 @@ class _MLAWrappers:
         self._fi, self._workspace, self._graph = fi, workspace, graph
         self._eager = fi.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
         self._by_key: dict[tuple[str, int], Any] = {}
-        self._buffers: dict[str, _GraphBuffers] = {}
+        self._buffers: dict[str, GraphIndexBuffers] = {}
 
     def get(self, batch_size: int, num_indices: int, slot: str = "decode") -> Any:
         """The wrapper for a batch; a graph wrapper of ``slot`` when it fits the limits."""
@@ -144,11 +135,23 @@ class _MLAWrappers:
             self._by_key[slot, batch_size] = self._graph_wrapper(slot, batch_size)
         return self._by_key[slot, batch_size]
 
-    def _graph_wrapper(self, slot: str, batch_size: int) -> Any:
+    def buffers(self, slot: str) -> GraphIndexBuffers:
+        """The index buffers the graph wrappers of ``slot`` plan into."""
         assert self._graph is not None
         if slot not in self._buffers:
-            self._buffers[slot] = _GraphBuffers(self._graph, self._workspace.device)
-        buf = self._buffers[slot]
+            limits, device = self._graph, self._workspace.device
+            self._buffers[slot] = GraphIndexBuffers(
+                limits.max_batch_size, limits.max_kv_indices, device
+            )
+        return self._buffers[slot]
+
+    def is_graph(self, batch_size: int) -> bool:
+        """Whether a batch of ``batch_size`` sequences plans a CUDA-graph wrapper."""
+        return self._graph is not None and batch_size <= self._graph.max_batch_size
+
+    def _graph_wrapper(self, slot: str, batch_size: int) -> Any:
+        assert self._graph is not None
+        buf = self.buffers(slot)
         return self._fi.BatchMLAPagedAttentionWrapper(
             self._workspace,
             use_cuda_graph=True,
@@ -193,6 +196,7 @@ class FlashInferMLAAttention(PooledAttentionBackend):
         self._warned_unaligned = False
         self.graph_slot = "decode"  # CUDA-graph wrappers this instance plans into
         self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
+        self.replans = 0  # absorbed plans that reran only flashinfer's scheduler
 
     def _latent_views(self, page_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, (c_kv [pages, page_size, 512], k_pe [pages, page_size, 64]) views."""
@@ -254,20 +258,42 @@ class FlashInferMLAAttention(PooledAttentionBackend):
         index, d, dtype = self._kv_index(batch), self.dims, self.pool.dtype
         num_indices = int(index.indices.shape[0])
         wrapper = self._mla.get(batch.batch_size, num_indices, self.graph_slot)
-        wrapper.plan(
-            *self._plan_args(batch, index),
-            d.num_heads,
-            d.kv_lora_rank,
-            d.qk_rope_head_dim,
-            index.page_size,
-            max(seq_lens_list(batch.qo_indptr)) > 1,  # causal (bottom-right) for verify
-            d.softmax_scale,
-            dtype,
-            dtype,
-        )
+        causal = max(seq_lens_list(batch.qo_indptr)) > 1  # bottom-right, for verify
+        if self._replan(batch, index, wrapper, causal):
+            self.replans += 1
+        else:
+            wrapper.plan(
+                *self._plan_args(batch, index),
+                d.num_heads,
+                d.kv_lora_rank,
+                d.qk_rope_head_dim,
+                index.page_size,
+                causal,
+                d.softmax_scale,
+                dtype,
+                dtype,
+            )
         self._mla_run = (wrapper, self._views[index.page_size])
         self.index_mode = "token" if index.page_size == 1 else "page"
         self._mark_planned()
+
+    def _replan(self, batch: ForwardBatch, index: KVIndex, wrapper: Any, causal: bool) -> bool:
+        """A graph wrapper planned before for this kind of problem: one copy of the index
+        arrays and the scheduler alone (:mod:`~dsv3serve.attention.flashinfer_graph_plan`).
+        False where the full ``plan`` must run."""
+        d = self.dims
+        if not self._mla.is_graph(batch.batch_size) or index.indices.device.type != "cpu":
+            return False
+        if not can_replan(wrapper, causal, index.page_size, d.softmax_scale, self.pool.dtype):
+            return False
+        host = self._mla.buffers(self.graph_slot).upload(
+            np.asarray(batch.qo_indptr, dtype=np.int32),
+            index.indptr.numpy(),
+            index.lens.numpy(),
+            index.indices.numpy(),
+        )
+        replan(wrapper, host, d.num_heads, d.kv_lora_rank)
+        return True
 
     def _plan_mha(self, batch: ForwardBatch) -> None:
         self._extend.plan(batch)

@@ -85,8 +85,9 @@ def test_extend_with_cached_prefix(chunk: int) -> None:
 
 
 def test_cuda_graph_replay_follows_a_new_plan() -> None:
-    """Capture the absorbed layer after one plan; replan a new batch of the same size,
-    replay, and compare with the reference on the new batch."""
+    """Capture the absorbed layer after one plan; replan a new batch of the same size (one
+    copy of the index arrays and flashinfer's scheduler alone), replay, and compare with
+    the reference on the new batch."""
     first = make_case(DIMS, [1] * 4, [10, 700, 64, 129], "cuda", PAGE, seed=1)
     second = make_case(DIMS, [1] * 4, [1500, 3, 65, 640], "cuda", PAGE, seed=2)
     pool = second.pool  # both batches address the second pool's pages
@@ -101,6 +102,7 @@ def test_cuda_graph_replay_follows_a_new_plan() -> None:
     with torch.cuda.graph(graph):
         out = attn.forward_absorbed(q_latent, q_pe, 0, DIMS.softmax_scale)
     attn.plan(second.batch)
+    assert attn.replans == 1  # the second plan of the wrapper reran only the scheduler
     attn.save_latent(0, second.new_latents)
     graph.replay()
     ref = TorchRefAttention(pool, DIMS.kv_lora_rank)
