@@ -52,7 +52,7 @@ def follow(runner: ModelRunner, cfg: EngineConfig) -> int:
         dp_spec = DPSpecFollower(runner, quant) if cfg.spec_num_steps else None
         return dp_follower_loop(runner, None if dp_spec is None else dp_spec.handlers())
     if cfg.spec_num_steps:
-        spec = SpecFollower(runner, quant)
+        spec = SpecFollower(runner, quant, cfg.spec_num_steps)
         return follower_loop(runner, spec.handlers())
     return follower_loop(runner)
 

@@ -35,6 +35,7 @@ from spec_util import make_oracle_draft_checkpoint
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.llm import LLM
+from dsv3serve.engine.model_runner import EAGER_GRAPH_PATH_ENV
 from dsv3serve.engine.sequence import ScheduledItem
 
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
@@ -113,6 +114,30 @@ def test_tp_group_with_mtp_gives_the_single_rank_tokens_and_drafts(
         assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
     assert tokens == reference
     assert rounds == one_rank_drafts
+
+
+def test_tp_group_mtp_rounds_through_the_graph_path_give_the_single_rank_tokens(
+    tiny_bf16_dir: Path,
+    reference: dict[str, list[int]],
+    one_rank_drafts: Drafts,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every rank of a TP2 group builds the speculative graphs (uncaptured on CPU: the same
+    padded path) and rank 0's graphed verify, chain and extend run on the follower too; a
+    follower that replayed a different batch, or none, would hang the group or change the
+    drafts."""
+    monkeypatch.setenv(EAGER_GRAPH_PATH_ENV, "1")  # the spawned rank inherits it
+    with LLM(str(tiny_bf16_dir), **SCENARIO_ENGINE, **LAYOUTS["tp2"], **SPEC) as llm:
+        engine = llm.engine
+        graphs = engine.spec.graphs
+        assert graphs is not None and graphs.chain is not None and graphs.extend is not None
+        rounds = record_drafts(engine)
+        tokens = run_scenario(engine)
+        assert_no_leaks(engine)
+        runs = (graphs.verify.runs, graphs.chain.runs, graphs.extend.runs)
+    assert tokens == reference
+    assert rounds == one_rank_drafts
+    assert all(n > 0 for n in runs), f"verify, chain and extend graph runs: {runs}"
 
 
 def test_tp_group_accepting_drafts_matches_the_one_rank_speculative_engine(

@@ -171,6 +171,8 @@ class DPRankForwards:
 class DPSpecForwards(SpecForwards):
     """Rank 0's spec forwards under DP attention; see the module docstring."""
 
+    graphed = False  # eager: each DP rank runs its own part of every forward
+
     def __init__(self, runner: ModelRunner, draft: NextNDraft, dp_size: int) -> None:
         super().__init__(runner, draft)
         self.ranks = dp_size

@@ -14,6 +14,7 @@ import torch
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.spec.draft import NextNDraft
 from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
+from dsv3serve.engine.spec.graphs import SpecGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.argmax import row_argmax
 
@@ -26,15 +27,64 @@ def make_draft(runner: ModelRunner, quant: DraftQuant | None) -> NextNDraft:
     return draft
 
 
+def spec_graphs_for(runner: ModelRunner, draft: NextNDraft, num_steps: int) -> SpecGraphs | None:
+    """The speculative graphs of ``runner``, where its decode steps have graphs of their own
+    (one rank, or a TP group whose ranks run every spec forward together: each rank
+    captures the same graphs in the same order); None under DP attention, where the
+    leader picks each step's graph for every rank (its spec forwards stay eager). Captured
+    on CUDA; elsewhere the same padded path runs uncaptured."""
+    if runner.graphs is None or runner.graphs_by_group:
+        return None
+    return SpecGraphs.build(
+        draft,
+        runner.attn,
+        num_steps,
+        runner.graphs.sizes,
+        runner.scratch_slots(num_steps + 1),
+        capture=runner.device.type == "cuda",
+        mempool=runner.graph_pool,
+    )
+
+
 class SpecForwards:
-    """Target and draft forwards of one rank (eager: the CUDA-graphed ones are apart).
+    """Target and draft forwards of one rank, eager or through its :class:`SpecGraphs`.
 
     ``owners`` (one per span) names the DP rank whose KV pool holds each span; only the DP
-    attention forwards (:mod:`~dsv3serve.engine.spec.dp_group`) read it.
+    attention forwards (:mod:`~dsv3serve.engine.spec.dp_group`) read it. ``graphed``:
+    whether the graphed calls may be used (every rank of the group runs them together).
     """
+
+    graphed = True
 
     def __init__(self, runner: ModelRunner, draft: NextNDraft) -> None:
         self.runner, self.draft = runner, draft
+
+    # ---- through the graphs (padded static inputs; replayed where captured) ------------
+    def verify_graphed(
+        self, graphs: SpecGraphs, spans: list[SeqSpan]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify graph over ``spans`` (``k + 1`` tokens each): hidden states and
+        logits of every row."""
+        return graphs.verify.run(spans)
+
+    def chain_graphed(
+        self, graphs: SpecGraphs, steps: list[list[SeqSpan]], hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The chain graph: draft tokens [n, k - 1] (see ``DraftChainGraphs.run``)."""
+        assert graphs.chain is not None
+        return graphs.chain.run(steps, hidden)
+
+    def extend_graphed(
+        self,
+        graphs: SpecGraphs,
+        spans: list[SeqSpan],
+        target_hidden: torch.Tensor,
+        rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The extend graph over ``spans`` fed by the last verify's ``target_hidden``:
+        hidden states and greedy tokens at ``rows`` (see ``ExtendGraphs.run``)."""
+        assert graphs.extend is not None
+        return graphs.extend.run(spans, target_hidden, rows)
 
     @torch.inference_mode()
     def target(

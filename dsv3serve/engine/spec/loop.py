@@ -39,7 +39,7 @@ from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.sequence import ScheduledItem
 from dsv3serve.engine.spec.draft_quant import DraftQuant
 from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
-from dsv3serve.engine.spec.forwards import SpecForwards, make_draft
+from dsv3serve.engine.spec.forwards import SpecForwards, make_draft, spec_graphs_for
 from dsv3serve.engine.spec.graphs import SpecGraphs
 from dsv3serve.forward_batch import SeqSpan
 
@@ -82,28 +82,20 @@ class SpecDecoder:
         self.draft = make_draft(runner, draft_quant)
         self.forwards = SpecForwards(runner, self.draft)
         self._states: dict[str, DraftState] = {}
-        self.graphs: SpecGraphs | None = None
-        if runner.graphs is not None and runner.parts.in_group:
-            logger.info("speculative rounds in a group run eagerly (decode graphs are per group)")
-        elif runner.graphs is not None and runner.device.type == "cuda":  # as decode steps
-            self.graphs = SpecGraphs.build(
-                self.draft,
-                runner.attn,
-                num_steps,
-                runner.graphs.sizes,
-                runner.scratch_slots(num_steps + 1),
-                mempool=runner.graph_pool,
-            )
+        self.graphs: SpecGraphs | None = spec_graphs_for(runner, self.draft, num_steps)
+        if runner.graphs is not None and self.graphs is None:
+            logger.info("speculative rounds run eagerly under DP attention")
 
     def use_forwards(self, forwards: SpecForwards) -> None:
-        """Run the eager forwards through ``forwards`` (a group leader's broadcasting ones).
+        """Run the forwards through ``forwards`` (a group leader's broadcasting ones).
 
-        The CUDA-graphed forwards run on this rank alone, so a decoder with graphs refuses.
+        Graphed rounds need forwards whose followers replay the same graphs (a TP group's);
+        DP attention's split forwards are eager only, and this rank then has no graphs.
         """
-        if self.graphs is not None:
+        if self.graphs is not None and not forwards.graphed:
             raise ValueError(
-                "speculative decoding in a group: expected no CUDA graphs (groups run "
-                "eagerly), found spec graphs captured on this rank"
+                f"speculative decoding: {type(forwards).__name__} runs eagerly only, but "
+                "this rank captured spec graphs (expected none under DP attention)"
             )
         self.forwards = forwards
 
@@ -168,7 +160,7 @@ class SpecDecoder:
             ]
             for step in range(1, self.num_steps)
         ]
-        tokens = self.graphs.chain.run(steps, hidden).tolist()
+        tokens = self.forwards.chain_graphed(self.graphs, steps, hidden).tolist()
         for item, row in zip(items, tokens, strict=True):
             drafts[item.seq_id].extend(row)
         return drafts
@@ -188,9 +180,10 @@ class SpecDecoder:
             starts.append(offset)
             offset += len(tokens)
         verify_only = all(item.is_decode for item in items)  # the decode (absorbed) MLA form
-        graphs = None if self.graphs is None else self.graphs.verify
-        if verify_only and graphs is not None and graphs.can_run(spans):
-            hidden, logits = graphs.run(spans)  # every row is verified: rows == all of them
+        graphs = self.graphs
+        if verify_only and graphs is not None and graphs.verify.can_run(spans):
+            # every row is verified: rows == all of them
+            hidden, logits = self.forwards.verify_graphed(graphs, spans)
             return TargetPass(hidden, starts, logits)
         owners = [item.seq.dp_rank for item in items]
         hidden, logits = self.forwards.target(spans, verify_only, rows, owners)
@@ -265,7 +258,8 @@ class SpecDecoder:
             rows.append(i * width + new - 1)
             if seq.num_computed_tokens == seq.num_tokens - 1:
                 ready.append((i, seq))
-        hidden, tokens = graphs.run(spans, target.hidden, rows)
+        assert self.graphs is not None
+        hidden, tokens = self.forwards.extend_graphed(self.graphs, spans, target.hidden, rows)
         token_list = tokens.tolist()
         for i, seq in ready:
             self._states[seq.seq_id] = DraftState(seq.num_tokens, token_list[i], hidden[i])
