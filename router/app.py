@@ -7,6 +7,8 @@ The router answers OpenAI HTTP and, through Serve's gRPC proxy, ``dsv3serve.v1.G
 """
 
 import asyncio
+import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from dsv3serve.metrics import Identity, Metrics
 from router.auth import APIKeyAuth, unauthorized_response
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
+from router.drain import listen
 from router.grpc_api import GenerationService
 from router.metered import MeteredBackend
 from router.metrics_server import TEXT_FORMAT, MergedCollector, serve_metrics
@@ -34,6 +37,8 @@ from router.proto import generate_pb2 as pb
 from router.rank_routing import rank_board
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
+
+logger = logging.getLogger(__name__)
 
 ROUTER_NAME = "router"
 ingress = new_app()
@@ -89,6 +94,7 @@ class Router:
         self.cfg = ServingConfig.model_validate_json(config_json)
         self._workers = workers
         self._server: OpenAIServer | None = None
+        self._drain_task: asyncio.Task[None] | None = None
         self._init_lock = asyncio.Lock()
         settings = self.cfg.router
         rank = router_rank()
@@ -115,7 +121,16 @@ class Router:
         async with self._init_lock:
             if self._server is None:
                 self._server = await self._build_server()
+                self._drain_task = asyncio.create_task(self._listen(self._server))
         return self._server
+
+    async def _listen(self, server: OpenAIServer) -> None:
+        """Follow ``dsv3serve serve``'s graceful stop (``router/drain.py``), if it has one."""
+        name = f"{router_rank().name}-{uuid.uuid4().hex[:8]}"
+        try:
+            await listen(name, server.drain, lambda: server.admission.in_flight)
+        except Exception:
+            logger.exception("router %s: following the graceful stop failed", name)
 
     async def _build_server(self) -> OpenAIServer:
         from dsv3serve.tokenizer.locate import tokenizer_dir
@@ -289,5 +304,8 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
         role: [_worker_app(cfg, role, i) for i in range(getattr(cfg, role).num_replicas)]
         for role in cfg.roles()
     }
-    options = {"num_replicas": cfg.router.num_replicas} | dict(router_options or {})
+    options = {
+        "num_replicas": cfg.router.num_replicas,
+        "graceful_shutdown_timeout_s": cfg.router.graceful_shutdown_timeout_s,
+    } | dict(router_options or {})
     return Router.options(**options).bind(cfg.model_dump_json(), workers)
