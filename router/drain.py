@@ -17,11 +17,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-
-from ray.actor import ActorHandle
+from typing import TYPE_CHECKING
 
 from workers.backend import BackendUnavailable
 from workers.protocol import TokenChunk
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
