@@ -68,10 +68,13 @@ class Drain:
                 if cut.done():
                     raise BackendUnavailable(CUT_MESSAGE)
                 step = asyncio.ensure_future(anext(chunks, _END))
-                await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    await asyncio.gather(step, return_exceptions=True)
+                try:
+                    await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # cut, or this task cancelled: stop the step before closing
+                    if not step.done():
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                if step.cancelled():
                     raise BackendUnavailable(CUT_MESSAGE)
                 item = step.result()
                 if item is _END:
