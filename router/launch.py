@@ -200,7 +200,7 @@ def graceful_bound_s(data: dict[str, Any]) -> float:
 def cut_after_s(bound_s: float) -> float:
     """When routers end the streams still running: early enough in the bound that the
     error events go out and Serve and Ray stop before it ends."""
-    return bound_s - min(5.0, 0.25 * bound_s)
+    return bound_s - min(10.0, 0.25 * bound_s)
 
 
 def drain(bound_s: float) -> None:

@@ -91,7 +91,7 @@ def refused_while_draining(url: str, streams: list[Stream]) -> httpx.Response:
     raise AssertionError("no request was refused while the streams drained")
 
 
-def test_sigterm_drains_streams_refuses_new_requests_and_exits_in_bound(tmp_path: Path) -> None:
+def test_sigterm_drains_streams_refuses_new_requests_and_exits(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_serve(port, short_bound_config(tmp_path))
