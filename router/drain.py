@@ -31,6 +31,7 @@ DRAIN_BOARD = "dsv3serve-drain-board"
 DRAIN_NAMESPACE = "dsv3serve"
 CUT_MESSAGE = "the server is shutting down; this stream was ended before it finished"
 IDLE_POLL_S = 0.1
+STALE_S = 3.0  # a router replica silent this long while draining counts as gone
 _END = object()
 
 
@@ -91,7 +92,7 @@ class DrainBoard:
     def __init__(self) -> None:
         self._started = asyncio.Event()
         self._cut_at = 0.0
-        self._registered: set[str] = set()
+        self._seen: dict[str, float] = {}  # router replica -> when it last reported
         self._idle: set[str] = set()
 
     def start(self, cut_after_s: float) -> None:
@@ -99,10 +100,16 @@ class DrainBoard:
         if not self._started.is_set():
             self._cut_at = time.time() + cut_after_s
             self._started.set()
+            now = time.monotonic()  # routers have STALE_S from now to report
+            self._seen = {n: now for n in self._seen}
 
     def register(self, name: str) -> None:
-        """A router replica that will report when it is idle."""
-        self._registered.add(name)
+        """A router replica that will report while draining (``seen``, ``report_idle``)."""
+        self._seen[name] = time.monotonic()
+
+    def seen(self, name: str) -> None:
+        """A draining router replica with requests still in flight."""
+        self._seen[name] = time.monotonic()
 
     async def wait(self) -> float:
         """Returns once draining began: the wall time at which to cut streams."""
@@ -114,8 +121,9 @@ class DrainBoard:
         self._idle.add(name)
 
     def all_idle(self) -> bool:
-        """Every registered router replica reported idle."""
-        return self._registered <= self._idle
+        """Every registered router replica reported idle or stopped reporting (it died)."""
+        stale = time.monotonic() - STALE_S
+        return all(n in self._idle or t < stale for n, t in self._seen.items())
 
 
 def find_board() -> ActorHandle | None:
@@ -139,5 +147,6 @@ async def listen(name: str, drain: Drain, in_flight: Callable[[], int]) -> None:
     logger.warning("router %s: draining; cutting streams still running in %.1f s", name, left)
     drain.start(cut_at)
     while in_flight() > 0:
+        await board.seen.remote(name)
         await asyncio.sleep(IDLE_POLL_S)
     await board.report_idle.remote(name)
