@@ -30,6 +30,7 @@ from router.body import BodyLimits, read_json_object
 from router.chat_output import OutputParsing
 from router.chat_request import ReasoningParserName, plan_chat
 from router.completion_batch import batch_prompts, run_batch, split_batch
+from router.drain import Drain
 from router.errors import (
     INTERNAL_ERROR,
     APIError,
@@ -248,6 +249,7 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.backend = backend
         self.admission = Admission(config.max_in_flight)
+        self.drain = Drain()
         self.created = int(time.time())
         self.vocab_size = config.vocab_size or tokenizer.vocab_size
         self.body_limits = BodyLimits(
@@ -361,6 +363,10 @@ class OpenAIServer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _admit(self) -> Slot:
+        if self.drain.draining:
+            message = "the server is shutting down; retry on another server or later"
+            retry = {"Retry-After": str(self.config.retry_after_s)}
+            raise APIError(503, message, "service_unavailable", headers=retry)
         slot = self.admission.try_acquire()
         if slot is None:
             limit = self.admission.max_in_flight
@@ -380,7 +386,7 @@ class OpenAIServer:
         """The backend stream and its first chunk; on any failure the slot is released."""
         chunks: AsyncIterator[TokenChunk] | None = None
         try:
-            chunks = aiter(self.backend.generate(req))
+            chunks = self.drain.watch(aiter(self.backend.generate(req)))
             return chunks, await first_chunk(chunks)
         except BaseException:
             slot.release()
