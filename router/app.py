@@ -21,6 +21,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
+from router.admission import router_max_ongoing
 from router.auth import APIKeyAuth, unauthorized_response
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
@@ -289,5 +290,8 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
         role: [_worker_app(cfg, role, i) for i in range(getattr(cfg, role).num_replicas)]
         for role in cfg.roles()
     }
-    options = {"num_replicas": cfg.router.num_replicas} | dict(router_options or {})
+    options = {
+        "num_replicas": cfg.router.num_replicas,
+        "max_ongoing_requests": router_max_ongoing(cfg.router.max_in_flight),
+    } | dict(router_options or {})
     return Router.options(**options).bind(cfg.model_dump_json(), workers)
