@@ -23,6 +23,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
+from router.admission import router_max_ongoing
 from router.auth import APIKeyAuth, unauthorized_response
 from router.autoscale_app import (
     MembershipWatch,
@@ -338,5 +339,6 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
     options = {
         "num_replicas": cfg.router.num_replicas,
         "graceful_shutdown_timeout_s": cfg.router.graceful_shutdown_timeout_s,
+        "max_ongoing_requests": router_max_ongoing(cfg.router.max_in_flight),
     } | dict(router_options or {})
     return Router.options(**options).bind(cfg.model_dump_json(), workers)

@@ -288,6 +288,7 @@ class OpenAIServer:
 
     async def _handle(self, request: Request, kind: Kind) -> Response:
         try:
+            self.check_capacity()  # before the body read and tokenization
             body = await read_json_object(request, self.body_limits)
             prompts = batch_prompts(body) if kind == "completion" else None
             if prompts is not None:
@@ -362,6 +363,17 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def check_capacity(self) -> None:
+        """Raise the 429 at once when ``max_in_flight`` requests are in flight, so a full
+        router refuses before it spends time on the body (``_admit`` still takes the slot)."""
+        if self.admission.full:
+            raise self._capacity_error()
+
+    def _capacity_error(self) -> APIError:
+        limit = self.admission.max_in_flight
+        message = f"the server is at capacity ({limit} requests in flight); retry later"
+        return APIError(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
+
     def _admit(self) -> Slot:
         if self.drain.draining:
             message = "the server is shutting down; retry on another server or later"
@@ -369,9 +381,7 @@ class OpenAIServer:
             raise APIError(503, message, "service_unavailable", headers=retry)
         slot = self.admission.try_acquire()
         if slot is None:
-            limit = self.admission.max_in_flight
-            message = f"the server is at capacity ({limit} requests in flight); retry later"
-            raise APIError(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
+            raise self._capacity_error()
         return slot
 
     def _error(self, err: APIError) -> Response:
