@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 APP_NAME = "dsv3serve"
-GRPC_SERVICER = "router.proto.generate_pb2_grpc.add_GenerationServicer_to_server"
+GRPC_SERVICER = "router.grpc_proxy.add_generation_servicer"
 DEFAULT_GRPC_PORT = 9000
 
 
