@@ -49,6 +49,9 @@ from workers.protocol import Role, WorkerInfo, decode
 logger = logging.getLogger(__name__)
 
 ROUTER_NAME = "router"
+# Serve's check for a stopping replica's requests, which it first makes after one period
+# (Serve's default is 2 s): an idle replica stops this much sooner (graceful stop's bound).
+DRAIN_POLL_S = 0.25
 ingress = new_app()
 
 
@@ -300,6 +303,7 @@ def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
             "num_gpus": group.num_gpus,
             "resources": dict(group.resources),
         },
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     }
     if cfg.slo is None:
         options["num_replicas"] = 1
@@ -339,6 +343,7 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
     options = {
         "num_replicas": cfg.router.num_replicas,
         "graceful_shutdown_timeout_s": cfg.router.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
         "max_ongoing_requests": router_max_ongoing(cfg.router.max_in_flight),
     } | dict(router_options or {})
     return Router.options(**options).bind(cfg.model_dump_json(), workers)

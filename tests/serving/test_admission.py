@@ -1,4 +1,5 @@
-"""Admission policy: the router's budget, and what Serve's proxy is told of it.
+"""Admission policy: the router's budget, and what Serve's proxy is told of it (and
+how fast Serve stops its replicas).
 
 A full router refuses before reading a body (``tests/serving/test_openai_api.py`` checks
 it live); Serve's proxy routes around a full router because the router deployment's
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from router.admission import MIN_REFUSAL_HEADROOM, Admission, router_max_ongoing
-from router.app import bind_app
+from router.app import DRAIN_POLL_S, bind_app
 from router.config import ServingConfig
 
 
@@ -51,3 +52,13 @@ def test_the_router_deployment_carries_its_admission_budget_to_serve() -> None:
 def test_a_deploy_files_router_option_still_wins() -> None:
     app = bind_app(_config(100), {"max_ongoing_requests": 7})
     assert app._bound_deployment.max_ongoing_requests == 7
+
+
+def test_router_and_worker_replicas_stop_without_serves_two_second_first_wait() -> None:
+    """Serve checks a stopping replica's requests first after one wait loop (2 s by
+    default); the graceful stop's bound leaves about 3 s for Serve and Ray to stop."""
+    router = bind_app(_config(100))._bound_deployment
+    workers = [w._bound_deployment for ws in router.init_args[1].values() for w in ws]
+    assert len(workers) == 2
+    loops = {d._deployment_config.graceful_shutdown_wait_loop_s for d in [router, *workers]}
+    assert loops == {DRAIN_POLL_S}
