@@ -1,6 +1,6 @@
 """Graceful stop: stop admitting, let streams finish within a bound, cut the rest in-band.
 
-``dsv3serve serve`` (``router/launch.py``) creates one :class:`DrainBoard` Ray actor,
+``dsv3serve serve`` (``router/launch_stop.py``) creates one :class:`DrainBoard` Ray actor,
 named ``DRAIN_BOARD`` in ``DRAIN_NAMESPACE``. On the first SIGTERM or Ctrl-C it calls
 ``DrainBoard.start``: every router replica listening to the board (``listen``) stops
 admitting (new requests get 503 with ``Retry-After``), and at the board's cut time ends
