@@ -1,6 +1,8 @@
-"""The CPU chaos run of ``docs/perf/chaos_tiny_cpu.md``: the local PD app (tiny model, one
-prefill and one decode replica) on a fresh loopback Ray cluster, then ``bench serve --chaos``
-against it. Usage: ``.venv/bin/python benchmarks/run_chaos_cpu.py OUT_DIR``."""
+"""The CPU chaos run of ``docs/perf/chaos_tiny_cpu.md``: the local PD app (tiny model, two
+router replicas, one prefill and one decode replica) on a fresh loopback Ray cluster with
+Serve's proxy running our middleware (as ``dsv3serve serve`` sets it up), then ``bench serve
+--chaos`` against it, killing the decode replica, the prefill replica and a router replica.
+Usage: ``.venv/bin/python benchmarks/run_chaos_cpu.py OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dsv3serve.bench.serve import run_bench_serve
 from dsv3serve.bench.serve_args import BenchServeConfig, parse_chaos
 from router.app import bind_app
 from router.config import ServingConfig
-from router.launch import load_deploy_file
+from router.launch import load_deploy_file, use_proxy_middleware
 
 APP = "dsv3serve"
 
@@ -31,6 +33,7 @@ def main(out: Path) -> None:
     metrics_port, http_port = free_port(), free_port()
     args["router"] |= {"metrics_port": metrics_port}
     cfg = ServingConfig.parse(args)
+    use_proxy_middleware()  # before Ray starts: the proxy reads it when it starts
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -45,7 +48,7 @@ def main(out: Path) -> None:
             ignore_eos=True,
             seed=1,
             disable_tqdm=True,
-            chaos=parse_chaos("decode-0@10,prefill-0@25"),
+            chaos=parse_chaos("decode-0@10,prefill-0@25,router@35"),
             chaos_app=APP,
             metrics_urls=tuple(
                 f"http://127.0.0.1:{metrics_port + k}/metrics"

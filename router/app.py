@@ -7,6 +7,8 @@ The router answers OpenAI HTTP and, through Serve's gRPC proxy, ``dsv3serve.v1.G
 """
 
 import asyncio
+import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
+from router.admission import router_max_ongoing
 from router.auth import APIKeyAuth, unauthorized_response
 from router.autoscale_app import (
     MembershipWatch,
@@ -31,6 +34,7 @@ from router.autoscale_app import (
 from router.autoscale_metrics import AutoscaleMetrics
 from router.colocated import ColocatedBackend
 from router.config import RoleGroup, ServingConfig
+from router.drain import listen
 from router.grpc_api import GenerationService
 from router.metered import MeteredBackend
 from router.metrics_server import TEXT_FORMAT, MergedCollector, serve_metrics
@@ -42,7 +46,12 @@ from router.rank_routing import rank_board
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
 
+logger = logging.getLogger(__name__)
+
 ROUTER_NAME = "router"
+# Serve's check for a stopping replica's requests, which it first makes after one period
+# (Serve's default is 2 s): an idle replica stops this much sooner (graceful stop's bound).
+DRAIN_POLL_S = 0.25
 ingress = new_app()
 
 
@@ -96,6 +105,7 @@ class Router:
         self.cfg = ServingConfig.model_validate_json(config_json)
         self._workers = workers
         self._server: OpenAIServer | None = None
+        self._drain_task: asyncio.Task[None] | None = None
         self._init_lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
         settings = self.cfg.router
@@ -123,7 +133,16 @@ class Router:
         async with self._init_lock:
             if self._server is None:
                 self._server = await self._build_server()
+                self._drain_task = asyncio.create_task(self._listen(self._server))
         return self._server
+
+    async def _listen(self, server: OpenAIServer) -> None:
+        """Follow ``dsv3serve serve``'s graceful stop (``router/drain.py``), if it has one."""
+        name = f"{router_rank().name}-{uuid.uuid4().hex[:8]}"
+        try:
+            await listen(name, server.drain, lambda: server.admission.in_flight)
+        except Exception:
+            logger.exception("router %s: following the graceful stop failed", name)
 
     async def _build_server(self) -> OpenAIServer:
         from dsv3serve.tokenizer.locate import tokenizer_dir
@@ -284,6 +303,7 @@ def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
             "num_gpus": group.num_gpus,
             "resources": dict(group.resources),
         },
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     }
     if cfg.slo is None:
         options["num_replicas"] = 1
@@ -320,5 +340,10 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
         role: [_worker_app(cfg, role, i) for i in range(worker_count(cfg, role))]
         for role in cfg.roles()
     }
-    options = {"num_replicas": cfg.router.num_replicas} | dict(router_options or {})
+    options = {
+        "num_replicas": cfg.router.num_replicas,
+        "graceful_shutdown_timeout_s": cfg.router.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+        "max_ongoing_requests": router_max_ongoing(cfg.router.max_in_flight),
+    } | dict(router_options or {})
     return Router.options(**options).bind(cfg.model_dump_json(), workers)

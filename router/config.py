@@ -101,6 +101,13 @@ class RouterSettings(BaseModel):
 
     served_model_name: str = "deepseek-v3"
     max_in_flight: int = Field(256, ge=1, description="admitted requests; more get 429")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="on SIGTERM or Ctrl-C, dsv3serve serve lets running requests finish "
+        "for at most this long (new ones get 503), ends the rest with an error, then "
+        "exits; also the router deployment's Serve graceful_shutdown_timeout_s",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024)
     body_read_timeout_s: float = Field(
         30.0, gt=0, description="a request body not received within it gets 408"

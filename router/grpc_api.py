@@ -165,6 +165,7 @@ class GenerationService:
         limit = api.config.max_body_bytes
         if request.ByteSize() > limit:
             raise APIError(413, f"request exceeds {limit} bytes", code="request_too_large")
+        api.check_capacity()
         if isinstance(request, pb.ChatRequest):
             return api, api.prepare(chat_body(request), "chat")
         return api, api.prepare(completion_body(request), "completion")

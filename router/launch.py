@@ -14,10 +14,11 @@ import yaml
 
 from dsv3serve.json_types import JSONObject
 from router.config import ConfigError, ServingConfig
+from router.launch_stop import graceful_bound_s, start_drain_board, stop_and_exit
 from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 APP_NAME = "dsv3serve"
-GRPC_SERVICER = "router.proto.generate_pb2_grpc.add_GenerationServicer_to_server"
+GRPC_SERVICER = "router.grpc_proxy.add_generation_servicer"
 DEFAULT_GRPC_PORT = 9000
 
 
@@ -164,6 +165,7 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
     from router.app import build_app
 
     http = http_options(data, port)
+    start_drain_board()
     serve.start(http_options=http, grpc_options=grpc_options(data, grpc_port))
     autoscaled = []
     for app in data["applications"]:
@@ -330,6 +332,7 @@ def run(
     first = data["applications"][0]
     model = ServingConfig.parse(first["args"]).router.served_model_name
     grpc = grpc_options(data, grpc_port)
+    bound_s = graceful_bound_s(data)
     code = 1
     try:
         url = start(data, port, grpc_port)
@@ -348,40 +351,8 @@ def run(
         code = 0
     except Exception:
         traceback.print_exc()
-    stop_and_exit(code)
+    stop_and_exit(code, bound_s)
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def stop_local_cluster() -> None:
-    """Stop Serve (it gives in-flight requests its graceful period, at most
-    ``serve.shutdown``'s 30 s), then the local Ray cluster. A second Ctrl-C or SIGTERM
-    skips the rest of the graceful part."""
-    import ray
-    from ray import serve
-
-    print("dsv3serve: stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-    try:
-        serve.shutdown()
-    except KeyboardInterrupt:
-        print("dsv3serve: stopping at once", file=sys.stderr, flush=True)
-    finally:
-        ray.shutdown()
-
-
-def stop_and_exit(code: int) -> NoReturn:
-    """``stop_local_cluster``, then exit the process with ``code`` (1 if stopping failed)
-    without the interpreter's own finalization: after Ray's driver shut down, that was
-    seen to spin in garbage collection without end (once a router replica had been killed
-    mid-stream), so ``dsv3serve serve`` never exited on Ctrl-C or SIGTERM."""
-    try:
-        stop_local_cluster()
-    except BaseException:
-        traceback.print_exc()
-        code = code or 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)

@@ -30,6 +30,7 @@ from router.body import BodyLimits, read_json_object
 from router.chat_output import OutputParsing
 from router.chat_request import ReasoningParserName, plan_chat
 from router.completion_batch import batch_prompts, run_batch, split_batch
+from router.drain import Drain
 from router.errors import (
     INTERNAL_ERROR,
     APIError,
@@ -248,6 +249,7 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.backend = backend
         self.admission = Admission(config.max_in_flight)
+        self.drain = Drain()
         self.created = int(time.time())
         self.vocab_size = config.vocab_size or tokenizer.vocab_size
         self.body_limits = BodyLimits(
@@ -286,6 +288,7 @@ class OpenAIServer:
 
     async def _handle(self, request: Request, kind: Kind) -> Response:
         try:
+            self.check_capacity()  # before the body read and tokenization
             body = await read_json_object(request, self.body_limits)
             prompts = (
                 batch_prompts(body, self.config.max_in_flight) if kind == "completion" else None
@@ -362,12 +365,25 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def check_capacity(self) -> None:
+        """Raise the 429 at once when ``max_in_flight`` requests are in flight, so a full
+        router refuses before it spends time on the body (``_admit`` still takes the slot)."""
+        if self.admission.full:
+            raise self._capacity_error()
+
+    def _capacity_error(self) -> APIError:
+        limit = self.admission.max_in_flight
+        message = f"the server is at capacity ({limit} requests in flight); retry later"
+        return APIError(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
+
     def _admit(self) -> Slot:
+        if self.drain.draining:
+            message = "the server is shutting down; retry on another server or later"
+            retry = {"Retry-After": str(self.config.retry_after_s)}
+            raise APIError(503, message, "service_unavailable", headers=retry)
         slot = self.admission.try_acquire()
         if slot is None:
-            limit = self.admission.max_in_flight
-            message = f"the server is at capacity ({limit} requests in flight); retry later"
-            raise APIError(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
+            raise self._capacity_error()
         return slot
 
     def _error(self, err: APIError) -> Response:
@@ -382,7 +398,7 @@ class OpenAIServer:
         """The backend stream and its first chunk; on any failure the slot is released."""
         chunks: AsyncIterator[TokenChunk] | None = None
         try:
-            chunks = aiter(self.backend.generate(req))
+            chunks = self.drain.watch(aiter(self.backend.generate(req)))
             return chunks, await first_chunk(chunks)
         except BaseException:
             slot.release()

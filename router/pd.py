@@ -54,6 +54,7 @@ from router.relay import relay
 from router.replica_health import ReplicaHealth
 from router.seam import SeamTokenizer
 from workers.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
+from workers.caller_watch import current_caller
 from workers.protocol import (
     DecodeRequest,
     GenerateRequest,
@@ -122,6 +123,7 @@ class PDBackend:
         self.page_size = page_size
         self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
         self._bg = Background()
+        self.caller = current_caller()  # decode ends a stream once this router is gone
         self.targets = PDTargets(prefill, decode, settings, page_size)
         self.prefill_ranks, self.decode_ranks = self.targets.prefill, self.targets.decode
         self.prefill_health = ReplicaHealth(prefill, answers, PROBE_INTERVAL_S)
@@ -371,6 +373,7 @@ class PDBackend:
             kv_ranges=prefilled.missed,
             draft=result.draft,
             cached_tokens=first.cached_tokens,
+            caller=self.caller,
         )
         stream = self.decode.handles[d].options(stream=True).decode.remote(encode(msg))
         handoff_start = time.monotonic()

@@ -9,12 +9,14 @@ are imported inside the replica only, so the router process never loads them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
 
 from ray import serve
 
+from workers.caller_watch import CallerWatch
 from workers.config import WorkerConfig
 from workers.protocol import (
     DecodeRequest,
@@ -25,6 +27,8 @@ from workers.protocol import (
     encode,
 )
 from workers.protocol import decode as parse
+
+logger = logging.getLogger(__name__)
 
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
@@ -40,6 +44,7 @@ class EngineWorker:
         group_name = f"{context.app_name}/{context.deployment}/{context.replica_id.unique_id}"
         starter = partial(start_group, name=group_name)
         self.host = EngineHost(cfg, starter, replica=context.deployment, model=model_name)
+        self.callers = CallerWatch()
 
     def __del__(self) -> None:
         """Serve's graceful shutdown: unlink staged KV, stop follower ranks."""
@@ -120,9 +125,14 @@ class EngineWorker:
         self.host.cancel_reservation(request_id)
 
     async def decode(self, data: bytes) -> AsyncIterator[bytes]:
-        """Decode role: pull the KV, then stream TokenChunks."""
-        async with aclosing(self.host.decode(parse(DecodeRequest, data))) as chunks:
+        """Decode role: pull the KV, then stream TokenChunks; ends (aborting the request)
+        once the router replica that asked for it is gone (``workers.caller_watch``)."""
+        msg = parse(DecodeRequest, data)
+        async with aclosing(self.host.decode(msg)) as chunks:
             async for chunk in chunks:
+                if msg.caller is not None and self.callers.gone(msg.caller):
+                    logger.warning("decode of %s aborted: its router is gone", chunk.request_id)
+                    return
                 yield encode(chunk)
 
 

@@ -216,6 +216,13 @@ class ReserveResult(_Msg):
     dp_rank: int = Field(0, ge=0)
 
 
+class Caller(_Msg):
+    """A named Ray actor (the router replica that sent a request), for liveness checks."""
+
+    name: str
+    namespace: str
+
+
 class DecodeRequest(_Msg):
     """Pull ``kv`` into the reservation of ``request.request_id``, then decode on.
 
@@ -225,6 +232,8 @@ class DecodeRequest(_Msg):
     compute), reported in every chunk's ``cached_tokens``.
     ``kv_ranges``: ranges of the attempt's overlapped transfer that were not pulled while
     it ran (a pull failed), in order; pulled before ``kv``, which starts after them.
+    ``caller``: the router replica reading the stream; the decode replica ends the stream
+    once that actor is gone (``workers.caller_watch``). None: never checked.
     """
 
     request: GenerateRequest
@@ -235,6 +244,7 @@ class DecodeRequest(_Msg):
     kv_ranges: list[KVHandle] = []
     draft: DraftHandoff | None = None
     cached_tokens: int = Field(0, ge=0)
+    caller: Caller | None = None
 
 
 class RankLoad(_Msg):

@@ -189,6 +189,22 @@ def test_switches_remove_what_they_name() -> None:
         assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "DSV3SERVE_API_KEY"}.isdisjoint(env_of(template))
 
 
+@pytest.mark.parametrize(("bound", "grace"), [(None, 40), (12.5, 23)])
+def test_every_pods_grace_period_follows_the_routers_graceful_bound(
+    bound: float | None, grace: int
+) -> None:
+    """terminationGracePeriodSeconds = router.graceful_shutdown_timeout_s (default 30 s,
+    rounded up) + 10 s for Serve and Ray to stop, on the head and every worker pod; the
+    router deployment's Serve drain gets the same bound."""
+    values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
+    if bound is not None:
+        values.setdefault("router", {})["graceful_shutdown_timeout_s"] = bound
+    for group, template in pod_templates(rayservice(values)).items():
+        assert template["spec"]["terminationGracePeriodSeconds"] == grace, group
+    router_args = serve_config(values)["applications"][0]["args"]["router"]
+    assert RouterSettings.model_validate(router_args).graceful_shutdown_timeout_s == (bound or 30)
+
+
 def test_cache_volume_mounts_on_workers_only() -> None:
     """With ``cache.volume`` each worker pod mounts it read-write at ``cache.mountPath`` and
     gets DSV3SERVE_CACHE there (the engine points the compile caches into it); the head

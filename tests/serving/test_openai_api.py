@@ -249,6 +249,10 @@ def test_admission_429_fast_then_slots_released(gated: Served) -> None:
         assert time.monotonic() - start < 1.0
         assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
         assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+        # A full router refuses before it reads the body: a malformed one gets the 429 too.
+        early = httpx.post(url, content=b"{not json", timeout=10)
+        assert early.status_code == 429 and early.headers["retry-after"] == "3"
+        assert early.json()["error"]["code"] == "rate_limit_exceeded"
         gated.backend.gate.set()
         assert [f.result().status_code for f in admitted] == [200, 200]
     assert gated.server.admission.in_flight == 0

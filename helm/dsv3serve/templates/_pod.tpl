@@ -88,12 +88,20 @@ error event. */}}
 {{- end }}
 {{- end -}}
 
+{{/* The pods' grace period: the router's graceful bound (router.graceful_shutdown_timeout_s,
+also the router deployment's Serve graceful_shutdown_timeout_s) plus 10 s for Serve and Ray to
+stop, so Kubernetes does not kill a pod while its requests may still finish. */}}
+{{- define "dsv3serve.terminationGrace" -}}
+{{- add (.Values.router.graceful_shutdown_timeout_s | ceil | int) 10 -}}
+{{- end -}}
+
 {{/* Scheduling and pod-level fields. Args: (list ctx group), group has nodeSelector etc. */}}
 {{- define "dsv3serve.podSpecCommon" -}}
 {{- $ctx := index . 0 -}}
 {{- $g := index . 1 -}}
 {{- /* Ray pods never call the Kubernetes API, except the autoscaler sidecar. */}}
 automountServiceAccountToken: {{ $ctx.Values.enableInTreeAutoscaling }}
+terminationGracePeriodSeconds: {{ include "dsv3serve.terminationGrace" $ctx }}
 {{- with $ctx.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}

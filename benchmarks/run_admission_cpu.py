@@ -1,0 +1,123 @@
+"""Admission across two routers (issue 29 item 5): 600 concurrent streams against the local
+PD app (tiny model, CPU, two router replicas of ``max_in_flight`` 256, one prefill and one
+decode replica) through ``bench serve``; prints how the 429s split between the routers
+(each router's ``requests_total{status="429"}``) and how long a 429 took, by kind: the
+router at capacity (``rate_limit_exceeded``: answered before the body is read) or no KV
+room on decode within ``router.reserve_wait_s`` (a wait by design).
+Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from dsv3serve.bench.serve import run_bench_serve
+from dsv3serve.bench.serve_args import BenchServeConfig
+from router.app import bind_app
+from router.config import ServingConfig
+from router.launch import load_deploy_file
+
+APP = "dsv3serve"
+STREAMS = 600
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def router_429s(url: str) -> float:
+    """One router's HTTP 429 answers (``dsv3serve:requests_total``)."""
+    families = text_string_to_metric_families(httpx.get(url, timeout=30).text)
+    return sum(
+        s.value
+        for family in families
+        for s in family.samples
+        if s.name == "dsv3serve:requests_total"
+        and s.labels.get("status") == "429"
+        and s.labels.get("role") == "router"
+    )
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rejection_summary(record: dict[str, object]) -> dict[str, object]:
+    """Count and time-to-answer (p50, p99, max, seconds) of each kind of 429."""
+    errors, e2e = record["errors"], record["e2e_latencies_s"]
+    kinds: dict[str, list[float]] = {"capacity": [], "kv_room": [], "other_error": []}
+    for error, took in zip(errors, e2e, strict=True):  # type: ignore[call-overload]
+        if not error:
+            continue
+        if "HTTP 429" in error and "capacity" in error:
+            kinds["capacity"].append(took)
+        elif "HTTP 429" in error:
+            kinds["kv_room"].append(took)
+        else:
+            kinds["other_error"].append(took)
+    return {
+        kind: {
+            "count": len(times),
+            "p50_s": quantile(times, 0.5),
+            "p99_s": quantile(times, 0.99),
+            "max_s": max(times) if times else None,
+            "mean_s": statistics.fmean(times) if times else None,
+        }
+        for kind, times in kinds.items()
+    }
+
+
+def main(out: Path) -> None:
+    args = load_deploy_file(Path("deploy/local-pd.yaml"))["applications"][0]["args"]
+    metrics_port, http_port = free_port(), free_port()
+    args["router"] |= {"metrics_port": metrics_port}
+    cfg = ServingConfig.parse(args)
+    urls = [f"http://127.0.0.1:{metrics_port + k}/metrics" for k in range(cfg.router.num_replicas)]
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.run(bind_app(cfg), name=APP, route_prefix="/")
+        config = BenchServeConfig(
+            base_url=f"http://127.0.0.1:{http_port}",
+            num_prompts=STREAMS,
+            random_input_len=32,
+            random_output_len=32,
+            max_concurrency=STREAMS,
+            ignore_eos=True,
+            seed=1,
+            disable_tqdm=True,
+            output_file=out / "admission_two_routers_cpu_bench.json",
+        )
+        before = [router_429s(u) for u in urls]
+        (record,) = run_bench_serve(config)
+        per_router = [router_429s(u) - b for u, b in zip(urls, before, strict=True)]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    report = {
+        "streams": STREAMS,
+        "routers": cfg.router.num_replicas,
+        "max_in_flight_per_router": cfg.router.max_in_flight,
+        "succeeded": sum(1 for ok in record["success"] if ok),
+        "429_per_router": per_router,
+        "rejections": rejection_summary(record),
+    }
+    (out / "admission_two_routers_cpu.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
