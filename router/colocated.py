@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from router.pd import any_alive
 from router.policy import ReplicaSet
 from router.rank_routing import RankBoard
 from router.relay import relay
+from router.replica_calls import any_alive
 from workers.protocol import GenerateRequest, TokenChunk, encode
 
 

@@ -31,12 +31,10 @@ KV and the router's own load accounting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +49,14 @@ from router.policy import ReplicaSet
 from router.prefill_watch import prefill_failure, until_stalled
 from router.rank_routing import PDTargets, Target
 from router.relay import relay
+from router.replica_calls import (
+    Background,
+    answers,
+    any_alive,
+    await_response,
+    lost_on_503,
+    progress_of,
+)
 from router.replica_health import ReplicaHealth
 from router.seam import SeamTokenizer
 from workers.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk
@@ -63,43 +69,17 @@ from workers.protocol import (
     ReserveRequest,
     ReserveResult,
     TokenChunk,
-    WorkerLoad,
-    WorkerProgress,
     encode,
 )
 from workers.protocol import decode as parse
 
 RESERVE_RETRY_S = 0.05
 logger = logging.getLogger(__name__)
-HEALTH_TIMEOUT_S = 2.0
 PROBE_INTERVAL_S = 0.25
 
 
 def _work_tokens(req: GenerateRequest) -> int:
     return len(req.prompt_ids) + req.params.max_new_tokens
-
-
-class Background:
-    """Fire-and-forget remote calls that must still run (releases, cancellations).
-
-    Each call is made in a fresh context: inside a request that Serve is cancelling
-    (client disconnect), calls made in the request's context are cancelled with it.
-    """
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def submit(self, method: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Call ``method(*args)`` (a handle's ``.remote``) in the background."""
-
-        async def quiet() -> None:
-            with contextlib.suppress(Exception):  # a lost release: the lease frees it
-                await method(*args)
-
-        loop = asyncio.get_running_loop()
-        task = contextvars.Context().run(loop.create_task, quiet())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 class PDBackend:
@@ -337,14 +317,14 @@ class PDBackend:
         handle = self.prefill.handles[p]
         if forwarder is None:
             response = handle.prefill.remote(msg)
-            work: Awaitable[Any] = _await(response)
+            work: Awaitable[Any] = await_response(response)
         else:
             response = handle.options(stream=True).prefill_stream.remote(msg)
             work = consume_prefill(response, forwarder)
         try:
             raw = await until_stalled(
                 work,
-                lambda: _progress(handle),
+                lambda: progress_of(handle),
                 self.settings.prefill_stall_timeout_s,
                 self.settings.prefill_timeout_s,
             )
@@ -408,42 +388,3 @@ class _Prefilled:
     replica: int
     attempt_id: str
     missed: list[KVHandle]
-
-
-async def lost_on_503(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
-    """``chunks`` of a decode stream, its 503 (before a chunk: raised; after: in-band)
-    raised as DecodeLost; other errors pass as they are."""
-    try:
-        async with aclosing(chunks) as it:
-            async for chunk in it:
-                if chunk.error is not None and chunk.error_status == 503:
-                    raise DecodeLost(chunk.error)
-                yield chunk
-    except BackendError as exc:
-        if exc.status != 503:
-            raise
-        raise DecodeLost(exc.message) from None
-
-
-async def _progress(handle: Any) -> WorkerProgress:
-    return parse(WorkerProgress, await handle.progress.remote())
-
-
-async def _await(response: Any) -> Any:
-    return await response
-
-
-async def answers(handle: Any) -> bool:
-    """Whether the replica behind ``handle`` answers ``load`` within HEALTH_TIMEOUT_S."""
-    try:
-        raw = await asyncio.wait_for(_await(handle.load.remote()), HEALTH_TIMEOUT_S)
-        parse(WorkerLoad, raw)
-        return True
-    except Exception:
-        return False
-
-
-async def any_alive(replicas: ReplicaSet) -> bool:
-    """Whether any member replica of the set answers ``load`` in time."""
-    members = [replicas.handles[i] for i in replicas.members()]
-    return any(await asyncio.gather(*(answers(h) for h in members)))

@@ -18,7 +18,6 @@ import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError, PrefillReleasedError
 from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport, KVReservation
-from dsv3serve.engine.group import pool_digest
 from dsv3serve.engine.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sequence import ContextLengthError
@@ -28,6 +27,7 @@ from workers.config import WorkerConfig
 from workers.convert import chunk_from_output
 from workers.draft_wire import draft_to_wire
 from workers.fault_injection import with_receive_delay
+from workers.host_reports import HostReports
 from workers.kv_intake import HandoffError, KVIntake
 from workers.protocol import (
     DecodeRequest,
@@ -40,14 +40,10 @@ from workers.protocol import (
     ReserveRequest,
     ReserveResult,
     TokenChunk,
-    WorkerInfo,
-    WorkerLoad,
-    WorkerProgress,
-    WorkerStats,
     error_chunk,
 )
 from workers.ranges import ranges_while
-from workers.rank_report import rank_counts, rank_loads, rank_state_readers
+from workers.rank_report import rank_state_readers
 from workers.reservations import reservation_rank, reserve_for
 from workers.staging import AttemptStaging
 from workers.worker_metrics import WorkerMetrics
@@ -98,7 +94,7 @@ def _engine_request(
     return Request(rid, req.params, prompt_ids=list(req.prompt_ids), dp_rank=dp_rank)
 
 
-class EngineHost:
+class EngineHost(HostReports):
     """The engine of one replica plus its staged KV and reservations."""
 
     def __init__(
@@ -183,64 +179,6 @@ class EngineHost:
             await asyncio.sleep(REAP_INTERVAL_S)
             self.staging.expire()
             self.intake.reserved.expire()
-
-    # ---- introspection -------------------------------------------------------------------
-    def info(self) -> WorkerInfo:
-        cfg = self.cfg.engine
-        context = cfg.max_model_len or self.engine.model_cfg.max_position_embeddings
-        # per DP rank: a DP scheduler's config describes one rank's pool
-        capacity = self.engine.scheduler.config.num_pages * cfg.page_size
-        return WorkerInfo(
-            role=self.cfg.role,
-            max_model_len=min(context, capacity),
-            page_size=cfg.page_size,
-            vocab_size=self.engine.model_cfg.vocab_size,
-            kv_capacity_tokens=capacity,
-        )
-
-    def load(self) -> WorkerLoad:
-        def read(e: Engine) -> WorkerLoad:
-            s = e.scheduler
-            return WorkerLoad(
-                role=self.cfg.role,
-                running=s.num_running,
-                waiting=s.num_waiting,
-                free_pages=s.kv.available_pages,
-                num_pages=s.kv.num_pages,
-                ranks=rank_loads(s),
-            )
-
-        return self.aengine.call(read)
-
-    def progress(self) -> WorkerProgress:
-        """Steps finished and whether one runs now; never waits for the engine lock (a
-        router tells a busy replica from an unresponsive one by it)."""
-        self.check_health()
-        return WorkerProgress(steps=self.aengine.steps_done, stepping=self.aengine.stepping)
-
-    def stats(self) -> WorkerStats:
-        def read(e: Engine) -> WorkerStats:
-            kv = e.scheduler.kv
-            placed, fallbacks = rank_counts(e.scheduler)
-            return WorkerStats(
-                role=self.cfg.role,
-                free_pages=kv.free_pages,
-                num_pages=kv.num_pages,
-                evictable_pages=kv.evictable_pages,
-                live_requests=e.num_live_sequences,
-                staged_kv=0 if self.connector is None else self.connector.staged(),
-                reservations=len(self.intake.reserved),
-                group_size=self.cfg.group_size,
-                pulled_pages=self.metrics.pulled_pages,
-                reused_pages=self.metrics.reused_pages,
-                overlapped_pages=self.metrics.overlapped_pages,
-                pending_kv=len(self.staging.ranges) + len(self.intake.pulls),
-                rank_requests=placed,
-                rank_fallbacks=fallbacks,
-                cancelled_prefills=self.cancelled_prefills,
-            )
-
-        return self.aengine.call(read)
 
     # ---- colocated -------------------------------------------------------------------------
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -428,34 +366,3 @@ class EngineHost:
         except _REFUSED as exc:
             self.intake.unreserve(rid, res)
             yield error_chunk(rid, str(exc), 400)
-
-    # ---- health and the group ---------------------------------------------------------------
-
-    def gather_rank_metrics(self) -> None:
-        """Before a scrape (on the event loop): the follower ranks' dispatch meters as last
-        answered, for this replica's exposition, and a new ask started (a group's rank 0
-        meters itself in this process)."""
-        if self.group is not None:
-            self.metrics.group_dispatch = self.group.dispatch_stats()
-
-    def check_health(self) -> None:
-        """Raise if this replica cannot serve: its engine died (EngineDeadError) or a rank of
-        its group ended. Never blocks."""
-        self.aengine.check_alive()
-        if self.group is not None:
-            self.group.check()
-
-    def kv_digests(self) -> list[list[float]]:
-        """Every rank's KV pool fingerprint, one float per layer, in rank order (one entry
-        without a group). TP ranks hold the same pool; DP-attention ranks their own."""
-        if self.group is None:
-            return [self.aengine.call(lambda e: pool_digest(e.runner.pool)).tolist()]
-        digests = self.aengine.call(lambda _: self.group.leader.digests())
-        return [d.tolist() for d in digests]
-
-    def group_in_sync(self) -> bool:
-        """Whether every TP rank's KV pool holds the same bytes (True without a group)."""
-        if self.cfg.engine.enable_dp_attention:
-            raise ValueError("group_in_sync: DP-attention ranks hold different pools")
-        digests = self.kv_digests()
-        return all(d == digests[0] for d in digests)
