@@ -57,3 +57,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def scenario_reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
+    """The one-rank engine's greedy tokens on the group scenario (``group_scenario``), run
+    once for every module that compares a layout with it; the scenario must preempt and
+    hit the prefix cache, or it would not test what it is for."""
+    from group_scenario import SCENARIO_ENGINE, assert_no_leaks, run_scenario
+
+    from dsv3serve.engine.config import EngineConfig
+    from dsv3serve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE))
+    assert engine.runner.graphs is None
+    tokens = run_scenario(engine)
+    assert_no_leaks(engine)
+    assert engine.scheduler.num_preemptions > 0, "the scenario must preempt"
+    assert engine.scheduler.prefix_hit_tokens > 0, "the scenario must hit the prefix cache"
+    return tokens

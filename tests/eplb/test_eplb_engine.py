@@ -10,16 +10,14 @@ import pytest
 import torch
 from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, assert_no_leaks, run_scenario
 
-from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.llm import LLM
 from dsv3serve.eplb.stats import dump
 from dsv3serve.parallel.config import ParallelConfig
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
-    return run_scenario(Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE)))
+def reference(scenario_reference: dict[str, list[int]]) -> dict[str, list[int]]:
+    return scenario_reference
 
 
 def skewed_dump(path: Path) -> Path:

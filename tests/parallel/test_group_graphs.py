@@ -17,8 +17,6 @@ import pytest
 from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, assert_no_leaks, run_scenario
 
 from dsv3serve.engine import dp_group
-from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.model_runner import EAGER_GRAPH_PATH_ENV
 
@@ -26,10 +24,8 @@ GRAPH_LAYOUTS = ["tp2-ep2", "dp2-ep2", "dp2-ep2-dp-lm-head"]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
-    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE))
-    assert engine.runner.graphs is None
-    return run_scenario(engine)
+def reference(scenario_reference: dict[str, list[int]]) -> dict[str, list[int]]:
+    return scenario_reference
 
 
 @pytest.mark.parametrize("layout", GRAPH_LAYOUTS)

@@ -79,12 +79,9 @@ def drafts_by_position(engine: Engine, ranks: set[int] | None = None) -> ByPosit
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_bf16_dir: Path) -> dict[str, list[int]]:
+def reference(scenario_reference: dict[str, list[int]]) -> dict[str, list[int]]:
     """The one-rank engine's greedy tokens, without speculation."""
-    engine = Engine(EngineConfig(model=str(tiny_bf16_dir), **SCENARIO_ENGINE))
-    tokens = run_scenario(engine)
-    assert_no_leaks(engine)
-    return tokens
+    return scenario_reference
 
 
 @pytest.fixture(scope="module")
