@@ -41,6 +41,7 @@ def median_call_ms(run: Callable[[], Any], warmup: int, iters: int) -> float:
 def chain_steps(spans: list[SeqSpan], num_steps: int) -> list[list[SeqSpan]]:
     """The ``num_steps - 1`` chained draft steps over the verify ``spans``' first slots,
     by page table where the spans have one (as the engine gives them)."""
+
     def step(s: SeqSpan, i: int) -> SeqSpan:
         if s.page_table is None:  # a slot-list span
             return SeqSpan([s.token_ids[0]], s.start + i, s.kv_slots[: s.start + i + 1])
