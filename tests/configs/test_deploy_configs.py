@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from http_util import free_socket
+from http_util import spare_port
 from plan_util import plan_published
 from ray.serve.schema import ServeDeploySchema
 
@@ -236,7 +236,7 @@ def test_deploy_file_errors_name_the_file_and_field(tmp_path: Path) -> None:
 
 def test_serve_command_starts_the_default_pd_app_and_answers() -> None:
     """The README's main command, with --check: start, answer one chat request, stop."""
-    port = free_socket().getsockname()[1]
+    port = spare_port()
     done = subprocess.run(
         [sys.executable, "-m", "dsv3serve.cli", "serve", "--port", str(port), "--check"],
         capture_output=True,

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from http_util import free_socket
+from http_util import spare_port
 from serving_util import TINY_ENGINE, free_port_pair, local_serve, running_app, serving_config
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
@@ -56,7 +56,7 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_bf16_dir: Path
 ) -> Iterator[dict[str, str]]:
     metrics_port = free_port_pair()  # router replica k binds metrics_port + k
-    prom_port = free_socket().getsockname()[1]
+    prom_port = spare_port()
     router = {"served_model_name": "tiny", "metrics_port": metrics_port, "num_replicas": 2}
     engine = {**TINY_ENGINE, "model": str(tiny_bf16_dir), "dtype": "float32"}
     decode = {"num_cpus": 0.5, "engine": DP2_EP2}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
 import threading
 import time
@@ -9,6 +11,29 @@ from types import TracebackType
 from typing import Any
 
 import uvicorn
+
+# Ports handed to another process to bind later come from here: below Linux's ephemeral
+# range (32768-60999), from which every outgoing connection takes its local port (a Ray
+# start makes hundreds, and one took a port a test had just picked for Serve's proxy:
+# "Failed to bind", 2026-11-29), and above Ray's worker ports (10002-19999).
+SPARE_PORTS = (20000, 32000)
+
+
+def spare_port(count: int = 1, host: str = "127.0.0.1") -> int:
+    """A port ``p`` with ``p .. p + count - 1`` free on ``host`` now, from
+    :data:`SPARE_PORTS` (released again: for a server another process starts)."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(SPARE_PORTS[0], SPARE_PORTS[1] - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in range(port, port + count):
+                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports in {SPARE_PORTS} on {host}")
 
 
 def free_socket(host: str = "127.0.0.1") -> socket.socket:

@@ -6,7 +6,8 @@ The norm differs only in float32 summation order (and ``rsqrt``'s last bit), whi
 the bf16 ``x * rstd`` by one ulp; both then multiply by the weight (|w| up to ~1.6 here) and
 round again, so the norm output is within two bf16 ulps (relative 2**-6: one H100 run
 found 1.08 ulps' worth of 2**-7 at row 278 of 1000) and the scales (amax / 448 of it) too.
-The e4m3 values equal the reference's bit for bit on at least 99% of the entries; everywhere,
+The e4m3 values equal the reference's bit for bit on at least 99% of the entries (or all but 8,
+for small tensors); everywhere,
 kernel and reference dequantise to within one e4m3 step (relative 2**-3, or 2**-9 of the
 group's scale near zero) of each other.
 """
@@ -22,6 +23,19 @@ BF16_ULP = 2.0**-7
 NORM_BOUND = 2 * BF16_ULP  # see the docstring: one ulp before the weight, rounded again
 E4M3_STEP = 2.0**-3
 MIN_EXACT = 0.99
+MIN_DIFFERING = 8  # entries allowed to differ whatever the size: 1 % of 192 would be one
+
+
+def assert_mostly_identical_e4m3(q: torch.Tensor, q_ref: torch.Tensor) -> None:
+    """At least ``MIN_EXACT`` of the e4m3 values equal the reference's bit for bit, or at
+    most ``MIN_DIFFERING`` differ. An entry whose float32 value sits at a rounding boundary
+    can round either way; the fraction alone failed at 190 of 192 (the tiny model's q, a
+    fresh seed, 2026-11-29), where the within-one-step check stays the bound."""
+    differ = int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
+    allowed = max(MIN_DIFFERING, int((1 - MIN_EXACT) * q.numel()))
+    assert differ <= allowed, (
+        f"expected at most {allowed} of {q.numel()} e4m3 values to differ, got {differ}"
+    )
 
 
 def random_inputs(
@@ -50,8 +64,7 @@ def assert_matches(out: NormQuantOut, ref: NormQuantOut) -> None:
             out.normed.float(), ref.normed.float(), rtol=NORM_BOUND, atol=1e-30
         )
     torch.testing.assert_close(out.scale, ref.scale, rtol=NORM_BOUND, atol=1e-30)
-    same = (out.q.view(torch.uint8) == ref.q.view(torch.uint8)).float().mean().item()
-    assert same >= MIN_EXACT, f"expected >= {MIN_EXACT:.0%} identical e4m3 values, got {same:.2%}"
+    assert_mostly_identical_e4m3(out.q, ref.q)
     deq, deq_ref = (dequant_per_token_group(o.q.cpu(), o.scale.cpu()) for o in (out, ref))
     step = ref.scale.cpu().repeat_interleave(128, 1)[:, : deq.shape[1]]
     bound = E4M3_STEP * deq_ref.abs() + step * 2.0**-9 + 1e-30

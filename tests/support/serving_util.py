@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray
-from http_util import free_socket
+from http_util import spare_port
 from ray import serve
 
 from router.app import bind_app
@@ -46,23 +45,15 @@ def serving_config(**fields: Any) -> ServingConfig:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (closed again: a tiny race, fine for tests)."""
-    with free_socket() as sock:
-        return sock.getsockname()[1]
+    """A TCP port free on loopback now, outside the ports other processes take on their own
+    (``http_util.spare_port``)."""
+    return spare_port()
 
 
 def free_port_pair() -> int:
     """A port p with p and p + 1 both free on loopback now (router replicas 0 and 1 bind
     ``metrics_port`` + their rank)."""
-    for _ in range(100):
-        with free_socket() as first:
-            port = first.getsockname()[1]
-            try:
-                with socket.create_server(("127.0.0.1", port + 1)):
-                    return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports on loopback")
+    return spare_port(2)
 
 
 @contextmanager
@@ -71,7 +62,7 @@ def local_serve(grpc_port: int | None = None) -> Iterator[str]:
 
     With ``grpc_port``, Serve's gRPC proxy serves dsv3serve.v1.Generation there too.
     """
-    port = free_socket().getsockname()[1]
+    port = spare_port()
     grpc = None
     if grpc_port is not None:
         grpc = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}

@@ -5,7 +5,6 @@ a gather-everything test double of the Dispatcher, and a multi-process gloo runn
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from http_util import spare_port
 from safetensors import safe_open
 
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -97,9 +97,8 @@ def _real_rows(counts: list[int]) -> torch.Tensor:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The gloo rendezvous port (``http_util.spare_port``: none other takes it meanwhile)."""
+    return spare_port()
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
