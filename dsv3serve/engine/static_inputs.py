@@ -55,10 +55,6 @@ class StaticInputs:
         self._copied: list[torch.cuda.Event | None] = [None] * _STAGES
         self._turn = 0
 
-    @property
-    def max_tokens(self) -> int:
-        return self._max
-
     def upload(self, arrays: Sequence[np.ndarray], real: int | None = None) -> list[torch.Tensor]:
         """``[ids, positions, out_slots, logits_rows]`` into the buffers in one copy;
         returns views of the first ``len(ids)`` rows (``len(logits_rows)`` of the last).
