@@ -5,8 +5,8 @@ q/kv norms of :mod:`dsv3serve.kernels.mla_norm`, the RoPE + KV-cache write of
 Bounds:
 - norms: as the fused add + norm kernel (tests/support/norm_quant_cases.py): float32
   summation order can move ``x * rstd`` by one bf16 ulp before the weight, two after it
-  (``NORM_BOUND``); the e4m3 values of the quantised q match the reference bit for bit on
-  >= 99% of entries and dequantise within one e4m3 step everywhere;
+  (``NORM_BOUND``); each e4m3 value of the quantised q equals the reference's or is its
+  neighbour, and dequantises within one e4m3 step;
 - the rope key passes through bit for bit;
 - RoPE: both compute ``e*c - o*s`` and ``o*c + e*s`` in float32 and round to bf16 once; a
   GPU may contract a product into an FMA, which moves the float32 result by at most an ulp
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from norm_quant_cases import E4M3_STEP, NORM_BOUND, assert_mostly_identical_e4m3
+from norm_quant_cases import E4M3_STEP, NORM_BOUND, assert_e4m3_within_one_code
 
 from dsv3serve.kernels.fp8_ref import dequant_per_token_group
 from dsv3serve.kernels.mla_norm import QKVNormOut
@@ -84,7 +84,7 @@ def assert_norms_match(out: QKVNormOut, ref: QKVNormOut, r: int, quantized: bool
         return
     assert out.scale.stride() == (1, t), f"expected M-major scales, got {out.scale.stride()}"
     torch.testing.assert_close(out.scale, ref.scale, **close)
-    assert_mostly_identical_e4m3(out.q, ref.q)
+    assert_e4m3_within_one_code(out.q, ref.q)
     deq, deq_ref = (dequant_per_token_group(o.q.cpu(), o.scale.cpu()) for o in (out, ref))
     assert not deq.isnan().any(), "q has unwritten (NaN) entries"
     step = ref.scale.cpu().repeat_interleave(128, 1)[:, : deq.shape[1]]

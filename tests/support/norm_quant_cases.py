@@ -6,10 +6,10 @@ The norm differs only in float32 summation order (and ``rsqrt``'s last bit), whi
 the bf16 ``x * rstd`` by one ulp; both then multiply by the weight (|w| up to ~1.6 here) and
 round again, so the norm output is within two bf16 ulps (relative 2**-6: one H100 run
 found 1.08 ulps' worth of 2**-7 at row 278 of 1000) and the scales (amax / 448 of it) too.
-The e4m3 values equal the reference's bit for bit on at least 99% of the entries (or all but 8,
-for small tensors); everywhere,
-kernel and reference dequantise to within one e4m3 step (relative 2**-3, or 2**-9 of the
-group's scale near zero) of each other.
+An e4m3 value either equals the reference's bit for bit or is its neighbour in e4m3 order
+(those bounds move ``x / scale`` by far less than one e4m3 step, so rounding can only pick
+the other side of one boundary); everywhere, kernel and reference dequantise to within one
+e4m3 step (relative 2**-3, or 2**-9 of the group's scale near zero) of each other.
 """
 
 from __future__ import annotations
@@ -22,19 +22,26 @@ from dsv3serve.kernels.norm_quant import NormQuantOut
 BF16_ULP = 2.0**-7
 NORM_BOUND = 2 * BF16_ULP  # see the docstring: one ulp before the weight, rounded again
 E4M3_STEP = 2.0**-3
-MIN_EXACT = 0.99
-MIN_DIFFERING = 8  # entries allowed to differ whatever the size: 1 % of 192 would be one
 
 
-def assert_mostly_identical_e4m3(q: torch.Tensor, q_ref: torch.Tensor) -> None:
-    """At least ``MIN_EXACT`` of the e4m3 values equal the reference's bit for bit, or at
-    most ``MIN_DIFFERING`` differ. An entry whose float32 value sits at a rounding boundary
-    can round either way; the fraction alone failed at 190 of 192 (the tiny model's q, a
-    fresh seed, 2026-11-29), where the within-one-step check stays the bound."""
-    differ = int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
-    allowed = max(MIN_DIFFERING, int((1 - MIN_EXACT) * q.numel()))
-    assert differ <= allowed, (
-        f"expected at most {allowed} of {q.numel()} e4m3 values to differ, got {differ}"
+def e4m3_ordinal(q: torch.Tensor) -> torch.Tensor:
+    """Each e4m3fn value's position in numeric order: the magnitude bits, negated for a
+    negative sign (so +0 and -0 are both 0, and neighbours differ by one)."""
+    code = q.view(torch.uint8).to(torch.int16)
+    mag = code & 0x7F
+    return torch.where(code >= 0x80, -mag, mag)
+
+
+def assert_e4m3_within_one_code(q: torch.Tensor, q_ref: torch.Tensor) -> None:
+    """Every e4m3 value equals the reference's or is its neighbour in numeric order. A
+    count of differing entries is no bound: a scale one bf16 ulp off moves every value of
+    its group, and about a quarter of them can round the other way (a 1 % bound failed
+    twice on fresh seeds, 2026-11-29); a wrong value or scale lands further away."""
+    gap = (e4m3_ordinal(q) - e4m3_ordinal(q_ref)).abs()
+    worst = int(gap.max()) if gap.numel() else 0
+    assert worst <= 1, (
+        f"expected each e4m3 value within one code of the reference, got {worst} codes apart "
+        f"({int((gap > 1).sum())} of {q.numel()} entries)"
     )
 
 
@@ -64,7 +71,7 @@ def assert_matches(out: NormQuantOut, ref: NormQuantOut) -> None:
             out.normed.float(), ref.normed.float(), rtol=NORM_BOUND, atol=1e-30
         )
     torch.testing.assert_close(out.scale, ref.scale, rtol=NORM_BOUND, atol=1e-30)
-    assert_mostly_identical_e4m3(out.q, ref.q)
+    assert_e4m3_within_one_code(out.q, ref.q)
     deq, deq_ref = (dequant_per_token_group(o.q.cpu(), o.scale.cpu()) for o in (out, ref))
     step = ref.scale.cpu().repeat_interleave(128, 1)[:, : deq.shape[1]]
     bound = E4M3_STEP * deq_ref.abs() + step * 2.0**-9 + 1e-30
