@@ -527,6 +527,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg, self.opts = cfg, opts or ModelOptions()
+        self.fuse_norm_quant = self.opts.fuse_norm_quant  # also every other RMSNorm's switch
         dt, layout = self.opts.dtype, self.opts.layout
         if layout is not None:
             check_model(layout.parallel, cfg)
@@ -563,7 +564,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def set_fusions(self, norm_quant: bool | None = None, mla: bool | None = None) -> None:
         """Switch the fused add + norm + quant path (``norm_quant``) or the MLA fusions
         (``mla``) of every decoder layer (None: leave it), then decide again where each runs
-        (:meth:`DecoderLayer.plan_fusion`); ``post_load`` calls it with no switch."""
+        (:meth:`DecoderLayer.plan_fusion`); ``norm_quant`` also switches every RMSNorm to its
+        one-kernel form (:meth:`RMSNorm.plan_fusion`: the final norm, the MTP layer's three,
+        and a layer's own where it runs unfused). ``post_load`` calls it with no switch."""
+        if norm_quant is not None:
+            self.fuse_norm_quant = norm_quant
         for module in self.modules():
             if isinstance(module, DecoderLayer):
                 if norm_quant is not None:
@@ -571,6 +576,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 if mla is not None:
                     module.self_attn.fuse_mla = mla
                 module.plan_fusion()
+            elif isinstance(module, RMSNorm):  # those a fused layer does not replace
+                module.plan_fusion(self.fuse_norm_quant)
 
     def step_context(
         self, batch: ForwardBatch, attn: AttentionBackend, planned: bool = False

@@ -75,3 +75,18 @@ def test_unquantised_output_skips_the_fp8(seed: int) -> None:
     torch.testing.assert_close(out.normed.float(), ref.normed.float(), rtol=2**-6, atol=1e-30)
     unq = add_rmsnorm_quant_ref(x, r, w, 1e-6, write_normed=True, quantize=False)
     assert unq.q.shape == (3, 0) and torch.equal(unq.normed, ref.normed)
+
+
+@pytest.mark.parametrize("seed", [SEED])
+def test_rmsnorm_module_fused_form(seed: int) -> None:
+    """RMSNorm switched to its one-kernel form gives the reference's output within the
+    fused norm's bound; a strided input falls back to the reference ops themselves."""
+    g = torch.Generator().manual_seed(seed)
+    x, _, w = random_inputs(5, 384, False, "cpu", g)
+    norm = RMSNorm(384, 1e-6)
+    norm.weight.data.copy_(w)
+    ref = norm(x)
+    norm.fused = True  # what plan_fusion decides on a CUDA device
+    torch.testing.assert_close(norm(x).float(), ref.float(), rtol=2**-6, atol=1e-30)
+    wide = torch.cat([x, x], -1)[:, :384]  # a strided view, as a split hands it
+    assert torch.equal(norm(wide), ref)

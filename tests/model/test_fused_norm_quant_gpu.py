@@ -66,3 +66,18 @@ def test_fused_layer_equals_reference_ops(
     rel = float((on - off).norm() / off.norm())
     print(f"fused vs reference ops: relative logit difference {rel:.2e}")
     assert rel < REL_BOUND, f"expected relative difference < {REL_BOUND}, got {rel:.3f}"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_other_norms_take_the_one_kernel_form(tiny_bf16_dir: Path, fused: bool) -> None:
+    """On CUDA with the switch on, the norms a fused layer does not replace (the final
+    norm, the MTP layer's three) run the Triton kernel; with it off, the reference ops. The
+    logits above ran through them."""
+    cfg = ModelConfig.from_hf(tiny_bf16_dir)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(cfg, ModelOptions(fuse_norm_quant=fused))
+    load_checkpoint(model, tiny_bf16_dir)
+    nextn = model.nextn
+    assert nextn is not None
+    outer = (model.norm, nextn.enorm, nextn.hnorm, nextn.shared_head_norm)
+    assert [n.fused for n in outer] == [fused] * 4
