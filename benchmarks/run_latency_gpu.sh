@@ -5,6 +5,7 @@
 #   bash benchmarks/run_latency_gpu.sh tests bench (some of them, in this order)
 # Stages:
 #   tests : GPU tests of the paths this issue changes (spec graphs, fused paths, MLA kernels)
+#   (BENCH_FLAGS: more `bench model` flags, e.g. "--mtp-steps 3 --iters 10" for a shorter run)
 #   bench : `bench model` (1 dense + 2 MoE layers at DeepSeek-V3 width, dummy FP8, flashinfer +
 #           Triton MoE, ctx 1024): graphed decode at batch 1 against the same run's roofline,
 #           the MTP costs (k = 1..3) through graphs, and --profile-graphs: device ops, the
@@ -46,7 +47,8 @@ bench_model() {  # bench_model NAME [FLAGS...]
   local name=$1; shift
   run "$name" "${BENCH_S:-300}" python3 -m dsv3serve.cli bench model $FAST --profile-graphs \
     --num-moe-layers 2 --prefill-lens --decode-batch-sizes 1 --decode-contexts 1024 \
-    --mtp-batch-sizes 1 --mtp-steps 1 2 3 --warmup 3 --iters 20 --out "$OUT/$name.json" "$@"
+    --mtp-batch-sizes 1 --mtp-steps 1 2 3 --warmup 3 --iters 20 --out "$OUT/$name.json" "$@" \
+    ${BENCH_FLAGS:-}
   python3 benchmarks/latency_summary.py "$OUT/$name.json" 2>&1 | head -40
 }
 stage_bench() { bench_model bench_model; }
