@@ -211,6 +211,9 @@ class ForwardBatch:
         :meth:`~dsv3serve.engine.static_inputs.StaticInputs.upload`); one pinned copy to
         new tensors when None.
         """
+        small = _small_decode(spans) if decode is not False else None
+        if small is not None:
+            return cls._from_small_decode(small, device, upload)
         q_lens = np.fromiter((len(s.token_ids) for s in spans), np.int64, len(spans))
         starts = np.fromiter((s.start for s in spans), np.int64, len(spans))
         kv_lens = starts + q_lens
@@ -243,6 +246,77 @@ class ForwardBatch:
             kv_pages=kv_pages,
             slot_tensor=None if slot_lists is None else _to_device([slot_lists.numpy()], device)[0],
         )
+
+    @classmethod
+    def _from_small_decode(
+        cls, small: _SmallDecode, device: torch.device | str, upload: Upload | None
+    ) -> ForwardBatch:
+        """The batch of :func:`_small_decode`'s lists (what :meth:`build` gives for them)."""
+        arrays = [np.array(a, dtype=np.int64) for a in (small.ids, small.pos, small.out)]
+        arrays.append(np.array(small.rows, dtype=np.int64))
+        moved = _to_device(arrays, device) if upload is None else upload(arrays)
+        ids_t, pos_t, out_t, logits_t = moved
+        b = len(small.ids)
+        host = (
+            np.array(a, dtype=np.int64) for a in (small.page_indptr, small.pages, small.kv_lens)
+        )
+        pages = KVPages(small.page_size, *map(torch.from_numpy, host))
+        kv_indptr = [0] * (b + 1)
+        for i, n in enumerate(small.kv_lens):
+            kv_indptr[i + 1] = kv_indptr[i] + n
+        return cls(
+            input_ids=ids_t,
+            positions=pos_t,
+            out_slots=out_t,
+            qo_indptr=list(range(b + 1)),
+            kv_indptr=kv_indptr,
+            logits_indices=logits_t,
+            is_decode=True,
+            kv_pages=pages,
+        )
+
+
+SMALL_DECODE = 16  # up to this many one-token paged spans, build() runs plain Python
+
+
+@dataclass
+class _SmallDecode:
+    """A small decode batch's host arrays as lists (see :func:`_small_decode`)."""
+
+    page_size: int
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    page_indptr: list[int] = field(default_factory=lambda: [0])
+    pages: list[int] = field(default_factory=list)
+
+
+def _small_decode(spans: list[SeqSpan]) -> _SmallDecode | None:
+    """A batch of at most ``SMALL_DECODE`` spans of one token each, paged as
+    :func:`_batch_pages` pages them, flattened in plain Python: at batch 1 a dozen numpy
+    calls cost more than the arithmetic (the graphed decode and draft steps). None for
+    anything else, which the general path handles."""
+    if not spans or len(spans) > SMALL_DECODE or any(len(s.token_ids) != 1 for s in spans):
+        return None
+    paged = _batch_pages(spans)
+    if paged is None:
+        return None
+    size, tables = paged
+    b = _SmallDecode(size)
+    for i, (s, table) in enumerate(zip(spans, tables, strict=True)):
+        p = s.start
+        n = -(-(p + 1) // size)
+        b.ids.append(s.token_ids[0])
+        b.pos.append(p)
+        b.out.append(table[p // size] * size + p % size)
+        if s.sample:
+            b.rows.append(i)
+        b.kv_lens.append(p + 1)
+        b.pages.extend(table[:n])
+        b.page_indptr.append(b.page_indptr[-1] + n)
+    return b
 
 
 def _indptr(lens: np.ndarray) -> np.ndarray:

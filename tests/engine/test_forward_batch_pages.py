@@ -15,6 +15,7 @@ import torch
 from attention_cases import BF16_TOL, SMALL_DIMS, make_case, run_layers
 from fake_flashinfer import install
 
+import dsv3serve.forward_batch as forward_batch
 from dsv3serve.attention.flashinfer_backend import CudaGraphLimits, FlashInferMLAAttention
 from dsv3serve.attention.flashinfer_meta import paged_kv_index, pages_kv_index
 from dsv3serve.attention.ref import TorchRefAttention
@@ -92,6 +93,33 @@ def test_page_table_spans_build_the_slot_list_batch(seed: int, page_size: int) -
     assert_matches_oracle(got, listed)  # slot lists from oracle_slots, fields by a loop
     for span, ref in zip(paged, listed, strict=True):
         assert span.kv_slots == ref.kv_slots and span == ref
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_small_decode_path_equals_the_general_path(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode batch of up to SMALL_DECODE spans (a graph's padding span as a slot list
+    included) is flattened in plain Python; it builds the batch the numpy path builds,
+    page tables included, and both match the oracle."""
+    rng = random.Random(100 + seed)
+    page_size = rng.choice([4, 16])  # size 1 would use more pages than random_spans has
+    paged, listed = random_spans(rng, page_size, decode=True)
+    if seed % 2:
+        padding = SeqSpan([0], 0, [399 * page_size])  # a scratch page
+        paged, listed = paged + [padding], listed + [padding]
+    assert forward_batch._small_decode(paged) is not None
+    fast = ForwardBatch.build(paged, "cpu")
+    monkeypatch.setattr(forward_batch, "SMALL_DECODE", 0)
+    assert forward_batch._small_decode(paged) is None
+    general = ForwardBatch.build(paged, "cpu")
+    assert_same_batch(fast, general)
+    assert_matches_oracle(fast, listed)
+    assert fast.kv_pages is not None and general.kv_pages is not None
+    assert fast.kv_pages.page_size == general.kv_pages.page_size
+    for name in ("page_indptr", "pages", "kv_lens"):
+        got, want = getattr(fast.kv_pages, name), getattr(general.kv_pages, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
 def test_flashinfer_page_index_equals_the_slot_checked_one() -> None:
