@@ -110,7 +110,7 @@ class _MLAWrappers:
     """The eager MLA wrapper, plus CUDA-graph wrappers keyed by (slot, batch size).
 
     A slot is a layout that must stay planned while others are planned (decode, verify,
-    each chained draft step of one graph); its wrappers share one set of index buffers.
+    each chained draft step); its wrappers share one set of index buffers.
     """
 
     def __init__(

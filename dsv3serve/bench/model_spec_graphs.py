@@ -84,7 +84,7 @@ class SpecGraphTimer:
         return lambda: chain.run(steps, hidden), chain
 
     def chain_ms(self, batch_size: int, context: int, num_steps: int) -> float:
-        """The ``num_steps - 1`` chained draft steps, one graph (``num_steps=2``: one step)."""
+        """The ``num_steps - 1`` chained draft steps, a graph each (``num_steps=2``: one step)."""
         call, chain = self.chain_call(batch_size, context, num_steps)
         ms = median_call_ms(call, self.warmup, self.iters)
         assert chain.replays > 0, "the chain did not replay its graph"

@@ -7,7 +7,7 @@ on the host, then replays the graph captured for ``B`` (:class:`GraphCache`). Wi
 capture (CPU, tests, a size not captured) the same forward runs eagerly on the same
 static buffers, so the padding path is testable anywhere.
 
-Several layouts planned at once (the chained draft steps of one graph, or verify beside
+Several layouts planned at once (the chained draft steps of a round, or verify beside
 decode) each plan on their own attention *fork* (:func:`fork_attention`): a shallow copy
 of the backend that keeps its own planned batch, and with flashinfer its own CUDA-graph
 wrappers (``graph_slot``), so one plan does not overwrite another's buffers.

@@ -1,5 +1,5 @@
 """Speculative decoding's CUDA-graph paths on the CPU, capture off (the padding and
-static buffers run eagerly): the padded verify and the padded one-graph draft chain give
+static buffers run eagerly): the padded verify and the padded draft chain (a graph per step) give
 the eager path's logits and tokens and write only the scratch page besides the real
 slots; the engine stays lossless (greedy) with them and the padded extend in use."""
 

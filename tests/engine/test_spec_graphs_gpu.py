@@ -1,5 +1,5 @@
 """Speculative decoding's CUDA graphs on a GPU: the replayed verify gives the eager verify's
-logits and hidden states, the one-graph draft chain the eager chain's tokens, the replayed
+logits and hidden states, the draft chain (a graph per step) the eager chain's tokens, the replayed
 draft extend the eager extend's next draft states, and an engine speculating through all
 three graphs the greedy tokens of one speculating eagerly.
 

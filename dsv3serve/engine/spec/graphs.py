@@ -8,12 +8,14 @@ Both pad a step of ``b`` sequences to a captured size ``B >= b`` as
   of an all-decode step, logits at every row and the hidden states ``extend`` reads. A
   padding sequence is ``k + 1`` tokens at positions ``0..k`` on the scratch pages, which
   must hold ``k + 1`` slots (``ModelRunner`` reserves ``ceil((k + 1) / page_size)`` pages).
-- :class:`DraftChainGraphs`: all ``k - 1`` chained draft steps of a round in ONE graph:
-  each step's argmax feeds the next step's token ids on the device, its hidden state the
-  next step's hidden input; the positions and slots of every step are known before the
-  chain starts (the scheduler allocated the lookahead), so every step is planned before
-  the replay, each on its own attention fork (its own flashinfer graph wrappers). A
-  padding sequence is one token at position 0 of the scratch page in every step.
+- :class:`DraftChainGraphs`: the ``k - 1`` chained draft steps of a round, one graph per
+  step: each step's argmax feeds the next step's token ids on the device, its hidden state
+  the next step's hidden input (through buffers outside the graphs' pool). The positions
+  and slots of every step are known before the chain starts (the scheduler allocated the
+  lookahead), and each step plans on its own attention fork (its own flashinfer graph
+  wrappers), so step ``s + 1`` is padded, copied and planned on the host while step ``s``
+  runs: the chain costs one step's host work, not ``k - 1``. A padding sequence is one
+  token at position 0 of the scratch page in every step.
 
 Mixed steps (prefill chunks beside decode), rows with fewer drafts than ``k``, and
 batches over the largest size stay eager. The draft extend after a verify of this kind
@@ -91,7 +93,9 @@ class VerifyGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class DraftChainGraphs:
-    """The ``k - 1`` chained draft steps of a round, captured as one graph per size."""
+    """The ``k - 1`` chained draft steps of a round: one graph per step and size, launched
+    one after another, each step's host work (padding, inputs, attention plan) done while
+    the step before it runs on the device."""
 
     def __init__(
         self,
@@ -113,48 +117,56 @@ class DraftChainGraphs:
         self._steps = [StaticInputs(n, scratch_slot, self.device) for _ in range(self.chain)]
         self._attns = [fork_attention(attn, f"draft{s}") for s in range(self.chain)]
         dtype = target.embed_tokens.weight.dtype
+        # carried from step to step outside the graphs' pool (a replay overwrites the
+        # pool's outputs): the hidden states, the last argmax, every step's tokens
         self._hidden = torch.zeros(n, target.cfg.hidden_size, dtype=dtype, device=self.device)
-        self._graphs: GraphCache[torch.Tensor] = GraphCache(self.device, mempool)
+        self._ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros(n, self.chain, dtype=torch.int64, device=self.device)
+        self._graphs: list[GraphCache[torch.Tensor]] = [
+            GraphCache(self.device, mempool) for _ in range(self.chain)
+        ]
         self.runs = 0  # chains through the padded path (replayed or not)
         if capture:
             for size in reversed(self.sizes):
-                batches = self._load([[] for _ in range(self.chain)], self._hidden[:0], size)
-                self._graphs.capture(size, lambda b=batches: self._forward(b))
+                self._load_hidden(self._hidden[:0], size)
+                for step, graphs in enumerate(self._graphs):
+                    batch = self._load_step(step, [], size)
+                    graphs.capture(size, lambda s=step, b=batch: self._forward_step(s, b))
             logger.info("captured draft-chain CUDA graphs for batch sizes %s", self.sizes)
 
     @property
     def replays(self) -> int:
-        """Draft chains served by a graph."""
-        return self._graphs.replays
+        """Draft chains served by graphs."""
+        return self._graphs[0].replays
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]
 
-    def _load(
-        self, steps: list[list[SeqSpan]], hidden: torch.Tensor, size: int
-    ) -> list[ForwardBatch]:
-        """Pad and plan every step; copy the first hidden states in (zeros for padding)."""
-        batches = []
-        for spans, inputs, attn in zip(steps, self._steps, self._attns, strict=True):
-            padded = pad_spans(spans, size, self._dummy)
-            static = inputs.build(padded)
-            plan_for_graph(attn, static)
-            batches.append(static)
+    def _load_step(self, step: int, spans: list[SeqSpan], size: int) -> ForwardBatch:
+        """Pad step ``step``'s spans, copy them into its static inputs and plan its fork."""
+        static = self._steps[step].build(pad_spans(spans, size, self._dummy))
+        plan_for_graph(self._attns[step], static)
+        return static
+
+    def _load_hidden(self, hidden: torch.Tensor, size: int) -> None:
+        """The hidden states step 0 consumes (zeros for padding)."""
         n = hidden.shape[0]
         self._hidden[:n].copy_(hidden)
         self._hidden[n:size].zero_()
-        return batches
 
-    def _forward(self, batches: list[ForwardBatch]) -> torch.Tensor:
-        """Tokens [B, k - 1] (int64): each step's argmax, fed to the next step."""
-        ids, hidden = batches[0].input_ids, self._hidden[: batches[0].num_tokens]
-        tokens = []
-        for batch, attn in zip(batches, self._attns, strict=True):
-            step = dataclasses.replace(batch, input_ids=ids)
-            hidden = self.draft.forward(step, hidden, attn, planned=True)
-            ids = row_argmax(self.draft.compute_logits(hidden))
-            tokens.append(ids)
-        return torch.stack(tokens, dim=1)
+    def _forward_step(self, step: int, batch: ForwardBatch) -> torch.Tensor:
+        """One draft step over the carried hidden states; step 0 reads its token ids from
+        the batch, a later one the step before's argmax. Returns the tokens [B, k - 1]."""
+        n = batch.num_tokens
+        ids = batch.input_ids if step == 0 else self._ids[:n]
+        hidden = self.draft.forward(
+            dataclasses.replace(batch, input_ids=ids), self._hidden[:n], self._attns[step], True
+        )
+        ids = row_argmax(self.draft.compute_logits(hidden))
+        self._hidden[:n].copy_(hidden)
+        self._ids[:n].copy_(ids)
+        self._tokens[:n, step].copy_(ids)
+        return self._tokens
 
     def run(self, steps: list[list[SeqSpan]], hidden: torch.Tensor) -> torch.Tensor:
         """Draft tokens [n, k - 1] (int64) of ``n`` sequences.
@@ -162,15 +174,21 @@ class DraftChainGraphs:
         ``steps[s]`` holds each sequence's span of chained step ``s + 1``: one token at its
         position (the token itself matters only in step 0: ``d1``; later steps take the
         previous step's argmax); ``hidden`` [n, H] the hidden states step 0 consumes.
+        Step ``s + 1`` is loaded after step ``s`` is launched: its copies and plan follow
+        step ``s`` on the stream, and the host prepares them while the device runs it.
         """
         if len(steps) != self.chain:
             raise ValueError(f"expected spans of {self.chain} chained steps, got {len(steps)}")
         n = hidden.shape[0]
         size = padded_size(self.sizes, n)
-        batches = self._load(steps, hidden, size)
-        tokens = self._graphs.run(size, lambda: self._forward(batches))
+        self._load_hidden(hidden, size)
+        batch = self._load_step(0, steps[0], size)
+        for step, graphs in enumerate(self._graphs):
+            graphs.run(size, lambda s=step, b=batch: self._forward_step(s, b))
+            if step + 1 < self.chain:
+                batch = self._load_step(step + 1, steps[step + 1], size)
         self.runs += 1
-        return tokens[:n].clone()
+        return self._tokens[:n].clone()
 
 
 @dataclasses.dataclass
