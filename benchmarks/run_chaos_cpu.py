@@ -13,7 +13,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from dsv3serve.bench.serve.args import BenchServeConfig, parse_chaos
+from dsv3serve.bench.serve.config import BenchServeConfig, parse_chaos
 from dsv3serve.bench.serve.run import run_bench_serve
 from router.app import bind_app
 from router.config import ServingConfig

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from dsv3serve.bench.serve.args import BenchServeConfig
+from dsv3serve.bench.serve.config import BenchServeConfig
 from dsv3serve.bench.serve.metrics import jsonable
 from dsv3serve.bench.serve.run import run_bench_serve
 from router.app import bind_app

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dsv3serve.bench.serve.args import BenchServeConfig
 from dsv3serve.bench.serve.client import RequestResult
+from dsv3serve.bench.serve.config import BenchServeConfig
 from dsv3serve.bench.serve.dataset import sample_requests
 from dsv3serve.bench.serve.kv_counters import kv_moved, parse_kv_counters
 from dsv3serve.bench.serve.multi_turn import ttft_by_kind

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 from http_util import ServerThread, free_socket
 
-from dsv3serve.bench.serve.args import BenchServeConfig
-from dsv3serve.bench.serve.dataset import exact_prompt, sample_requests
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.dataset import sample_requests
+from dsv3serve.bench.serve.prompts import exact_prompt
 from dsv3serve.cli import main
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine

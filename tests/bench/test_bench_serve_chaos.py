@@ -11,7 +11,6 @@ import argparse
 
 import pytest
 
-from dsv3serve.bench.serve.args import BenchServeConfig, ChaosEvent, parse_chaos
 from dsv3serve.bench.serve.chaos import (
     Kill,
     chaos_report,
@@ -20,6 +19,7 @@ from dsv3serve.bench.serve.chaos import (
     output_back_s,
 )
 from dsv3serve.bench.serve.client import RequestResult
+from dsv3serve.bench.serve.config import BenchServeConfig, ChaosEvent, parse_chaos
 
 
 def test_spec_is_parsed_in_time_order() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dsv3serve.attention.base import AttentionBackend, MLADims
+from dsv3serve.bench.kernels.timing import graph_us
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.mla_decode import MLADecodeConfig, decode_bytes
 from dsv3serve.kernels.mla_decode_fp8 import FP8MLAConfig, decode_flops
@@ -153,8 +154,6 @@ def bench_point(
     cfg: Config | None = None,
 ) -> dict[str, Any]:
     """Time one decode attention call; bandwidth as a share of the copy ceiling."""
-    from dsv3serve.bench.kernels.run import graph_us
-
     cfg = cfg or MLADecodeConfig()
     attn = _backend(kernel, pool, index, cfg)
     attn.plan(batch)

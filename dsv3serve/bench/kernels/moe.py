@@ -1,5 +1,5 @@
 """``dsv3serve bench kernels --only moe,gate``: the fused Triton MoE and router gate on
-DeepSeek-V3 shapes, against the same run's ceilings (see :mod:`dsv3serve.bench.kernels.run`).
+DeepSeek-V3 shapes, against the same run's ceilings (see :mod:`dsv3serve.bench.kernels.timing`).
 
 MoE: one layer's routed experts (E=256, H=7168, I=2048, top-8, FP8 block-scaled), routing
 from the real router over random logits. "Bytes" are the expert weights the batch actually
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsv3serve.bench.kernels.run import graph_us
+from dsv3serve.bench.kernels.timing import graph_us
 from dsv3serve.layers.linear import fp8_linear
 from dsv3serve.moe.experts import FusedExperts, random_experts
 from dsv3serve.moe.gate import grouped_topk

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dsv3serve.bench.kernels.run import graph_us
+from dsv3serve.bench.kernels.timing import graph_us
 from dsv3serve.kernels.fp8_quant import quant_per_token_group_fp8
 from dsv3serve.moe.align import ExpertBlocks, moe_align_block_size
 from dsv3serve.moe.experts import FusedExperts, random_experts

@@ -176,7 +176,7 @@ def run_ceilings(device: torch.device, replays: int) -> dict[str, float]:
     host copy bandwidth, so the roofline ratios stay defined."""
     if device.type != "cuda":
         return {"copy_TBps": _host_copy_TBps()}
-    from dsv3serve.bench.kernels.run import measure_ceilings
+    from dsv3serve.bench.kernels.timing import measure_ceilings
 
     ceilings = measure_ceilings(replays)
     torch.cuda.empty_cache()

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsv3serve.bench.serve.args import BenchServeError, ChaosEvent
 from dsv3serve.bench.serve.client import RequestResult, httpx
+from dsv3serve.bench.serve.config import BenchServeError, ChaosEvent
 from router.launch import LOOPBACK, use_loopback_ray
 
 BIN_S = 1.0

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv3serve.bench.serve.args import BenchServeConfig, BenchServeError
-from dsv3serve.bench.serve.dataset import BenchRequest
+from dsv3serve.bench.serve.config import BenchServeConfig, BenchServeError
+from dsv3serve.bench.serve.prompts import BenchRequest
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 try:  # openai 3.x ships the client as httpx2; older stacks have httpx

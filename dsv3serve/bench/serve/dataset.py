@@ -1,69 +1,23 @@
-"""Benchmark prompts: random ones of exact token lengths, or pairs from a ShareGPT JSON file."""
+"""Benchmark workloads: random prompts of exact token lengths, pairs from a ShareGPT JSON
+file, and the registry ``sample_requests`` over every ``--dataset-name``."""
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv3serve.bench.serve.args import BenchServeConfig, BenchServeError
+from dsv3serve.bench.serve.config import BenchServeConfig, BenchServeError
+from dsv3serve.bench.serve.multi_turn import multi_turn_requests
+from dsv3serve.bench.serve.prompts import BenchRequest, exact_prompt
+from dsv3serve.bench.serve.shared_prefix import shared_prefix_requests
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-
-ADJUST_ROUNDS = 16  # decode/encode round trips before starting over from fresh ids
-FRESH_STARTS = 8
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One prompt to send.
-
-    ``prompt_len`` counts the prompt's tokens as a completions endpoint sees them (with
-    BOS); a chat endpoint adds its template around it. ``output_len`` is sent as
-    ``max_tokens``. ``kind`` names its part of a workload that has parts (``multi-turn``).
-    """
-
-    prompt: str
-    prompt_len: int
-    output_len: int
-    kind: str = ""
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, low: int, n: int) -> list[int]:
     lo, hi = max(low, round(mean * (1 - ratio))), max(low, round(mean * (1 + ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
-
-
-def _draw(rng: random.Random, vocab: int, n: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def _adjust(tokenizer: Tokenizer, rng: random.Random, ids: list[int], target: int) -> str | None:
-    """Text whose encoding (no BOS) has ``target`` tokens, reached from ``ids``; or None.
-
-    Decoding and re-encoding merges or splits tokens at their seams, so the length moves;
-    each round cuts or pads the re-encoded ids and tries again.
-    """
-    for _ in range(ADJUST_ROUNDS):
-        text = tokenizer.decode(ids)
-        got = tokenizer.encode(text, add_bos=False)
-        if len(got) == target:
-            return text
-        extra = _draw(rng, tokenizer.vocab_size, max(0, target - len(got)))
-        ids = got[:target] + extra
-    return None
-
-
-def exact_prompt(tokenizer: Tokenizer, rng: random.Random, length: int) -> str:
-    """Random text that encodes to exactly ``length`` tokens with BOS (``length`` >= 2)."""
-    for _ in range(FRESH_STARTS):
-        text = _adjust(tokenizer, rng, _draw(rng, tokenizer.vocab_size, length - 1), length - 1)
-        if text is not None:
-            return text
-    raise BenchServeError(
-        f"expected to build a prompt of {length} tokens, found none in {FRESH_STARTS} tries"
-    )
 
 
 def random_requests(config: BenchServeConfig, tokenizer: Tokenizer) -> list[BenchRequest]:
@@ -131,11 +85,7 @@ def sample_requests(config: BenchServeConfig, tokenizer: Tokenizer) -> list[Benc
     if config.dataset_name == "sharegpt":
         return sharegpt_requests(config, tokenizer)
     if config.dataset_name == "generated-shared-prefix":
-        from dsv3serve.bench.serve.shared_prefix import shared_prefix_requests
-
         return shared_prefix_requests(config, tokenizer)
     if config.dataset_name == "multi-turn":
-        from dsv3serve.bench.serve.multi_turn import multi_turn_requests
-
         return multi_turn_requests(config, tokenizer)
     return random_requests(config, tokenizer)

@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from dsv3serve.bench.serve.args import BenchServeConfig
 from dsv3serve.bench.serve.client import RequestResult
-from dsv3serve.bench.serve.dataset import BenchRequest, exact_prompt
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.prompts import BenchRequest, exact_prompt
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 KINDS = ("first_turn", "revisit", "filler")

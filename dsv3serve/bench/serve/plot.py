@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsv3serve.bench.serve.args import BenchServeConfig
+from dsv3serve.bench.serve.config import BenchServeConfig
 
 PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e_latency", "E2E latency"))
 

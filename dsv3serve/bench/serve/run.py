@@ -21,7 +21,6 @@ from typing import Any
 from tqdm import tqdm
 
 from dsv3serve.bench.serve import chaos
-from dsv3serve.bench.serve.args import BenchServeConfig, BenchServeError
 from dsv3serve.bench.serve.client import (
     RequestResult,
     first_model_id,
@@ -29,10 +28,12 @@ from dsv3serve.bench.serve.client import (
     make_client,
     send_request,
 )
-from dsv3serve.bench.serve.dataset import BenchRequest, sample_requests
+from dsv3serve.bench.serve.config import BenchServeConfig, BenchServeError
+from dsv3serve.bench.serve.dataset import sample_requests
 from dsv3serve.bench.serve.kv_counters import kv_moved, read_kv_counters
 from dsv3serve.bench.serve.metrics import format_table, jsonable, per_request, summarize
 from dsv3serve.bench.serve.multi_turn import ttft_by_kind
+from dsv3serve.bench.serve.prompts import BenchRequest
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import random
 
-from dsv3serve.bench.serve.args import BenchServeConfig
-from dsv3serve.bench.serve.dataset import BenchRequest, exact_prompt
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.prompts import BenchRequest, exact_prompt
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 
 
