@@ -26,6 +26,7 @@ from dsv3serve.metrics import Identity, Metrics
 from router.api.admission import router_max_ongoing
 from router.api.auth import APIKeyAuth, unauthorized_response
 from router.api.grpc_api import GenerationService
+from router.api.grpc_api import Request as GrpcRequest
 from router.api.openai_api import APIConfig, OpenAIServer, new_app
 from router.autoscale.app import (
     MembershipWatch,
@@ -265,28 +266,20 @@ class Router:
 
     # ---- gRPC: dsv3serve.v1.Generation (Serve calls the method named like the RPC) ------
     async def Generate(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: GrpcRequest, grpc_context: RayServegRPCContext
     ) -> pb.GenerateResponse:
         return await self.grpc.complete(request, grpc_context)
 
     async def GenerateStream(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: GrpcRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
             async for message in messages:
                 yield message
 
-    async def ChatComplete(
-        self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
-    ) -> pb.GenerateResponse:
-        return await self.grpc.complete(request, grpc_context)
-
-    async def ChatCompleteStream(
-        self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
-            async for message in messages:
-                yield message
+    # a chat request takes the same path (GenerationService tells the messages apart)
+    ChatComplete = Generate
+    ChatCompleteStream = GenerateStream
 
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
