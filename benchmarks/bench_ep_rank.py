@@ -9,14 +9,14 @@ dispatch/combine replaced by a same-rank loopback (timing only), fills the KV po
 latents, and times graphed decode steps at batch 1, 32 and 128 with 4K context against the
 bytes the rank must read over the copy bandwidth measured first in the same run. Prints a
 table and writes JSON (``--out``, default ``docs/perf/ep_rank_<gpu>.json``). The code lives in
-``dsv3serve.bench.ep_rank``; ``--help`` lists the flags.
+``dsv3serve.bench.ep_rank.run``; ``--help`` lists the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from dsv3serve.bench.ep_rank import add_args, run_ep_rank
+from dsv3serve.bench.ep_rank.run import add_args, run_ep_rank
 
 
 def main() -> None:

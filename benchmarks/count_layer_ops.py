@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from dsv3serve.bench.model_batches import kv_tokens_needed
-from dsv3serve.bench.model_layer_graphs import LayerGraphTimer
-from dsv3serve.bench.model_profile import device_ops
-from dsv3serve.bench.model_setup import bench_model_config, build_runner, fill_kv_random
+from dsv3serve.bench.model.batches import kv_tokens_needed
+from dsv3serve.bench.model.layer_graphs import LayerGraphTimer
+from dsv3serve.bench.model.profile import device_ops
+from dsv3serve.bench.model.setup import bench_model_config, build_runner, fill_kv_random
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.model.deepseek_v3 import DecoderLayer
 

@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv3serve.bench.greedy_compare import compare, first_difference, spread
-from dsv3serve.bench.group import copy_bandwidth, decode_batch, prefill_rate, prompt
-from dsv3serve.bench.group_roofline import RankBytes, roofline_ms, step_bytes
-from dsv3serve.bench.group_roofline import rank_bytes as group_rank_bytes
+from dsv3serve.bench.engine.greedy_compare import compare, first_difference, spread
+from dsv3serve.bench.engine.group import copy_bandwidth, decode_batch, prefill_rate, prompt
+from dsv3serve.bench.engine.group_roofline import RankBytes, roofline_ms, step_bytes
+from dsv3serve.bench.engine.group_roofline import rank_bytes as group_rank_bytes
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
@@ -132,7 +132,7 @@ def greedy(engine: Any, one_at_a_time: bool) -> dict[str, Any]:
 
 
 def rank_bytes(llm: LLM, per_rank: int, ctx: int) -> dict[str, int] | None:
-    """Rank 0's bytes by kind (:func:`dsv3serve.bench.group_roofline.rank_bytes`), with
+    """Rank 0's bytes by kind (:func:`dsv3serve.bench.engine.group_roofline.rank_bytes`), with
     its batch's KV (bf16 latent + rope per token and layer)."""
     model = getattr(getattr(llm.engine, "runner", None), "model", None)
     if model is None:
@@ -230,7 +230,7 @@ def gather_spread(ref: dict[str, Any]) -> float:
 
 
 def roofline_ratio(r: dict[str, Any], copy_bw: float | None) -> float | None:
-    """Step time over the rank's roofline (:mod:`dsv3serve.bench.group_roofline`: the
+    """Step time over the rank's roofline (:mod:`dsv3serve.bench.engine.group_roofline`: the
     bytes a step reads at the copy bandwidth measured in the same run). Records of calls 1-3
     kept ``{experts, other, kv}`` (embedding and head inside ``other``, 12 layers, 9 MoE)."""
     b = r.get("rank_bytes")

@@ -13,8 +13,8 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from dsv3serve.bench.serve import run_bench_serve
-from dsv3serve.bench.serve_args import BenchServeConfig, parse_chaos
+from dsv3serve.bench.serve.config import BenchServeConfig, parse_chaos
+from dsv3serve.bench.serve.run import run_bench_serve
 from router.app import bind_app
 from router.config import ServingConfig
 from router.launch import load_deploy_file, use_proxy_middleware

@@ -30,7 +30,7 @@ stage_model() {
 }
 stage_tune() {
   for t in ${TUNE_TOKENS:-1 8 32 128 512 4096}; do
-    timeout -k 5 "${T_TUNE:-60}" python3 -m dsv3serve.bench.moe_tune --dtype fp8 --tokens "$t" \
+    timeout -k 5 "${T_TUNE:-60}" python3 -m dsv3serve.bench.kernels.moe_tune --dtype fp8 --tokens "$t" \
       --out "/tmp/tune/t$t" > "/tmp/tune_t$t.log" 2>&1
     echo "tune t=$t rc=$?" >> "$OUT/env.txt"
     cp /tmp/tune/t"$t"/*.json "$OUT/table_t$t.json"  # '=' and ',' in the name do not come back

@@ -20,9 +20,9 @@ from typing import Any
 import ray
 from ray import serve
 
-from dsv3serve.bench.serve import run_bench_serve
-from dsv3serve.bench.serve_args import BenchServeConfig
-from dsv3serve.bench.serve_metrics import jsonable
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.metrics import jsonable
+from dsv3serve.bench.serve.run import run_bench_serve
 from router.app import bind_app
 from router.config import ServingConfig
 from router.launch import load_deploy_file

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dsv3serve.bench.greedy_compare import compare, spread
-from dsv3serve.bench.one_batch import measure
+from dsv3serve.bench.engine.greedy_compare import compare, spread
+from dsv3serve.bench.engine.one_batch import measure
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
 from dsv3serve.sampling.sampling_params import SamplingParams

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"
 from attention_cases import DEEPSEEK_ATTENTION  # noqa: E402
 from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, run_scenario  # noqa: E402
 
-from dsv3serve.bench.greedy_compare import first_difference, same_input_gap  # noqa: E402
+from dsv3serve.bench.engine.greedy_compare import first_difference, same_input_gap  # noqa: E402
 from dsv3serve.engine.config import EngineConfig  # noqa: E402
 from dsv3serve.engine.engine import Engine  # noqa: E402
 from dsv3serve.engine.llm import LLM  # noqa: E402

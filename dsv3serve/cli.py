@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv3serve.bench.group import add_group_arguments
-from dsv3serve.bench.kernels import add_kernels_parser
-from dsv3serve.bench.model_args import add_model_parser
-from dsv3serve.bench.serve_args import add_serve_parser
+from dsv3serve.bench.engine.group import add_group_arguments
+from dsv3serve.bench.kernels.run import add_kernels_parser
+from dsv3serve.bench.model.args import add_model_parser
+from dsv3serve.bench.serve.args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.parallel.args import add_layout_args
 from dsv3serve.plan.cli import add_plan_parser
@@ -165,14 +165,14 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_one_batch(args: argparse.Namespace) -> int:
-    from dsv3serve.bench.one_batch import run_one_batch
+    from dsv3serve.bench.engine.one_batch import run_one_batch
 
     run_one_batch(args)
     return 0
 
 
 def _cmd_bench_group(args: argparse.Namespace) -> int:
-    from dsv3serve.bench.group import run_group
+    from dsv3serve.bench.engine.group import run_group
 
     run_group(args)
     return 0

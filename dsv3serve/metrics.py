@@ -137,7 +137,7 @@ class Metrics:
         self.handoff_time = hist(
             "pd_handoff_seconds", "Prefill result to first decode output.", LATENCY_BUCKETS
         )
-        # decode-loss migration (router: ``router/migration.py``)
+        # decode-loss migration (router: ``router/pd/migration.py``)
         self.migrations = counter(
             "decode_migrations_total",
             "Streams moved to another decode replica after theirs failed (one per move).",

@@ -41,7 +41,7 @@ class Settings:
     api_key: str
     """The router's API key, stripped: ``$DSV3SERVE_API_KEY``, or the variable that
     ``router.api_key_env`` names instead. Empty: unset (authentication off unless a
-    variable was named, see :class:`router.auth.APIKeyAuth`)."""
+    variable was named, see :class:`router.api.auth.APIKeyAuth`)."""
 
     fused_norm_quant: bool = True
     """``$DSV3SERVE_FUSED_NORM_QUANT``: ``0``/``false``/``off``/``no`` turns off the fused

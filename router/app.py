@@ -23,26 +23,27 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
-from router.admission import router_max_ongoing
-from router.auth import APIKeyAuth, unauthorized_response
-from router.autoscale_app import (
+from router.api.admission import router_max_ongoing
+from router.api.auth import APIKeyAuth, unauthorized_response
+from router.api.grpc_api import GenerationService
+from router.api.grpc_api import Request as GrpcRequest
+from router.api.openai_api import APIConfig, OpenAIServer, new_app
+from router.autoscale.app import (
     MembershipWatch,
     running_replicas,
     worker_autoscaling,
     worker_count,
 )
-from router.autoscale_metrics import AutoscaleMetrics
-from router.colocated import ColocatedBackend
+from router.autoscale.metrics import AutoscaleMetrics
 from router.config import RoleGroup, ServingConfig
 from router.drain import listen
-from router.grpc_api import GenerationService
 from router.metered import MeteredBackend
 from router.metrics_server import TEXT_FORMAT, MergedCollector, serve_metrics
-from router.openai_api import APIConfig, OpenAIServer, new_app
-from router.pd import PDBackend
+from router.pd.backend import PDBackend
+from router.pd.colocated import ColocatedBackend
 from router.policy import ReplicaSet
 from router.proto import generate_pb2 as pb
-from router.rank_routing import rank_board
+from router.routing.rank_routing import rank_board
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
 
@@ -265,28 +266,20 @@ class Router:
 
     # ---- gRPC: dsv3serve.v1.Generation (Serve calls the method named like the RPC) ------
     async def Generate(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: GrpcRequest, grpc_context: RayServegRPCContext
     ) -> pb.GenerateResponse:
         return await self.grpc.complete(request, grpc_context)
 
     async def GenerateStream(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: GrpcRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
             async for message in messages:
                 yield message
 
-    async def ChatComplete(
-        self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
-    ) -> pb.GenerateResponse:
-        return await self.grpc.complete(request, grpc_context)
-
-    async def ChatCompleteStream(
-        self, request: pb.ChatRequest, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
-            async for message in messages:
-                yield message
+    # a chat request takes the same path (GenerationService tells the messages apart)
+    ChatComplete = Generate
+    ChatCompleteStream = GenerateStream
 
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext

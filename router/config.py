@@ -68,7 +68,8 @@ class RoleGroup(BaseModel):
 
 
 class SLO(BaseModel):
-    """Latency targets the autoscaling policies size the roles for (router/autoscale.py)."""
+    """Latency targets the autoscaling policies size the roles for
+    (router/autoscale/decisions.py)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -116,7 +117,7 @@ class RouterSettings(BaseModel):
     policy: Policy = Field(
         "rank_aware",
         description="rank_aware: score (replica, DP rank) by the ranks' reported load and "
-        "prefix caches (router/rank_routing.py); prefix_affinity: a hash of the leading "
+        "prefix caches (router/routing/rank_routing.py); prefix_affinity: a hash of the leading "
         "pages, then load; least_outstanding: this router's own load",
     )
     rank_report_interval_s: float = Field(
@@ -148,7 +149,7 @@ class RouterSettings(BaseModel):
         gt=0,
         description="a prefill try is given up when its replica does not answer a progress "
         "check within this, or its engine neither finished nor ran a step over this long "
-        "(router/prefill_watch.py); a busy replica (a long prompt ahead) is not stalled",
+        "(router/pd/prefill_watch.py); a busy replica (a long prompt ahead) is not stalled",
     )
     max_prefill_attempts: int = Field(2, ge=1)
     prefill_retry_wait_s: float = Field(
@@ -163,7 +164,7 @@ class RouterSettings(BaseModel):
         ge=0,
         description="a stream whose decode replica fails is prefilled again (prompt + its "
         "tokens so far) and continued on a decode replica, at most this many times; 0: it "
-        "ends with an in-band error (router/migration.py)",
+        "ends with an in-band error (router/pd/migration.py)",
     )
     decode_migration_wait_s: float = Field(
         30.0,

@@ -61,7 +61,7 @@ class Drain:
 
     async def watch(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
         """``chunks`` until they end or ``cut`` runs; closes ``chunks`` on every path."""
-        from router.sse import close_quietly
+        from router.api.sse import close_quietly
 
         cut = self._cut_future()
         try:

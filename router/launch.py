@@ -13,12 +13,12 @@ from typing import NoReturn
 import yaml
 
 from dsv3serve.json_types import JSONObject
+from router.api.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from router.config import ConfigError, ServingConfig
 from router.launch_stop import graceful_bound_s, start_drain_board, stop_and_exit
-from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 APP_NAME = "dsv3serve"
-GRPC_SERVICER = "router.grpc_proxy.add_generation_servicer"
+GRPC_SERVICER = "router.api.grpc_proxy.add_generation_servicer"
 DEFAULT_GRPC_PORT = 9000
 
 
@@ -111,7 +111,7 @@ def use_loopback_ray() -> None:
 
 def use_proxy_middleware() -> None:
     """Have Serve's HTTP proxy end cut event streams with an error event
-    (``router/proxy_middleware.py``). Call before ``ray.init`` starts the local cluster:
+    (``router/api/proxy_middleware.py``). Call before ``ray.init`` starts the local cluster:
     the raylet inherits this process's environment, and the proxy actor the raylet's."""
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
 
@@ -187,13 +187,13 @@ def deploy_autoscaled(apps: list[JSONObject], timeout_s: float = 900.0) -> None:
     """Deploy application entries whose ``args`` set ``slo`` through one Serve deploy
     config (Ray 2.60 takes an application-level ``autoscaling_policy`` only there; a
     later config replaces these apps), each with its policy filled in
-    (``router.autoscale_app``); wait until they run.
+    (``router.autoscale.app``); wait until they run.
 
     Raises RuntimeError when one fails to deploy or is not running within ``timeout_s``."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    from router.autoscale_app import with_autoscaling_policy
+    from router.autoscale.app import with_autoscaling_policy
 
     entries = [
         {"name": APP_NAME, "route_prefix": "/"} | with_autoscaling_policy(app) for app in apps
@@ -288,7 +288,7 @@ def check(url: str, model: str, api_key: str) -> str:
 
 def check_line(url: str, data: JSONObject, grpc_port: int | None) -> str:
     """``--check``: one chat completion over HTTP, and the gRPC Health when gRPC is on."""
-    from router.auth import APIKeyAuth
+    from router.api.auth import APIKeyAuth
 
     first = data["applications"][0]
     settings = ServingConfig.parse(first["args"]).router

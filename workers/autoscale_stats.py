@@ -1,6 +1,6 @@
 """What a worker replica reports to Serve's autoscaler (``record_autoscaling_stats``).
 
-Names match what ``router.autoscale_serve`` reads. Prefill: ``queued_prompt_tokens``
+Names match what ``router.autoscale.serve`` reads. Prefill: ``queued_prompt_tokens``
 (prompt tokens of prefills this replica holds, waiting or running), ``prefill_tokens_per_s``
 (prompt tokens over the summed durations of the prefills finished in the window: prefills
 that overlap count their shared seconds twice, so under concurrency this is a lower bound,

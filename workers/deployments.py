@@ -72,7 +72,7 @@ class EngineWorker:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics of this replica (workers/autoscale_stats.py),
-        read by the app-level policy ``router.autoscale_serve.PDAutoscaler``."""
+        read by the app-level policy ``router.autoscale.serve.PDAutoscaler``."""
         load = await asyncio.to_thread(self.host.load)
         return self.host.autoscale.snapshot(load)
 

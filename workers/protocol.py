@@ -93,7 +93,7 @@ class PrefillRequest(_Msg):
     see ``ReserveResult``): they are not staged. The prefill side still computes every
     prompt token its own prefix cache does not hold.
 
-    ``dp_rank``: the DP-attention rank the router chose (``router.rank_routing``); the
+    ``dp_rank``: the DP-attention rank the router chose (``router.routing.rank_routing``); the
     replica's DP scheduler runs the request there unless the rank is invalid or full.
     """
 

@@ -1,5 +1,5 @@
 """What a replica reports per DP rank: load and prefix-cache summary (for the router's
-``load`` poll, ``router.rank_routing``), and the per-rank metrics and counters.
+``load`` poll, ``router.routing.rank_routing``), and the per-rank metrics and counters.
 
 A replica without DP attention is one rank (0): its engine's scheduler. With DP attention
 the leader's :class:`~dsv3serve.engine.dp_scheduler.DPScheduler` holds one scheduler per

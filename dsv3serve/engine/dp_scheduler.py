@@ -7,7 +7,7 @@ the same by load). The engine sees one page space: page ``p`` of rank ``r`` is t
 page ``r * pages_per_rank + p`` (what PD reservations hand out and take back); a
 sequence's ``page_table`` holds its rank's local pages and ``seq.dp_rank`` names the rank.
 
-A router that scores (replica, DP rank) candidates (``router.rank_routing``) names a rank:
+A router that scores (replica, DP rank) candidates (``router.routing.rank_routing``) names a rank:
 a new sequence's ``preferred_dp_rank``, a reservation's ``dp_rank``. It is honoured unless
 invalid (no such rank) or full (the rank cannot hold what the prompt misses there); then
 the rank is this scheduler's own choice and ``fallbacks`` counts it (per rank taken).

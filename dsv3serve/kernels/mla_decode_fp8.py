@@ -50,7 +50,7 @@ FULL_WAVES = 0.85  # programs / (waves * slots) that counts as filling the GPU
 
 @dataclass(frozen=True)
 class FP8MLAConfig:
-    """Launch parameters (sweep with ``bench kernels --only mla``; bench/kernels_mla.py).
+    """Launch parameters (sweep with ``bench kernels --only mla``; bench/kernels/mla.py).
 
     Default: 64 heads x 32 tokens a tile, 4 warps, the 512 output columns in two
     programs: 241 registers, no spills, 82 KB of shared memory (ptxas, sm_90a, triton

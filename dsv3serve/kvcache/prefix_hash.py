@@ -4,7 +4,7 @@ Entry ``i`` of :func:`page_prefix_hashes` stands for the first ``(i + 1) * page_
 tokens under a salt: a chain ``h_i = blake2b(h_{i-1} || tokens of page i)`` started from the
 salt, so one 64-bit value names a whole prefix, and every process (router, engines) agrees
 on it (no per-process hash seed). An engine summarises its prefix cache as a bounded set
-of these hashes; a router matches a prompt's hashes against it (``router.rank_policy``).
+of these hashes; a router matches a prompt's hashes against it (``router.routing.rank_policy``).
 """
 
 from __future__ import annotations

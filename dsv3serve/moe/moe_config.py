@@ -1,7 +1,7 @@
 """Launch configurations of the fused Triton MoE: tuned JSON tables, else a default rule.
 
 A table is one JSON file per (experts E, intermediate size N, hidden size K, device, weight
-dtype), written by ``python -m dsv3serve.bench.moe_tune``, named like
+dtype), written by ``python -m dsv3serve.bench.kernels.moe_tune``, named like
 ``E=256,N=2048,K=7168,device=NVIDIA_H100_80GB_HBM3,dtype=fp8.json`` and kept in
 ``dsv3serve/moe/configs/``. It maps a token count T (the batch's rows) to a
 :class:`MoEConfig`; a batch uses the entry of the smallest T at or above its own (the largest

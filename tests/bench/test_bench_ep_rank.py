@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from dsv3serve.bench.ep_rank import add_args, run_ep_rank
-from dsv3serve.bench.ep_rank_bytes import local_hits
-from dsv3serve.bench.ep_rank_setup import (
+from dsv3serve.bench.ep_rank.bytes import local_hits
+from dsv3serve.bench.ep_rank.run import add_args, run_ep_rank
+from dsv3serve.bench.ep_rank.setup import (
     LOOPBACK_LABEL,
     choose_kv,
     ep_model_config,
@@ -28,7 +28,7 @@ from dsv3serve.bench.ep_rank_setup import (
     loopback_parts,
     planned_rank,
 )
-from dsv3serve.bench.model_batches import seq_stride
+from dsv3serve.bench.model.batches import seq_stride
 from dsv3serve.engine.rank_parts import RankParts
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.parallel.comm_loopback import LoopbackTimingOnlyComm

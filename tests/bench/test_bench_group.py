@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv3serve.bench.group_roofline import (
+from dsv3serve.bench.engine.group_roofline import (
     RankBytes,
     hit_fraction,
     rank_bytes,

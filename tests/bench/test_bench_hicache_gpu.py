@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dsv3serve.bench.hicache_gpu import main
+from dsv3serve.bench.kv.hicache_gpu import main
 
 
 def test_the_bandwidth_part_runs_and_writes_json(tmp_path: Path) -> None:

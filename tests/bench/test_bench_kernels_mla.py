@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dsv3serve.bench.kernels_mla import FP8_CONFIGS, KERNELS, add_mla_args, print_mla_table
+from dsv3serve.bench.kernels.mla import FP8_CONFIGS, KERNELS, add_mla_args, print_mla_table
 
 
 def _row(kernel: str, us: float, config: dict | None = None) -> dict:

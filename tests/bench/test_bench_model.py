@@ -11,19 +11,19 @@ import pytest
 import torch
 from attention_cases import DEEPSEEK_ATTENTION
 
-from dsv3serve.bench.model import guarded
-from dsv3serve.bench.model_batches import context_batch, kv_tokens_needed, seq_stride
-from dsv3serve.bench.model_layer_graphs import LayerGraphTimer
-from dsv3serve.bench.model_plan import Plan
-from dsv3serve.bench.model_points import ModelBench, spec_summary
-from dsv3serve.bench.model_profile import (
+from dsv3serve.bench.model.batches import context_batch, kv_tokens_needed, seq_stride
+from dsv3serve.bench.model.layer_graphs import LayerGraphTimer
+from dsv3serve.bench.model.plan import Plan
+from dsv3serve.bench.model.points import ModelBench, spec_summary
+from dsv3serve.bench.model.profile import (
     profile_graphs,
 )
-from dsv3serve.bench.model_roofline import (
+from dsv3serve.bench.model.roofline import (
     attention_decode_bytes,
     mlp_decode_bytes,
 )
-from dsv3serve.bench.model_setup import (
+from dsv3serve.bench.model.run import guarded
+from dsv3serve.bench.model.setup import (
     BENCH_PRESETS,
     Footprint,
     auto_num_moe_layers,

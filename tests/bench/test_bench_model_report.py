@@ -9,19 +9,19 @@ from typing import Any
 import pytest
 import torch
 
-from dsv3serve.bench.model_mtp import GraphSpecCosts, SpecCosts, speedup_rows
-from dsv3serve.bench.model_points import graph_costs
-from dsv3serve.bench.model_profile import (
+from dsv3serve.bench.model.mtp import GraphSpecCosts, SpecCosts, speedup_rows
+from dsv3serve.bench.model.points import graph_costs
+from dsv3serve.bench.model.profile import (
     DeviceOp,
     call_windows,
     device_ops,
     summarize_ops,
 )
-from dsv3serve.bench.model_projection import project_full_depth, project_graph_costs
-from dsv3serve.bench.model_roofline import (
+from dsv3serve.bench.model.projection import project_full_depth, project_graph_costs
+from dsv3serve.bench.model.roofline import (
     expected_experts_hit,
 )
-from dsv3serve.bench.model_setup import (
+from dsv3serve.bench.model.setup import (
     bench_model_config,
 )
 

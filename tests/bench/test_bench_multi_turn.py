@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dsv3serve.bench.serve_args import BenchServeConfig
-from dsv3serve.bench.serve_client import RequestResult
-from dsv3serve.bench.serve_dataset import sample_requests
-from dsv3serve.bench.serve_kv_counters import kv_moved, parse_kv_counters
-from dsv3serve.bench.serve_multi_turn import ttft_by_kind
+from dsv3serve.bench.serve.client import RequestResult
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.dataset import sample_requests
+from dsv3serve.bench.serve.kv_counters import kv_moved, parse_kv_counters
+from dsv3serve.bench.serve.multi_turn import ttft_by_kind
 from dsv3serve.metrics import EngineState, EngineStateCollector, Identity
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer

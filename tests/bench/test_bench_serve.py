@@ -19,14 +19,15 @@ from typing import Any
 import pytest
 from http_util import ServerThread, free_socket
 
-from dsv3serve.bench.serve_args import BenchServeConfig
-from dsv3serve.bench.serve_dataset import exact_prompt, sample_requests
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.dataset import sample_requests
+from dsv3serve.bench.serve.prompts import exact_prompt
 from dsv3serve.cli import main
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.openai_api import APIConfig, OpenAIServer, build_fastapi_app
+from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app
 from workers.local import LocalEngineBackend
 
 MODEL = "deepseek-v3-tiny"

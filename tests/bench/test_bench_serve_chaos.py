@@ -11,15 +11,15 @@ import argparse
 
 import pytest
 
-from dsv3serve.bench.serve_args import BenchServeConfig, ChaosEvent, parse_chaos
-from dsv3serve.bench.serve_chaos import (
+from dsv3serve.bench.serve.chaos import (
     Kill,
     chaos_report,
     chunk_times,
     format_chaos,
     output_back_s,
 )
-from dsv3serve.bench.serve_client import RequestResult
+from dsv3serve.bench.serve.client import RequestResult
+from dsv3serve.bench.serve.config import BenchServeConfig, ChaosEvent, parse_chaos
 
 
 def test_spec_is_parsed_in_time_order() -> None:

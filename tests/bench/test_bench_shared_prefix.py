@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from dsv3serve.bench.serve_args import BenchServeConfig
-from dsv3serve.bench.serve_dataset import sample_requests
-from dsv3serve.bench.serve_kv_counters import PREFILL_COUNTERS, kv_moved, parse_kv_counters
+from dsv3serve.bench.serve.config import BenchServeConfig
+from dsv3serve.bench.serve.dataset import sample_requests
+from dsv3serve.bench.serve.kv_counters import PREFILL_COUNTERS, kv_moved, parse_kv_counters
 from dsv3serve.metrics import EngineState, Identity
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer

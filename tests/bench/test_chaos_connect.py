@@ -17,7 +17,7 @@ STARTER = (
     "sys.stdin.read()\n"
 )
 JOINER = (  # as bench serve --chaos: ray is first imported by connect
-    "from dsv3serve.bench.serve_chaos import connect\n"
+    "from dsv3serve.bench.serve.chaos import connect\n"
     "connect('auto')\n"
     "import ray\n"
     "print(ray.get_runtime_context().gcs_address, flush=True)\n"

@@ -1,8 +1,8 @@
-"""dsv3serve.bench.greedy_compare: the verdicts docs/perf/serve_gpu.md reports."""
+"""dsv3serve.bench.engine.greedy_compare: the verdicts docs/perf/serve_gpu.md reports."""
 
 from __future__ import annotations
 
-from dsv3serve.bench.greedy_compare import compare, first_difference, same_input_gap, spread
+from dsv3serve.bench.engine.greedy_compare import compare, first_difference, same_input_gap, spread
 
 REF = {"a": [1, 2, 3], "b": [4, 5]}
 REF_TOP = {"a": [{1: -1.0, 9: -1.2}, {2: -0.5}, {3: -0.1}], "b": [{4: -2.0}, {5: -0.3}]}

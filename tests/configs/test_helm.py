@@ -437,7 +437,7 @@ def test_slo_values_reach_the_serving_config_the_policy_and_kuberay() -> None:
     """``slo`` and the roles' min/max replicas become the app's ``slo`` and bounds, the
     deploy config names the same app-level policy the local launcher submits, and
     KubeRay's autoscaler is on."""
-    from router.autoscale_app import autoscaling_policy
+    from router.autoscale.app import autoscaling_policy
 
     values = copy.deepcopy(LAYOUTS["two-node-h200-pd"])
     values["slo"] = {"ttftP99S": 2.0, "itlP99S": 0.1, "drainTimeoutS": 300}

@@ -19,7 +19,7 @@ from helm_util import (
     render,
 )
 
-from router.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from router.api.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 INTERNAL_PORTS = {6379, 8265, 10001, 52365}  # GCS, dashboard, Ray client, dashboard agent
 METRICS_PORTS = {8001, 8002, 8080}  # router replicas 0 and 1 (8001 + rank), Ray's exporter

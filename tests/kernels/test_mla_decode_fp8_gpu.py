@@ -26,7 +26,7 @@ from mla_fp8_tolerance import FP8_RTOL, P_RTOL  # noqa: E402
 from dsv3serve.attention.base import MLADims  # noqa: E402
 from dsv3serve.attention.flashinfer_backend import CudaGraphLimits  # noqa: E402
 from dsv3serve.attention.triton_mla import TritonMLAAttention  # noqa: E402
-from dsv3serve.bench.kernels_mla import FP8_CONFIGS  # noqa: E402
+from dsv3serve.bench.kernels.mla import FP8_CONFIGS  # noqa: E402
 from dsv3serve.kernels.mla_decode_fp8 import FP8MLAConfig  # noqa: E402
 from dsv3serve.kernels.mla_decode_ref import mla_decode_ref  # noqa: E402
 

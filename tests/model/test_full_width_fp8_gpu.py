@@ -40,7 +40,7 @@ import pytest
 import torch
 from fp8_compare import Comparison, compare, kv_tokens_needed, make_reference, make_runner
 
-from dsv3serve.bench.model_setup import bench_model_config
+from dsv3serve.bench.model.setup import bench_model_config
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE
 from dsv3serve.moe.gate_triton import grouped_topk_fused
 from dsv3serve.moe.ref import TorchRefMoE

@@ -11,8 +11,8 @@ import torch
 from model_utils import load_ours, make_attn, prefill_logits
 from moe_util import random_routing
 
-from dsv3serve.bench.kernels_moe import fusion_max_tokens as bench_fusion_max_tokens
-from dsv3serve.bench.model_roofline import mlp_decode_bytes
+from dsv3serve.bench.kernels.moe import fusion_max_tokens as bench_fusion_max_tokens
+from dsv3serve.bench.model.roofline import mlp_decode_bytes
 from dsv3serve.cli import build_parser
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig

@@ -1,4 +1,5 @@
-"""The tuner's search space (the timing itself needs a GPU: ``dsv3serve.bench.moe_tune``)."""
+"""The tuner's search space (the timing itself needs a GPU:
+``dsv3serve.bench.kernels.moe_tune``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dsv3serve.bench.moe_tune import (
+from dsv3serve.bench.kernels.moe_tune import (
     BLOCK_MS,
     QUICK_TOKENS,
     block_ms,

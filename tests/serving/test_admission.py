@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import MIN_REFUSAL_HEADROOM, Admission, router_max_ongoing
+from router.api.admission import MIN_REFUSAL_HEADROOM, Admission, router_max_ongoing
 from router.app import DRAIN_POLL_S, bind_app
 from router.config import ServingConfig
 

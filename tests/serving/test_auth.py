@@ -17,7 +17,7 @@ import pytest
 from serving_util import free_port, local_serve, running_app, serving_config
 
 from dsv3serve.settings import API_KEY_ENV
-from router.auth import MISSING_KEY, WRONG_KEY, APIKeyAuth
+from router.api.auth import MISSING_KEY, WRONG_KEY, APIKeyAuth
 from router.config import ConfigError
 from router.proto import generate_pb2 as pb
 from router.proto.generate_pb2_grpc import GenerationStub

@@ -16,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from ray import serve
+from router.policy import ReplicaSet
 from serving_util import TINY_ENGINE, local_serve, serving_config
 
-from router.autoscale_app import (
+from router.autoscale.app import (
     MembershipWatch,
     autoscaling_policy,
     with_autoscaling_policy,
@@ -26,7 +27,6 @@ from router.autoscale_app import (
     worker_count,
 )
 from router.launch import deploy_autoscaled
-from router.policy import ReplicaSet
 
 APP = "scaled"
 STREAMS = 6
@@ -136,7 +136,7 @@ def test_an_autoscaled_role_binds_max_replicas_deployments_of_zero_or_one() -> N
     assert worker_autoscaling(cfg, "decode", 1)["autoscaling_config"]["initial_replicas"] == 1
     assert worker_autoscaling(cfg, "decode", 1)["graceful_shutdown_timeout_s"] == 90.0
     policy = autoscaling_policy(cfg)
-    assert policy is not None and policy["policy_function"] == "router.autoscale_serve:PDAutoscaler"
+    assert policy is not None and policy["policy_function"] == "router.autoscale.serve:PDAutoscaler"
     assert policy["policy_kwargs"]["bounds"] == {"prefill": [1, 3], "decode": [1, 2]}
     assert policy["policy_kwargs"]["cooldown_s"] == 5.0
     fixed = serving_config()

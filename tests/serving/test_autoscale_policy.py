@@ -1,4 +1,4 @@
-"""The SLO autoscaling policies (router/autoscale.py) on a table of metric snapshots ->
+"""The SLO autoscaling policies (router/autoscale/decisions.py) on a table of metric snapshots ->
 decisions, and the config fields that carry their targets and bounds (router/config.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.autoscale import (
+from router.autoscale.decisions import (
     Bounds,
     Decision,
     DecodeSnapshot,

@@ -1,4 +1,4 @@
-"""PDAutoscaler (router/autoscale_serve.py) under Serve's own AutoscalingContext: it
+"""PDAutoscaler (router/autoscale/serve.py) under Serve's own AutoscalingContext: it
 groups the per-replica worker deployments by role, builds each role's snapshot from the
 workers' custom metrics and turns the role's decision into 0/1 per deployment."""
 
@@ -8,7 +8,7 @@ import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
-from router.autoscale_serve import PDAutoscaler
+from router.autoscale.serve import PDAutoscaler
 
 APP = "dsv3serve"
 
@@ -105,7 +105,7 @@ def test_a_change_holds_through_its_cooldown_while_serve_still_reports_the_old_c
     and the load looks calm: within the cooldown the policy keeps its 2, not the reported
     1 (which would undo its own decision)."""
     now = [0.0]
-    monkeypatch.setattr("router.autoscale_serve.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("router.autoscale.serve.time.monotonic", lambda: now[0])
     scaler = PDAutoscaler(2.0, 0.1, {"prefill": [1, 1], "decode": [1, 2]}, cooldown_s=50.0)
 
     def tick(decode_load: dict[str, float]) -> dict[str, int]:

@@ -35,7 +35,7 @@ from openai_api_util import (
 from dsv3serve.tokenizer.chat_template import render_chat
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.chat_tools import ToolDef, tools_system_prompt
+from router.api.chat_tools import ToolDef, tools_system_prompt
 
 WEATHER_PARAMS = {
     "type": "object",

@@ -1,6 +1,6 @@
 """Tools and reasoning over the gRPC service: the new proto fields, both directions.
 
-The service (``router.grpc_api.GenerationService``) runs on the real OpenAIServer, with a
+The service (``router.api.grpc_api.GenerationService``) runs on the real OpenAIServer, with a
 FakeScriptedBackend as the model (it writes the tool calls and ``</think>`` the tiny
 model cannot be asked for) and a fake context in place of Ray Serve's gRPC proxy. Every
 message is serialised and parsed again, as it would be on the wire.
@@ -21,8 +21,8 @@ from chat_output_util import ScriptedServer, calls_section, scripted_server
 from dsv3serve.metrics import Identity, Metrics
 from dsv3serve.tokenizer.files import write_tokenizer_files
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.auth import APIKeyAuth
-from router.grpc_api import GenerationService
+from router.api.auth import APIKeyAuth
+from router.api.grpc_api import GenerationService
 from router.proto import generate_pb2 as pb
 
 THOUGHT, ANSWER = "Two and two.\n", "\n\n4"

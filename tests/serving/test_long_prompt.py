@@ -2,7 +2,7 @@
 
 The default app (``dsv3serve serve``: ``router.launch``'s args) on the tiny model takes
 about a minute of CPU for the prefill of such a prompt. The prefill time-out follows the
-replica's progress (``router.prefill_watch``), so neither the long request nor a short one
+replica's progress (``router.pd.prefill_watch``), so neither the long request nor a short one
 queued behind it fails while the replica is busy.
 """
 

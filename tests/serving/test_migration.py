@@ -20,7 +20,7 @@ from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from dsv3serve.tokenizer.locate import tokenizer_dir
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.migration import DecodeLost, Migrator
+from router.pd.migration import DecodeLost, Migrator
 from workers.backend import BackendOverloaded, BackendUnavailable
 from workers.protocol import GenerateRequest, TokenChunk
 

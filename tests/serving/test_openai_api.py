@@ -15,7 +15,7 @@ from test_engine import make_engine
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.sampling.sampling_params import SamplingParams
-from router.openai_api import OpenAIServer
+from router.api.openai_api import OpenAIServer
 from workers.local import LocalEngineBackend
 from workers.protocol import GenerateRequest, TokenChunk
 

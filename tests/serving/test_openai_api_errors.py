@@ -13,7 +13,7 @@ from http_util import ServerThread
 
 from dsv3serve.model.tiny import cached_tiny_checkpoint
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.openai_api import APIConfig, OpenAIServer, build_fastapi_app
+from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app
 from workers.backend import BackendOverloaded
 from workers.protocol import GenerateRequest, TokenChunk
 

@@ -25,9 +25,9 @@ from request_fuzz import any_json, deep_json, request_bodies
 from test_engine import make_engine
 
 from dsv3serve.metrics import Identity, Metrics
+from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app
+from router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.metered import MeteredBackend
-from router.openai_api import APIConfig, OpenAIServer, build_fastapi_app
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from workers.local import LocalEngineBackend
 
 BODY_TIMEOUT_S = 1.0

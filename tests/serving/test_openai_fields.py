@@ -6,7 +6,7 @@ field OpenAI adds fails ``test_every_openai_field_is_classified`` until it is gi
 place here. HONOURED names, per field, the behaviour tests that show it working
 (``module::test``, checked to exist); the sampling fields are also checked to reach the
 engine's SamplingParams through the router's one validation path. REFUSED fields come
-from ``router/openai_fields.py`` (plus those ``unsupported()`` refuses) and are each sent
+from ``router/api/openai_fields.py`` (plus those ``unsupported()`` refuses) and are each sent
 once, with a value the server cannot honour, to a real HTTP server.
 """
 
@@ -26,7 +26,7 @@ from openai_api_util import (
     served_fixture,  # noqa: F401 (fixture served)
 )
 
-from router.openai_fields import REFUSED
+from router.api.openai_fields import REFUSED
 
 try:
     import httpx

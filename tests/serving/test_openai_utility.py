@@ -21,7 +21,7 @@ from openai_api_util import (
     wait_idle,
 )
 
-from router.openai_utility import package_version
+from router.api.openai_utility import package_version
 
 
 def post(served: Served, path: str, body: dict[str, Any]) -> httpx.Response:

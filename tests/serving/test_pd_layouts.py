@@ -62,7 +62,7 @@ PROMPTS = {
 }
 PREFILL_DELAY_S = 2.0
 RECEIVE_DELAY_S = 2.0
-LEASE_S = 60.0  # staged KV; a decode reservation's lease is longer (router/pd.py)
+LEASE_S = 60.0  # staged KV; a decode reservation's lease is longer (router/pd/backend.py)
 FREED_WITHIN_S = 15.0  # well inside every lease: the abort freed it, not a lease
 
 

@@ -1,6 +1,6 @@
-"""router/prefill_watch.py: a prefill is given up when its replica stalls, not when it is
+"""router/pd/prefill_watch.py: a prefill is given up when its replica stalls, not when it is
 busy. The replica's progress answers are scripted (a fake replica); the work is a real
-asyncio future that ends when the script says so. Then router/pd.py's retry over a fake
+asyncio future that ends when the script says so. Then router/pd/backend.py's retry over a fake
 replica handle: it gets its wait for the replica to come back."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from router.policy import ReplicaSet
 
 from dsv3serve.sampling.sampling_params import SamplingParams
 from router.config import RouterSettings
-from router.pd import PDBackend
-from router.policy import ReplicaSet
-from router.prefill_watch import PrefillStalled, until_stalled
+from router.pd.backend import PDBackend
+from router.pd.prefill_watch import PrefillStalled, until_stalled
 from workers.protocol import (
     GenerateRequest,
     PrefillRequest,
@@ -81,7 +81,7 @@ def test_the_ceiling_bounds_a_busy_replica() -> None:
         asyncio.run(FakeReplica([step(1, stepping=True)], done_after=None).watch(0.05))
 
 
-# ---- the retry's wait (router/pd.py's PDBackend._prefill over fake replica handles) --------
+# ---- the retry's wait (router/pd/backend.py's PDBackend._prefill over fake replica handles)
 RETRY_WAIT_S = 5.0  # the bound on waiting for the replica to come back
 FIRST_TRY_S = RETRY_WAIT_S + 1.0  # the first try outlives it: a long prompt, then a crash
 

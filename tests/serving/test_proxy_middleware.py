@@ -1,4 +1,4 @@
-"""router/proxy_middleware.py on its own: the inner app (Serve's proxy) is a fake that plays
+"""router/api/proxy_middleware.py on its own: the inner app (Serve's proxy) is a fake that plays
 back the ASGI messages the proxy sends in each case; the real proxy is in
 tests/serving/test_router_loss.py."""
 
@@ -11,13 +11,13 @@ from collections.abc import Sequence
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from router.proxy_middleware import (
+from router.api.proxy_middleware import (
     ROUTER_LOST_CODE,
     STREAM_CUT_CODE,
     StreamEndGuard,
     proxy_middlewares,
 )
-from router.sse import DONE
+from router.api.sse import DONE
 
 SSE_START: Message = {
     "type": "http.response.start",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from kv_transfer.handle import KVHandle
-from router.overlap import RangeForwarder
+from router.pd.range_forwarder import RangeForwarder
 from workers.protocol import PullRequest, PullResult, decode, encode
 
 

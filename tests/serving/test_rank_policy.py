@@ -1,4 +1,4 @@
-"""router.rank_policy: (replica, DP rank) choice by expected prefix hit and load (pure)."""
+"""router.routing.rank_policy: (replica, DP rank) choice by expected prefix hit and load (pure)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dsv3serve.engine.scheduler import Scheduler, SchedulerConfig
 from dsv3serve.kvcache.host_tier import HostTier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
-from router.rank_policy import RankReport, RoutingWeights, rank_candidates
+from router.routing.rank_policy import RankReport, RoutingWeights, rank_candidates
 from workers.rank_report import rank_loads
 
 PAGE = 16

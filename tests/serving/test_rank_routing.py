@@ -1,4 +1,4 @@
-"""router.rank_routing: the per-rank board a router polls and orders targets by.
+"""router.routing.rank_routing: the per-rank board a router polls and orders targets by.
 
 The replicas here are fakes (``FakeHandle``: no engine, a scripted ``load`` answer); the
 live app is tests/serving/test_serving_dp_routing.py.
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
 from router.policy import ReplicaSet
-from router.rank_policy import RoutingWeights
-from router.rank_routing import RankBoard
+
+from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
+from router.routing.rank_policy import RoutingWeights
+from router.routing.rank_routing import RankBoard
 from workers.protocol import RankLoad, WorkerLoad
 
 PAGE = 4

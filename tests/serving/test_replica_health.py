@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from router.policy import affinity_index, prefill_order
 from test_router_policy import replicas
 
-from router.policy import affinity_index, prefill_order
-from router.replica_health import ReplicaHealth
+from router.routing.replica_health import ReplicaHealth
 
 
 class ProbeAnswers:

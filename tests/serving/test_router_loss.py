@@ -1,9 +1,9 @@
 """Two router replicas on real local Ray: each has its own metrics port, and killing the
 one serving a stream ends that stream with an error event (Serve's proxy runs
-router/proxy_middleware.py, as `dsv3serve serve` sets it up) while the other router
+router/api/proxy_middleware.py, as `dsv3serve serve` sets it up) while the other router
 keeps serving; the decode replica stops decoding for the dead router
 (workers/caller_watch.py); gRPC calls on a killed router end UNAVAILABLE with a clean
-message (router/grpc_proxy.py)."""
+message (router/api/grpc_proxy.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from serving_util import (
     worker_stats,
 )
 
+from router.api.proxy_middleware import ROUTER_LOST_CODE, STREAM_CUT_CODE
 from router.proto import generate_pb2 as pb
 from router.proto.generate_pb2_grpc import GenerationStub
-from router.proxy_middleware import ROUTER_LOST_CODE, STREAM_CUT_CODE
 
 APP = "router-loss"
 STREAM_TOKENS = 4000  # long enough to be mid-stream when its router is killed

@@ -20,7 +20,7 @@ from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.seam import Seam, continuation, unsupported
+from router.pd.seam import Seam, continuation, unsupported
 from workers.convert import chunk_from_output
 from workers.protocol import GenerateRequest, TokenChunk
 

@@ -3,7 +3,7 @@ the official openai client; decode is a DP-attention group of two ranks (gloo on
 prefill one rank.
 
 The router polls each replica's per-rank load and prefix-cache summary and scores every
-(replica, DP rank) (``router.rank_routing``); the chosen rank travels in the reserve
+(replica, DP rank) (``router.routing.rank_routing``); the chosen rank travels in the reserve
 message and the decode group's DP scheduler places the request there. Which rank took a
 request is read from the decode replica's counters (``WorkerStats.rank_requests``).
 

@@ -29,7 +29,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
 from dsv3serve.sampling.sampling_params import SamplingParams
-from router.prefill_watch import PrefillStalled, prefill_failure
+from router.pd.prefill_watch import PrefillStalled, prefill_failure
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, in detail."}]
 PD, COLOCATED, PD_TORCH_DIST = "pd", "colo", "pdtd"

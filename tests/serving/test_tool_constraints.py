@@ -16,8 +16,8 @@ from chat_output_util import call_text, calls_section
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from dsv3serve.parsers.tool_calls import ToolCallParser
-from router.chat_tools import NamedToolChoice, ToolChoice, ToolDef
-from router.tool_constraints import structural_tag_json, tool_call_structural_tag
+from router.api.chat_tools import NamedToolChoice, ToolChoice, ToolDef
+from router.api.tool_constraints import structural_tag_json, tool_call_structural_tag
 
 PARAMS: dict[str, dict[str, Any]] = {
     "add": {

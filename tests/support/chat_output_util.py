@@ -18,7 +18,7 @@ from dsv3serve.tokenizer.chat_template import (
     TOOL_SEP,
 )
 from dsv3serve.tokenizer.tokenizer import Tokenizer
-from router.openai_api import APIConfig, OpenAIServer, build_fastapi_app
+from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app
 
 MODEL = "deepseek-v3-tiny"
 MAX_MODEL_LEN = 2048

@@ -13,7 +13,7 @@ from http_util import ServerThread
 from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
-from router.openai_api import APIConfig, OpenAIServer, build_fastapi_app
+from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app
 from workers.local import LocalEngineBackend
 
 MAX_MODEL_LEN = 1024

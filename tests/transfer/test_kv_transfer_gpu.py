@@ -1,7 +1,7 @@
 """KV transfer between two GPUs: torch_dist over NCCL (and gloo, and shm) with CUDA pools.
 
 Skipped without CUDA (conftest) or with fewer than two GPUs. The prefill side's serving
-thread is rank 0 and the test thread rank 1, in one process; ``dsv3serve.bench.kv_check_gpu``
+thread is rank 0 and the test thread rank 1, in one process; ``dsv3serve.bench.kv.check_gpu``
 (run last) does the same between two processes with real engines.
 """
 
@@ -102,7 +102,7 @@ def test_shm_with_cuda_pools(dtype: torch.dtype) -> None:
 
 
 def test_check_gpu_script_passes(tmp_path: Path) -> None:
-    from dsv3serve.bench.kv_check_gpu import main
+    from dsv3serve.bench.kv.check_gpu import main
 
     out = tmp_path / "check.json"
     argv = ["--out", str(out), "--num-prompts", "2", "--bw-tokens", "2048", "--bw-iters", "3"]

@@ -22,12 +22,12 @@
 {{- end -}}
 
 {{/* The router's API key is the head's alone, and so is Serve's HTTP proxy (HeadOnly): its
-middleware (router/proxy_middleware.py) ends a stream cut by a router replica's death with an
+middleware (router/api/proxy_middleware.py) ends a stream cut by a router replica's death with an
 error event. */}}
 {{- define "dsv3serve.headEnv" -}}
 {{- include "dsv3serve.rayAuthEnv" . }}
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
-  value: router.proxy_middleware:proxy_middlewares
+  value: router.api.proxy_middleware:proxy_middlewares
 {{- if .Values.apiKey.enabled }}
 - name: DSV3SERVE_API_KEY
   valueFrom:

@@ -64,9 +64,9 @@ applications:
         ray_actor_options:
           resources: {"node:__internal_head__": 0.001}
     {{- with .Values.slo }}
-    # Serve's application-level autoscaling policy (router/autoscale_app.py writes the same)
+    # Serve's application-level autoscaling policy (router/autoscale/app.py writes the same)
     autoscaling_policy:
-      policy_function: router.autoscale_serve:PDAutoscaler
+      policy_function: router.autoscale.serve:PDAutoscaler
       policy_kwargs:
         ttft_p99_s: {{ .ttftP99S }}
         itl_p99_s: {{ .itlP99S }}

@@ -1,0 +1,1 @@
+"""``dsv3serve bench model``: DeepSeek-V3's prefill, decode and MTP step costs at full width."""

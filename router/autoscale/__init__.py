@@ -1,0 +1,3 @@
+"""SLO autoscaling of the worker roles: the pure decisions, Serve's app-level policy, the
+binding and the router's membership watch.
+"""
