@@ -41,8 +41,8 @@ from router.metered import MeteredBackend
 from router.metrics_server import TEXT_FORMAT, MergedCollector, serve_metrics
 from router.pd.backend import PDBackend
 from router.pd.colocated import ColocatedBackend
-from router.policy import ReplicaSet
 from router.proto import generate_pb2 as pb
+from router.routing.policy import ReplicaSet
 from router.routing.rank_routing import rank_board
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.json_types import JSONObject
-from router.policy import Policy
+from router.routing.policy import Policy
 from workers.config import WorkerConfig
 from workers.pd_compat import check_pd_kv_compatible
 from workers.protocol import Role

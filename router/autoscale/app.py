@@ -16,7 +16,7 @@ from typing import Any
 
 from router.autoscale.metrics import AutoscaleMetrics
 from router.config import ServingConfig
-from router.policy import ReplicaSet
+from router.routing.policy import ReplicaSet
 from workers.protocol import Role
 
 POLICY_PATH = "router.autoscale.serve:PDAutoscaler"

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dsv3serve.metrics import NS, Identity
 from router.config import SLO
-from router.policy import ReplicaSet
+from router.routing.policy import ReplicaSet
 
 
 class AutoscaleMetrics:

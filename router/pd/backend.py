@@ -56,7 +56,7 @@ from router.pd.replica_calls import (
     progress_of,
 )
 from router.pd.seam import SeamTokenizer
-from router.policy import ReplicaSet
+from router.routing.policy import ReplicaSet
 from router.routing.rank_routing import PDTargets, Target
 from router.routing.replica_health import ReplicaHealth
 from workers.backend import BackendError, BackendOverloaded, BackendUnavailable, error_from_chunk

@@ -7,7 +7,7 @@ from contextlib import aclosing
 
 from router.pd.relay import relay
 from router.pd.replica_calls import any_alive
-from router.policy import ReplicaSet
+from router.routing.policy import ReplicaSet
 from router.routing.rank_routing import RankBoard
 from workers.protocol import GenerateRequest, TokenChunk, encode
 

@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from router.pd.migration import DecodeLost
-from router.policy import ReplicaSet
+from router.routing.policy import ReplicaSet
 from workers.backend import BackendError
 from workers.protocol import TokenChunk, WorkerLoad, WorkerProgress
 from workers.protocol import decode as parse

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from router.config import RouterSettings
-from router.policy import ReplicaSet, prefill_order
+from router.routing.policy import ReplicaSet, prefill_order
 from router.routing.rank_policy import RankReport, RoutingWeights, rank_candidates
 from workers.protocol import WorkerLoad
 from workers.protocol import decode as parse

@@ -12,7 +12,7 @@ import contextvars
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from router.policy import ReplicaSet
+from router.routing.policy import ReplicaSet
 
 Probe = Callable[[Any], Awaitable[bool]]  # a handle -> whether its replica answered
 

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from ray import serve
-from router.policy import ReplicaSet
 from serving_util import TINY_ENGINE, local_serve, serving_config
 
 from router.autoscale.app import (
@@ -27,6 +26,7 @@ from router.autoscale.app import (
     worker_count,
 )
 from router.launch import deploy_autoscaled
+from router.routing.policy import ReplicaSet
 
 APP = "scaled"
 STREAMS = 6

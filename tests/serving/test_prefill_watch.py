@@ -9,12 +9,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from router.policy import ReplicaSet
 
 from dsv3serve.sampling.sampling_params import SamplingParams
 from router.config import RouterSettings
 from router.pd.backend import PDBackend
 from router.pd.prefill_watch import PrefillStalled, until_stalled
+from router.routing.policy import ReplicaSet
 from workers.protocol import (
     GenerateRequest,
     PrefillRequest,

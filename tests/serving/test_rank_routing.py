@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.policy import ReplicaSet
-
 from dsv3serve.kvcache.prefix_hash import page_prefix_hashes
+from router.routing.policy import ReplicaSet
 from router.routing.rank_policy import RoutingWeights
 from router.routing.rank_routing import RankBoard
 from workers.protocol import RankLoad, WorkerLoad

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from router.policy import affinity_index, prefill_order
 from test_router_policy import replicas
 
+from router.routing.policy import affinity_index, prefill_order
 from router.routing.replica_health import ReplicaHealth
 
 

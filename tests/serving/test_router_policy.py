@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from router.policy import ReplicaSet, affinity_index, prefill_order
+from router.routing.policy import ReplicaSet, affinity_index, prefill_order
 
 
 def replicas(*loads: int) -> ReplicaSet:
