@@ -3,102 +3,36 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
-import uuid
 
 import pytest
-from serving_util import TINY_ENGINE, holds_nothing
-from spec_util import scratch_drafts
+from serving_util import holds_nothing
+from worker_host_util import (
+    GREEDY,
+    attempt,
+    collect,
+    flat,
+    host,
+    pd_generate,
+    pd_hosts,
+    request,
+)
 
-from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.sampling.sampling_params import SamplingParams
-from workers.config import WorkerConfig
 from workers.host import EngineHost, WrongRoleError
 from workers.protocol import (
     DecodeRequest,
-    DraftHandoff,
     GenerateRequest,
-    PrefillRequest,
     ReserveRequest,
     TokenChunk,
-    encode,
 )
-
-GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs=1)
-PROMPT = list(range(1000, 1037))
-SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
-
-
-def host(role: str, engine_extra: dict | None = None, **extra: object) -> EngineHost:
-    engine = EngineConfig(**{**TINY_ENGINE, "num_kv_tokens": 1024, **(engine_extra or {})})
-    return EngineHost(WorkerConfig(role=role, engine=engine, **extra))
 
 
 @pytest.fixture(scope="module")
 def hosts() -> dict[str, EngineHost]:
-    return {
-        "prefill": host("prefill", kv_lease_s=0.5),
-        "decode": host("decode"),
-        "colocated": host("colocated"),
-    }
-
-
-@pytest.fixture(scope="module")
-def spec_hosts() -> dict[str, EngineHost]:
-    """A prefill and a decode host with MTP speculative decoding (NextN, 2 steps)."""
-    return {"prefill": host("prefill", SPEC), "decode": host("decode", SPEC)}
-
-
-async def collect(stream) -> list[TokenChunk]:  # noqa: ANN001 - any async iterator
-    return [chunk async for chunk in stream]
-
-
-def request(rid: str, params: SamplingParams = GREEDY) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_ids=PROMPT, params=params)
-
-
-def attempt(req: GenerateRequest, n: int = 0, tag: str | None = None) -> PrefillRequest:
-    """Prefill attempt ``n`` of ``req``, named as the router names them (``tag``: the
-    unique suffix; a fresh one by default, as every try of the router gets)."""
-    tag = uuid.uuid4().hex[:8] if tag is None else tag
-    return PrefillRequest(request=req, attempt_id=f"{req.request_id}.p{n}.{tag}")
-
-
-async def handoff(
-    prefill: EngineHost, decode: EngineHost, req: GenerateRequest, draft: object = "sent"
-) -> list[TokenChunk]:
-    """Reserve, prefill, decode and release as the router does; ``draft`` replaces the
-    prefill side's draft state unless it is ``"sent"``."""
-    num_tokens = len(req.prompt_ids)
-    rid = req.request_id
-    assert (
-        await decode.reserve(ReserveRequest(request_id=rid, num_tokens=num_tokens, lease_s=5))
-    ).ok
-    result = await prefill.prefill(attempt(req))
-    assert result.kv is not None and result.kv.num_tokens == num_tokens
-    first = result.first
-    msg = DecodeRequest(
-        request=req,
-        first_token=first.token_ids[0],
-        first_logprob=first.logprobs[0] if first.logprobs else 0.0,
-        first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
-        kv=result.kv,
-        draft=result.draft if draft == "sent" else draft,
-    )
-    chunks = await collect(decode.decode(msg))
-    await prefill.release_kv(result.kv.request_id)  # the attempt id
-    return chunks
-
-
-async def pd_generate(hosts: dict[str, EngineHost], rid: str) -> list[TokenChunk]:
-    return await handoff(hosts["prefill"], hosts["decode"], request(rid))
-
-
-def flat(chunks: list[TokenChunk], key: str) -> list[object]:
-    return [x for c in chunks for x in getattr(c, key)]
+    return pd_hosts()
 
 
 def test_pd_stream_equals_colocated_tokens_text_and_logprobs(hosts: dict[str, EngineHost]) -> None:
@@ -226,98 +160,6 @@ def test_calls_for_another_role_are_refused(hosts: dict[str, EngineHost]) -> Non
         asyncio.run(collect(hosts["decode"].generate(request("y"))))
 
 
-# ---- speculative decoding (MTP) across the handoff ----------------------------------
-
-
-def record_first_drafts(engine: Engine) -> dict[str, tuple[list[int], list[int]]]:
-    """Wrap ``engine``'s draft chain: each sequence's first (context, drafts) is kept."""
-    chain, first = engine.spec.propose, {}
-
-    def recording(items):  # noqa: ANN001, ANN202 - the wrapped method's own signature
-        drafts = chain(items)
-        for item in items:
-            if item.seq_id in drafts:
-                first.setdefault(item.seq_id, (item.seq.all_token_ids, drafts[item.seq_id]))
-        return drafts
-
-    engine.spec.propose = recording
-    return first
-
-
-def test_speculative_pd_equals_plain_colocated_and_drafts_at_once(
-    hosts: dict[str, EngineHost], spec_hosts: dict[str, EngineHost]
-) -> None:
-    """The draft state crosses the wire bit-exact: the first decode step drafts at once,
-    what the NextN layer recomputed from scratch would draft; outputs stay lossless."""
-    decode = spec_hosts["decode"]
-    first_drafts = record_first_drafts(decode.engine)
-    drafted = decode.engine.spec_stats.draft_tokens
-    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=1)
-    reqs = [
-        GenerateRequest(request_id=f"s{i}", prompt_ids=ids, params=params)
-        for i, ids in enumerate([PROMPT, list(range(3000, 3005)), list(range(4000, 4070))])
-    ]
-
-    async def run() -> list[tuple[list[TokenChunk], list[TokenChunk]]]:
-        spec_prefill, colocated = spec_hosts["prefill"], hosts["colocated"]
-        return [
-            (await handoff(spec_prefill, decode, r), await collect(colocated.generate(r)))
-            for r in reqs
-        ]
-
-    try:
-        results = asyncio.run(run())
-    finally:
-        del decode.engine.spec.propose
-    for req, (pd, colo) in zip(reqs, results, strict=True):
-        assert flat(pd, "token_ids") == flat(colo, "token_ids")
-        assert flat(pd, "logprobs") == pytest.approx(flat(colo, "logprobs"), abs=1e-4)
-        context, drafts = first_drafts[f"{req.request_id}#0"]
-        assert context == req.prompt_ids + pd[0].token_ids  # the step after the handoff
-        assert drafts == scratch_drafts(decode.engine.runner.model, context, len(drafts))
-    assert decode.engine.spec_stats.draft_tokens > drafted
-    assert all(holds_nothing(h.stats()) for h in spec_hosts.values())
-
-
-def test_decode_without_speculation_ignores_a_draft_state(
-    hosts: dict[str, EngineHost], spec_hosts: dict[str, EngineHost]
-) -> None:
-    async def run() -> tuple[list[TokenChunk], list[TokenChunk]]:
-        pd = await handoff(spec_hosts["prefill"], hosts["decode"], request("i"))
-        return pd, await collect(hosts["colocated"].generate(request("i")))
-
-    pd, colo = asyncio.run(run())
-    assert flat(pd, "token_ids") == flat(colo, "token_ids")
-    assert holds_nothing(hosts["decode"].stats()) and holds_nothing(spec_hosts["prefill"].stats())
-
-
-FOREIGN_DRAFT = DraftHandoff(token=1, dtype="float32", shape=[3], hidden=bytes(12))
-
-
-@pytest.mark.parametrize(
-    ("prefill_role", "draft", "message"),
-    [
-        ("plain", "sent", "the prefill side sent no draft state"),
-        ("spec", None, "the prefill side sent no draft state"),
-        ("spec", FOREIGN_DRAFT, "found shape [3], expected ["),
-    ],
-)
-def test_speculative_decode_refuses_a_missing_or_foreign_draft_state(
-    hosts: dict[str, EngineHost],
-    spec_hosts: dict[str, EngineHost],
-    prefill_role: str,
-    draft: object,
-    message: str,
-) -> None:
-    """Without the prefill side's draft state the draft layer's KV of the prompt was
-    never written: a 503 chunk, and neither side keeps anything."""
-    prefill = hosts["prefill"] if prefill_role == "plain" else spec_hosts["prefill"]
-    chunks = asyncio.run(handoff(prefill, spec_hosts["decode"], request("m"), draft))
-    assert len(chunks) == 1 and chunks[0].finished and chunks[0].error_status == 503
-    assert message in (chunks[0].error or "")
-    assert holds_nothing(prefill.stats()) and holds_nothing(spec_hosts["decode"].stats())
-
-
 # ---- fenced cleanup: the release-vs-retry race -----------------------------------------
 
 
@@ -416,128 +258,6 @@ def test_a_released_attempt_that_arrives_late_stages_nothing(
     assert result.kv is None and result.first.error_status == 503
     assert "released" in (result.first.error or "")
     assert holds_nothing(prefill.stats())
-
-
-# ---- decode-side prefix reuse -------------------------------------------------------
-
-
-async def reusing_handoff(
-    prefill: EngineHost, decode: EngineHost, req: GenerateRequest, skip: int | None = None
-) -> tuple[list[TokenChunk], dict[str, object]]:
-    """The router's PD path with prefix reuse: reserve naming the prompt, prefill staging
-    all pages but those the decode side holds (``skip`` overrides that), decode. Returns
-    the chunks and the decode side's reserve reply as it goes over the wire."""
-    rid, ids = req.request_id, req.prompt_ids
-    reserve = ReserveRequest(request_id=rid, num_tokens=len(ids), lease_s=5, prompt_ids=ids)
-    reserved = await decode.reserve(reserve)
-    assert reserved.ok
-    msg = attempt(req).model_copy(update={"skip_pages": reserved.cached_pages})
-    if skip is not None:
-        msg = msg.model_copy(update={"skip_pages": skip})
-    result = await prefill.prefill(msg)
-    assert result.kv is not None and result.kv.first_page == msg.skip_pages
-    first = result.first
-    chunks = await collect(
-        decode.decode(
-            DecodeRequest(
-                request=req,
-                first_token=first.token_ids[0],
-                first_logprob=first.logprobs[0],
-                kv=result.kv,
-                cached_tokens=first.cached_tokens,
-            )
-        )
-    )
-    await prefill.release_kv(msg.attempt_id)
-    return chunks, json.loads(encode(reserved))
-
-
-def test_a_repeated_prompt_pulls_only_its_last_page(hosts: dict[str, EngineHost]) -> None:
-    """The second time a 70-token prompt comes (pages of 16), the decode side holds its
-    first 4 pages: only the 5th is staged and pulled; the tokens equal colocated, and
-    ``cached_tokens`` is the prefill side's own hit (64)."""
-    prefill, decode = hosts["prefill"], hosts["decode"]
-    req = GenerateRequest(request_id="rp", prompt_ids=list(range(5000, 5070)), params=GREEDY)
-    before = decode.stats()
-
-    async def run() -> list[tuple[list[TokenChunk], dict[str, object]]]:
-        return [await reusing_handoff(prefill, decode, req) for _ in range(2)]
-
-    (one, reply_one), (two, reply_two) = asyncio.run(run())
-    after = decode.stats()
-    assert reply_one == {"ok": True, "num_pages": 5, "cached_pages": 0, "dp_rank": 0}
-    assert reply_two == {"ok": True, "num_pages": 1, "cached_pages": 4, "dp_rank": 0}
-    assert after.pulled_pages - before.pulled_pages == 5 + 1
-    assert after.reused_pages - before.reused_pages == 4
-    assert (after.rank_requests, after.rank_fallbacks) == ([], 0)  # no DP: no placement
-    colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
-    assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
-    assert {c.cached_tokens for c in one} == {0} and {c.cached_tokens for c in two} == {64}
-    assert all(holds_nothing(h.stats()) for h in hosts.values())
-
-
-def test_a_skip_past_the_prompt_is_refused_before_the_prefill(
-    hosts: dict[str, EngineHost],
-) -> None:
-    """``skip_pages`` that leaves no page of the prompt (37 tokens in pages of 16: 3) is the
-    router's bug: an in-band 500 that says what was expected, and the prefill never runs."""
-    prefill = hosts["prefill"]
-    before = prompt_tokens_counted(prefill)
-    msg = attempt(request("skip")).model_copy(update={"skip_pages": 3})
-    result = asyncio.run(prefill.prefill(msg))
-    assert result.kv is None and result.first.error_status == 500
-    want = "skip_pages must be in [0, 3) for a prompt of 37 tokens in pages of 16, got 3"
-    assert result.first.error == want
-    assert prompt_tokens_counted(prefill) == before
-    assert holds_nothing(prefill.stats())
-
-
-def prompt_tokens_counted(h: EngineHost) -> float:
-    labels = {"role": h.cfg.role, "replica": h.cfg.role, "model": h.cfg.engine.model}
-    value = h.metrics.m.registry.get_sample_value("dsv3serve:prompt_tokens_total", labels)
-    assert value is not None, f"no prompt_tokens_total sample for {labels}"
-    return value
-
-
-def test_staged_pages_that_do_not_fit_the_reservation_are_refused(
-    hosts: dict[str, EngineHost],
-) -> None:
-    """A prefill that stages the whole prompt for a decode side holding its first pages:
-    a 503 naming the mismatch, and neither side keeps anything (the prefix lock included)."""
-    prefill, decode = hosts["prefill"], hosts["decode"]
-    req = GenerateRequest(request_id="mm", prompt_ids=list(range(6000, 6040)), params=GREEDY)
-
-    async def run() -> list[TokenChunk]:
-        await reusing_handoff(prefill, decode, req)
-        chunks, reply = await reusing_handoff(prefill, decode, req, skip=0)
-        assert reply["cached_pages"] == 2
-        return chunks
-
-    chunks = asyncio.run(run())
-    assert len(chunks) == 1 and chunks[0].error_status == 503
-    assert "holds the first 2 pages" in (chunks[0].error or "")
-    assert holds_nothing(prefill.stats()) and holds_nothing(decode.stats())
-
-
-def test_decode_prefix_reuse_off_pulls_every_page_every_time(
-    hosts: dict[str, EngineHost],
-) -> None:
-    """``decode_prefix_reuse=False``: the same prompt twice, and the decode side claims no
-    cached page either time, so prefill stages and decode pulls all 5 pages both times;
-    the tokens are the ones reuse gives."""
-    prefill, decode = hosts["prefill"], host("decode", decode_prefix_reuse=False)
-    req = GenerateRequest(request_id="nr", prompt_ids=list(range(7000, 7070)), params=GREEDY)
-
-    async def run() -> list[tuple[list[TokenChunk], dict[str, object]]]:
-        return [await reusing_handoff(prefill, decode, req) for _ in range(2)]
-
-    (one, reply_one), (two, reply_two) = asyncio.run(run())
-    stats = decode.stats()
-    assert (reply_one["cached_pages"], reply_two["cached_pages"]) == (0, 0)
-    assert (stats.pulled_pages, stats.reused_pages) == (2 * 5, 0)
-    colocated = asyncio.run(collect(hosts["colocated"].generate(req)))
-    assert flat(one, "token_ids") == flat(two, "token_ids") == flat(colocated, "token_ids")
-    assert holds_nothing(prefill.stats()) and holds_nothing(stats)
 
 
 def test_autoscaling_stats_follow_the_prefills_and_streams_run(
