@@ -30,6 +30,31 @@ def _unsupported(field: str, found: Any, supported: Any) -> ConfigError:
     return ConfigError(f"config field {field!r}: found {found!r}, supported: {supported!r}")
 
 
+def _only(raw: JSONObject, field: str, supported: str, prefix: str = "") -> str:
+    """``raw[field]``, ``supported`` where absent; ConfigError if it is anything else."""
+    found = raw.get(field, supported)
+    if found != supported:
+        raise _unsupported(prefix + field, found, [supported])
+    return supported
+
+
+class MLAHeadShape:
+    """The widths an MLA head derives from its ranks (ModelConfig and a rank's MLADims)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one cached token per layer: latent + rope part (576 for V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN rope scaling parameters (DeepSeek-V3: factor 40 over 4096 positions)."""
@@ -60,7 +85,7 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(MLAHeadShape):
     """The checkpoint's architecture, with DeepSeek-V3's field names."""
 
     hidden_size: int
@@ -97,15 +122,6 @@ class ModelConfig:
     eos_token_id: int = 1
 
     @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_cache_dim(self) -> int:
-        """Width of one cached token per layer: latent + rope part (576 for V3)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
     def softmax_scale(self) -> float:
         scale = self.qk_head_dim**-0.5
         if self.rope_scaling is not None:
@@ -128,12 +144,8 @@ class ModelConfig:
         _check_model_type(raw)
         theta, yarn = _parse_rope(raw)
         quant, block = _parse_quant(raw.get("quantization_config"))
-        scoring = raw.get("scoring_func", "sigmoid")
-        if scoring != "sigmoid":
-            raise _unsupported("scoring_func", scoring, ["sigmoid"])
-        topk_method = raw.get("topk_method", "noaux_tc")
-        if topk_method != "noaux_tc":
-            raise _unsupported("topk_method", topk_method, ["noaux_tc"])
+        scoring = _only(raw, "scoring_func", "sigmoid")
+        topk_method = _only(raw, "topk_method", "noaux_tc")
         cfg = cls(
             hidden_size=raw["hidden_size"],
             num_hidden_layers=raw["num_hidden_layers"],
@@ -179,12 +191,8 @@ def _first_id(value: Any, default: int) -> int:
 
 
 def _check_model_type(raw: JSONObject) -> None:
-    model_type = raw.get("model_type", "deepseek_v3")
-    if model_type != "deepseek_v3":
-        raise _unsupported("model_type", model_type, ["deepseek_v3"])
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported("hidden_act", act, ["silu"])
+    _only(raw, "model_type", "deepseek_v3")
+    _only(raw, "hidden_act", "silu")
     if raw.get("attention_bias", False):
         raise _unsupported("attention_bias", True, [False])
 
@@ -219,9 +227,7 @@ def _parse_quant(qc: JSONObject | None) -> tuple[str | None, tuple[int, int] | N
     method = qc.get("quant_method")
     if method != "fp8":
         raise _unsupported("quantization_config.quant_method", method, ["fp8"])
-    fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise _unsupported("quantization_config.fmt", fmt, ["e4m3"])
+    _only(qc, "fmt", "e4m3", "quantization_config.")
     block = qc.get("weight_block_size")
     if block is None or list(block) != [128, 128]:
         raise _unsupported("quantization_config.weight_block_size", block, [[128, 128]])
