@@ -8,7 +8,7 @@ the transport READ the pages straight into its own, then unpins. ``release`` wai
 the pins in flight, so no READ runs after it returns. Serving, release and the receive's
 checks come from :class:`~kv_transfer.served.ServedConnector`. A subclass adds only its
 transport: its options (a :class:`LeasedPullOptions`), the fields it advertises
-(:meth:`_source_fields`), the READ (:meth:`_read`, the slices of :func:`page_slices`) and
+(:meth:`_source_fields`), the READ (:meth:`_read`, over :func:`~kv_transfer.pages.page_slices`) and
 the teardown (:meth:`_close_transport`). Only JSON crosses the wire.
 """
 
@@ -18,16 +18,14 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.handle import KVHandle, TransferError
 from kv_transfer.lease import LeaseServer, Staging, check_host, int_list, pinned, pool_regions
-from kv_transfer.pages import PageLayout, check_publish, make_handle
+from kv_transfer.pages import check_publish, make_handle
 from kv_transfer.served import ServedConnector
 
-__all__ = ["LeasedPullConnector", "LeasedPullOptions", "PullSource", "page_slices", "pool_buffers"]
+__all__ = ["LeasedPullConnector", "LeasedPullOptions", "PullSource"]
 
 
 @dataclass(frozen=True)
@@ -52,22 +50,6 @@ class LeasedPullOptions:
                 f"{self.connector}: expected 0 <= port < 65536 and timeout_s > 0, "
                 f"got port={self.port}, timeout_s={self.timeout_s}"
             )
-
-
-def pool_buffers(pool: MLAKVPool) -> list[torch.Tensor]:
-    """Every buffer of ``pool`` a transport registers: each layer's KV, then fp8 scales."""
-    tensors = [pool.kv_buffer(layer) for layer in range(pool.num_layers)]
-    return tensors + [s for s in map(pool.scale_buffer, range(pool.num_layers)) if s is not None]
-
-
-def page_slices(
-    layout: PageLayout, kv_base: list[int], scale_base: list[int], pages: list[int]
-) -> list[tuple[int, int]]:
-    """(address, length) of every (layer, page) slice: the KV bytes, then the fp8 scales."""
-    kv, scale = layout.kv_page_bytes, layout.scale_page_bytes
-    return [(b + p * kv, kv) for b in kv_base for p in pages] + [
-        (b + p * scale, scale) for b in scale_base for p in pages
-    ]
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,8 @@ from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import parse_options
 from kv_transfer.handle import TransferError
 from kv_transfer.lease import pool_regions
-from kv_transfer.leased_pull import (
-    LeasedPullConnector,
-    LeasedPullOptions,
-    PullSource,
-    page_slices,
-    pool_buffers,
-)
+from kv_transfer.leased_pull import LeasedPullConnector, LeasedPullOptions, PullSource
+from kv_transfer.pages import page_slices, pool_buffers
 
 __all__ = ["NixlConnector", "NixlOptions"]
 

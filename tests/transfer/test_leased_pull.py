@@ -16,12 +16,8 @@ from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.handle import TransferError
 from kv_transfer.lease import pool_regions
-from kv_transfer.leased_pull import (
-    LeasedPullConnector,
-    LeasedPullOptions,
-    PullSource,
-    page_slices,
-)
+from kv_transfer.leased_pull import LeasedPullConnector, LeasedPullOptions, PullSource
+from kv_transfer.pages import page_slices
 
 
 @dataclass(frozen=True)
