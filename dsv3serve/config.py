@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -84,42 +84,44 @@ class YarnScaling:
         return m(self.factor, 1.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig(MLAHeadShape):
     """The checkpoint's architecture, with DeepSeek-V3's field names."""
 
+    # copied from config.json as they are (a field with a default may be left out there)
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: int | None
+    q_lora_rank: int | None = None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     intermediate_size: int
     moe_intermediate_size: int
-    first_k_dense_replace: int
+    first_k_dense_replace: int = 0
     n_routed_experts: int
-    n_shared_experts: int
+    n_shared_experts: int = 1
     num_experts_per_tok: int
-    n_group: int
-    topk_group: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    rope_interleave: bool = True
+    rms_norm_eps: float = 1e-6
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    # checked, parsed or normalised by from_dict
     topk_method: str
     scoring_func: str
-    norm_topk_prob: bool
     routed_scaling_factor: float
     rope_theta: float
     rope_scaling: YarnScaling | None
-    rope_interleave: bool
-    rms_norm_eps: float
-    vocab_size: int
-    max_position_embeddings: int
-    num_nextn_predict_layers: int
     quant_method: str | None  # "fp8" or None (bf16 checkpoint)
     weight_block_size: tuple[int, int] | None
-    tie_word_embeddings: bool = False
-    bos_token_id: int = 0
-    eos_token_id: int = 1
+    bos_token_id: int
+    eos_token_id: int
 
     @property
     def softmax_scale(self) -> float:
@@ -146,40 +148,23 @@ class ModelConfig(MLAHeadShape):
         quant, block = _parse_quant(raw.get("quantization_config"))
         scoring = _only(raw, "scoring_func", "sigmoid")
         topk_method = _only(raw, "topk_method", "noaux_tc")
-        cfg = cls(
-            hidden_size=raw["hidden_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            q_lora_rank=raw.get("q_lora_rank"),
-            kv_lora_rank=raw["kv_lora_rank"],
-            qk_nope_head_dim=raw["qk_nope_head_dim"],
-            qk_rope_head_dim=raw["qk_rope_head_dim"],
-            v_head_dim=raw["v_head_dim"],
-            intermediate_size=raw["intermediate_size"],
-            moe_intermediate_size=raw["moe_intermediate_size"],
-            first_k_dense_replace=raw.get("first_k_dense_replace", 0),
-            n_routed_experts=raw["n_routed_experts"],
-            n_shared_experts=raw.get("n_shared_experts", 1),
-            num_experts_per_tok=raw["num_experts_per_tok"],
-            n_group=raw.get("n_group", 1),
-            topk_group=raw.get("topk_group", 1),
-            topk_method=topk_method,
-            scoring_func=scoring,
-            norm_topk_prob=raw.get("norm_topk_prob", True),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            rope_theta=theta,
-            rope_scaling=yarn,
-            rope_interleave=raw.get("rope_interleave", True),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            vocab_size=raw["vocab_size"],
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0),
-            quant_method=quant,
-            weight_block_size=block,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            bos_token_id=_first_id(raw.get("bos_token_id"), 0),
-            eos_token_id=_first_id(raw.get("eos_token_id"), 1),
-        )
+        parsed: dict[str, object] = {
+            "topk_method": topk_method,
+            "scoring_func": scoring,
+            "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+            "rope_theta": theta,
+            "rope_scaling": yarn,
+            "quant_method": quant,
+            "weight_block_size": block,
+            "bos_token_id": _first_id(raw.get("bos_token_id"), 0),
+            "eos_token_id": _first_id(raw.get("eos_token_id"), 1),
+        }
+        copied = {
+            f.name: raw[f.name] if f.default is MISSING else raw.get(f.name, f.default)
+            for f in fields(cls)
+            if f.name not in parsed
+        }
+        cfg = cls(**copied, **parsed)
         _check_shapes(cfg)
         return cfg
 
