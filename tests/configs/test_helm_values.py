@@ -32,7 +32,6 @@ from ray.serve.schema import ServeDeploySchema
 
 from router.config import ServingConfig
 
-
 # --- bad values -----------------------------------------------------------------------
 
 
