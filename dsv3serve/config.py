@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,31 @@ class ConfigError(ValueError):
 
 def _unsupported(field: str, found: Any, supported: Any) -> ConfigError:
     return ConfigError(f"config field {field!r}: found {found!r}, supported: {supported!r}")
+
+
+def _only(raw: JSONObject, field: str, supported: str, prefix: str = "") -> str:
+    """``raw[field]``, ``supported`` where absent; ConfigError if it is anything else."""
+    found = raw.get(field, supported)
+    if found != supported:
+        raise _unsupported(prefix + field, found, [supported])
+    return supported
+
+
+class MLAHeadShape:
+    """The widths an MLA head derives from its ranks (ModelConfig and a rank's MLADims)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one cached token per layer: latent + rope part (576 for V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -59,51 +84,44 @@ class YarnScaling:
         return m(self.factor, 1.0)
 
 
-@dataclass(frozen=True)
-class ModelConfig:
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(MLAHeadShape):
     """The checkpoint's architecture, with DeepSeek-V3's field names."""
 
+    # copied from config.json as they are (a field with a default may be left out there)
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: int | None
+    q_lora_rank: int | None = None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     intermediate_size: int
     moe_intermediate_size: int
-    first_k_dense_replace: int
+    first_k_dense_replace: int = 0
     n_routed_experts: int
-    n_shared_experts: int
+    n_shared_experts: int = 1
     num_experts_per_tok: int
-    n_group: int
-    topk_group: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    rope_interleave: bool = True
+    rms_norm_eps: float = 1e-6
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    # checked, parsed or normalised by from_dict
     topk_method: str
     scoring_func: str
-    norm_topk_prob: bool
     routed_scaling_factor: float
     rope_theta: float
     rope_scaling: YarnScaling | None
-    rope_interleave: bool
-    rms_norm_eps: float
-    vocab_size: int
-    max_position_embeddings: int
-    num_nextn_predict_layers: int
     quant_method: str | None  # "fp8" or None (bf16 checkpoint)
     weight_block_size: tuple[int, int] | None
-    tie_word_embeddings: bool = False
-    bos_token_id: int = 0
-    eos_token_id: int = 1
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_cache_dim(self) -> int:
-        """Width of one cached token per layer: latent + rope part (576 for V3)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+    bos_token_id: int
+    eos_token_id: int
 
     @property
     def softmax_scale(self) -> float:
@@ -128,46 +146,25 @@ class ModelConfig:
         _check_model_type(raw)
         theta, yarn = _parse_rope(raw)
         quant, block = _parse_quant(raw.get("quantization_config"))
-        scoring = raw.get("scoring_func", "sigmoid")
-        if scoring != "sigmoid":
-            raise _unsupported("scoring_func", scoring, ["sigmoid"])
-        topk_method = raw.get("topk_method", "noaux_tc")
-        if topk_method != "noaux_tc":
-            raise _unsupported("topk_method", topk_method, ["noaux_tc"])
-        cfg = cls(
-            hidden_size=raw["hidden_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            q_lora_rank=raw.get("q_lora_rank"),
-            kv_lora_rank=raw["kv_lora_rank"],
-            qk_nope_head_dim=raw["qk_nope_head_dim"],
-            qk_rope_head_dim=raw["qk_rope_head_dim"],
-            v_head_dim=raw["v_head_dim"],
-            intermediate_size=raw["intermediate_size"],
-            moe_intermediate_size=raw["moe_intermediate_size"],
-            first_k_dense_replace=raw.get("first_k_dense_replace", 0),
-            n_routed_experts=raw["n_routed_experts"],
-            n_shared_experts=raw.get("n_shared_experts", 1),
-            num_experts_per_tok=raw["num_experts_per_tok"],
-            n_group=raw.get("n_group", 1),
-            topk_group=raw.get("topk_group", 1),
-            topk_method=topk_method,
-            scoring_func=scoring,
-            norm_topk_prob=raw.get("norm_topk_prob", True),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            rope_theta=theta,
-            rope_scaling=yarn,
-            rope_interleave=raw.get("rope_interleave", True),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            vocab_size=raw["vocab_size"],
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0),
-            quant_method=quant,
-            weight_block_size=block,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            bos_token_id=_first_id(raw.get("bos_token_id"), 0),
-            eos_token_id=_first_id(raw.get("eos_token_id"), 1),
-        )
+        scoring = _only(raw, "scoring_func", "sigmoid")
+        topk_method = _only(raw, "topk_method", "noaux_tc")
+        parsed: dict[str, object] = {
+            "topk_method": topk_method,
+            "scoring_func": scoring,
+            "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+            "rope_theta": theta,
+            "rope_scaling": yarn,
+            "quant_method": quant,
+            "weight_block_size": block,
+            "bos_token_id": _first_id(raw.get("bos_token_id"), 0),
+            "eos_token_id": _first_id(raw.get("eos_token_id"), 1),
+        }
+        copied = {
+            f.name: raw[f.name] if f.default is MISSING else raw.get(f.name, f.default)
+            for f in fields(cls)
+            if f.name not in parsed
+        }
+        cfg = cls(**copied, **parsed)
         _check_shapes(cfg)
         return cfg
 
@@ -179,12 +176,8 @@ def _first_id(value: Any, default: int) -> int:
 
 
 def _check_model_type(raw: JSONObject) -> None:
-    model_type = raw.get("model_type", "deepseek_v3")
-    if model_type != "deepseek_v3":
-        raise _unsupported("model_type", model_type, ["deepseek_v3"])
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported("hidden_act", act, ["silu"])
+    _only(raw, "model_type", "deepseek_v3")
+    _only(raw, "hidden_act", "silu")
     if raw.get("attention_bias", False):
         raise _unsupported("attention_bias", True, [False])
 
@@ -219,9 +212,7 @@ def _parse_quant(qc: JSONObject | None) -> tuple[str | None, tuple[int, int] | N
     method = qc.get("quant_method")
     if method != "fp8":
         raise _unsupported("quantization_config.quant_method", method, ["fp8"])
-    fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise _unsupported("quantization_config.fmt", fmt, ["e4m3"])
+    _only(qc, "fmt", "e4m3", "quantization_config.")
     block = qc.get("weight_block_size")
     if block is None or list(block) != [128, 128]:
         raise _unsupported("quantization_config.weight_block_size", block, [[128, 128]])

@@ -5,27 +5,51 @@ The prefill side registers its pool with a transport once; ``publish`` stages th
 server (:mod:`kv_transfer.lease`). The decode side checks the handle's source, pins the
 request at that server (a released or unknown request is refused: TransferError), lets
 the transport READ the pages straight into its own, then unpins. ``release`` waits for
-the pins in flight, so no READ runs after it returns. A subclass adds only its transport:
-the fields it advertises (:meth:`_source_fields`), the READ (:meth:`_read`) and the
-teardown (:meth:`_close_transport`). Only JSON crosses the wire.
+the pins in flight, so no READ runs after it returns. Serving, release and the receive's
+checks come from :class:`~kv_transfer.served.ServedConnector`. A subclass adds only its
+transport: its options (a :class:`LeasedPullOptions`), the fields it advertises
+(:meth:`_source_fields`), the READ (:meth:`_read`, over :func:`~kv_transfer.pages.page_slices`) and
+the teardown (:meth:`_close_transport`). Only JSON crosses the wire.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
-from kv_transfer.base import KVConnector
-from kv_transfer.handle import KVHandle, TransferError, TransferStats
-from kv_transfer.lease import LeaseServer, Staging, int_list, pinned, pool_regions
-from kv_transfer.pages import check_dst_pages, check_publish, make_handle
+from kv_transfer.handle import KVHandle, TransferError
+from kv_transfer.lease import LeaseServer, Staging, check_host, int_list, pinned, pool_regions
+from kv_transfer.pages import check_publish, make_handle
+from kv_transfer.served import ServedConnector
 
-__all__ = ["LeasedPullConnector", "PullSource"]
+__all__ = ["LeasedPullConnector", "LeasedPullOptions", "PullSource"]
+
+
+@dataclass(frozen=True)
+class LeasedPullOptions:
+    """The options every one-sided connector has (a subclass adds its transport's).
+
+    - ``host``: the internal IP address the lease server binds and handles advertise
+      (never a wildcard); ``port``: the lease server's port, 0 picks a free one.
+    - ``timeout_s``: bound on a receive's lease exchange, and on how long ``release``
+      waits for a READ in flight.
+    """
+
+    connector: ClassVar[str]
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_host(self.host, self.connector)
+        if not 0 <= self.port < 65536 or not self.timeout_s > 0:
+            raise ValueError(
+                f"{self.connector}: expected 0 <= port < 65536 and timeout_s > 0, "
+                f"got port={self.port}, timeout_s={self.timeout_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -38,20 +62,17 @@ class PullSource:
     scale_base: list[int]
 
 
-class LeasedPullConnector(KVConnector):
+class LeasedPullConnector(ServedConnector[Staging, LeaseServer]):
     """A connector whose decode side READs the staged pages under a lease server's pin."""
 
     # several stagings per request are not exercised here (no test runs these connectors
     # against a live peer): prefill results stay whole, after the prefill
     incremental: ClassVar[bool] = False
 
-    def __init__(self, pool: MLAKVPool, host: str, port: int, timeout_s: float) -> None:
-        super().__init__(pool)
-        self._lease_host, self._lease_port, self._timeout_s = host, port, timeout_s
-        self._staging = Staging(timeout_s)
-        self._server: LeaseServer | None = None
-        self._lock = threading.Lock()
-        self._closed = False
+    def __init__(self, pool: MLAKVPool, options: LeasedPullOptions) -> None:
+        super().__init__(pool, Staging(options.timeout_s))
+        self._lease_host, self._lease_port = options.host, options.port
+        self._timeout_s = options.timeout_s
 
     # ---- the transport ---------------------------------------------------------------
     @abstractmethod
@@ -67,15 +88,8 @@ class LeasedPullConnector(KVConnector):
         """Let go of the transport's registrations (after the lease server stopped)."""
 
     # ---- prefill side ----------------------------------------------------------------
-    def _ensure_server(self) -> LeaseServer:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.name} connector is closed")
-            if self._server is None:
-                self._server = LeaseServer(
-                    self._staging, self._lease_host, self._lease_port, self._timeout_s
-                )
-            return self._server
+    def _start_server(self) -> LeaseServer:
+        return LeaseServer(self._staging, self._lease_host, self._lease_port, self._timeout_s)
 
     def publish(self, request_id: str, pages: list[int], num_tokens: int) -> KVHandle:
         """Stage ``pages`` (no copy); the handle carries the transport's fields and addresses."""
@@ -92,29 +106,16 @@ class LeasedPullConnector(KVConnector):
         }
         return make_handle(self.name, self.layout, request_id, len(pages), num_tokens, source)
 
-    def release(self, request_id: str) -> None:
-        """Unstage ``request_id``; returns once no READ of it is in flight (or timeout_s)."""
-        self._staging.remove(request_id)
-
-    def staged(self) -> int:
-        return len(self._staging)
-
     # ---- decode side -----------------------------------------------------------------
-    def receive(self, handle: KVHandle, dst_pages: list[int]) -> TransferStats:
+    def _pull(self, handle: KVHandle, dst_pages: list[int]) -> None:
         """Pin the handle's request at its lease server, READ its pages into ``dst_pages``."""
-        start = time.perf_counter()
-        check_dst_pages(handle, self.layout, dst_pages, self.pool.num_pages, self.name)
         rid = handle.request_id
-        if self._closed:
-            raise TransferError(f"receive {rid!r}: {self.name} connector is closed")
         try:
             source, host, port = self._parse_source(handle)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise TransferError(f"receive {rid!r}: bad {self.name} source: {exc}") from exc
         with pinned(host, port, rid, source.pages, self._timeout_s):
             self._read(source, dst_pages, rid)
-        seconds = time.perf_counter() - start
-        return TransferStats(request_id=rid, nbytes=handle.nbytes, seconds=seconds)
 
     def _parse_source(self, handle: KVHandle) -> tuple[PullSource, str, int]:
         """The handle's source and lease address; ValueError (and kin) where malformed."""
@@ -139,12 +140,5 @@ class LeasedPullConnector(KVConnector):
 
     def close(self) -> None:
         """Stop serving pins, wait for READs in flight, release the transport; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        self._staging.clear()
-        self._close_transport()
+        if self._stop_serving():
+            self._close_transport()

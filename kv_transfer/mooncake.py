@@ -22,50 +22,31 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import parse_options
 from kv_transfer.handle import TransferError
-from kv_transfer.lease import check_host, pool_regions
-from kv_transfer.leased_pull import LeasedPullConnector, PullSource
+from kv_transfer.lease import pool_regions
+from kv_transfer.leased_pull import LeasedPullConnector, LeasedPullOptions, PullSource
+from kv_transfer.pages import page_slices, pool_buffers
 
 __all__ = ["MooncakeConnector", "MooncakeOptions"]
 
 
 @dataclass(frozen=True)
-class MooncakeOptions:
-    """Options of the mooncake connector.
+class MooncakeOptions(LeasedPullOptions):
+    """Options of the mooncake connector: ``host`` (the engine binds it too), ``port`` and
+    ``timeout_s`` as :class:`~kv_transfer.leased_pull.LeasedPullOptions` has them, and
 
-    - ``host``: the internal IP address the engine and the lease server bind and handles
-      advertise (never a wildcard); ``port``: the lease server's port, 0 picks a free one.
     - ``protocol``: Mooncake transport (``tcp``; ``rdma`` where the NICs have it);
       ``device_name``: RDMA devices to use (comma-separated; empty: discover).
-    - ``timeout_s``: bound on a receive's lease exchange and on how long ``release`` waits
-      for a READ in flight.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 0
+    connector: ClassVar[str] = "mooncake"
     protocol: str = "tcp"
     device_name: str = ""
-    timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        check_host(self.host, "mooncake")
-        if not 0 <= self.port < 65536 or not self.timeout_s > 0:
-            raise ValueError(
-                f"mooncake: expected 0 <= port < 65536 and timeout_s > 0, "
-                f"got port={self.port}, timeout_s={self.timeout_s}"
-            )
-
-
-def _buffers(pool: MLAKVPool) -> tuple[list[int], list[int]]:
-    """(address, nbytes) of every KV and scale buffer of ``pool``."""
-    tensors = [pool.kv_buffer(layer) for layer in range(pool.num_layers)]
-    tensors += [s for s in map(pool.scale_buffer, range(pool.num_layers)) if s is not None]
-    return [t.data_ptr() for t in tensors], [t.numel() * t.element_size() for t in tensors]
 
 
 class MooncakeConnector(LeasedPullConnector):
@@ -76,14 +57,16 @@ class MooncakeConnector(LeasedPullConnector):
     def __init__(self, pool: MLAKVPool, **options: Any) -> None:
         self.options = parse_options(MooncakeOptions, options, self.name)
         opts = self.options
-        super().__init__(pool, opts.host, opts.port, opts.timeout_s)
+        super().__init__(pool, opts)
         engine_cls = importlib.import_module("mooncake.engine").TransferEngine
         self._engine = engine_cls()
         rc = self._engine.initialize(opts.host, "P2PHANDSHAKE", opts.protocol, opts.device_name)
         if rc != 0:
             raise RuntimeError(f"mooncake: engine initialize({opts.host!r}) returned {rc}")
         self._session = f"{opts.host}:{self._engine.get_rpc_port()}"
-        self._addresses, sizes = _buffers(pool)
+        buffers = pool_buffers(pool)
+        self._addresses = [t.data_ptr() for t in buffers]
+        sizes = [t.numel() * t.element_size() for t in buffers]
         rc = self._engine.batch_register_memory(self._addresses, sizes)
         if rc != 0:
             raise RuntimeError(f"mooncake: registering the pool returned {rc}")
@@ -95,23 +78,15 @@ class MooncakeConnector(LeasedPullConnector):
     def _check_source(self, fields: JSONObject) -> None:
         str(fields["session"])
 
-    def _slices(
-        self, kv_base: list[int], scale_base: list[int], pages: list[int]
-    ) -> tuple[list[int], list[int]]:
-        """(address, length) of every (layer, page) slice, kv bytes then fp8 scales."""
-        kv_size, scale_size = self.layout.kv_page_bytes, self.layout.scale_page_bytes
-        addrs = [b + p * kv_size for b in kv_base for p in pages]
-        lengths = [kv_size] * len(addrs)
-        addrs += [b + p * scale_size for b in scale_base for p in pages]
-        lengths += [scale_size] * (len(addrs) - len(lengths))
-        return addrs, lengths
-
     def _read(self, source: PullSource, dst_pages: list[int], request_id: str) -> None:
         """One synchronous batch READ of every slice; TransferError on a non-zero return."""
         session = str(source.fields["session"])
-        remote, lengths = self._slices(source.kv_base, source.scale_base, source.pages)
-        local, _ = self._slices(*pool_regions(self.pool), dst_pages)
-        rc = self._engine.batch_transfer_sync_read(session, local, remote, lengths)
+        remote = page_slices(self.layout, source.kv_base, source.scale_base, source.pages)
+        local = page_slices(self.layout, *pool_regions(self.pool), dst_pages)
+        lengths = [length for _, length in remote]
+        rc = self._engine.batch_transfer_sync_read(
+            session, [a for a, _ in local], [a for a, _ in remote], lengths
+        )
         if rc != 0:
             raise TransferError(
                 f"receive {request_id!r}: mooncake READ from {session} returned {rc}"

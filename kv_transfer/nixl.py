@@ -21,42 +21,35 @@ import importlib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import parse_options
 from kv_transfer.handle import TransferError
-from kv_transfer.lease import check_host, pool_regions
-from kv_transfer.leased_pull import LeasedPullConnector, PullSource
+from kv_transfer.lease import pool_regions
+from kv_transfer.leased_pull import LeasedPullConnector, LeasedPullOptions, PullSource
+from kv_transfer.pages import page_slices, pool_buffers
 
 __all__ = ["NixlConnector", "NixlOptions"]
 
 
 @dataclass(frozen=True)
-class NixlOptions:
-    """Options of the nixl connector.
+class NixlOptions(LeasedPullOptions):
+    """Options of the nixl connector: ``host``, ``port`` and ``timeout_s`` (which bounds
+    the READ too) as :class:`~kv_transfer.leased_pull.LeasedPullOptions` has them, and
 
-    - ``host``: the internal IP address the lease server binds and handles advertise
-      (never a wildcard); ``port``: its port, 0 picks a free one.
     - ``backends``: NIXL plugins to create (default UCX; pick UCX's transports with the
       usual ``UCX_TLS`` environment variable).
-    - ``timeout_s``: bound on a receive's lease exchange and its READ, and on how long
-      ``release`` waits for a READ in flight.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 0
+    connector: ClassVar[str] = "nixl"
     backends: tuple[str, ...] = ("UCX",)
-    timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        check_host(self.host, "nixl")
-        if not 0 <= self.port < 65536 or not self.timeout_s > 0 or not self.backends:
-            raise ValueError(
-                f"nixl: expected 0 <= port < 65536, timeout_s > 0 and some backends, got "
-                f"port={self.port}, timeout_s={self.timeout_s}, backends={self.backends}"
-            )
+        super().__post_init__()
+        if not self.backends:
+            raise ValueError("nixl: expected some backends, got none")
 
 
 class NixlConnector(LeasedPullConnector):
@@ -66,7 +59,7 @@ class NixlConnector(LeasedPullConnector):
 
     def __init__(self, pool: MLAKVPool, **options: Any) -> None:
         self.options = parse_options(NixlOptions, options, self.name)
-        super().__init__(pool, self.options.host, self.options.port, self.options.timeout_s)
+        super().__init__(pool, self.options)
         api = importlib.import_module("nixl._api")
         self._agent_name = f"dsv3kv-{secrets.token_hex(6)}"
         config = api.nixl_agent_config(
@@ -74,9 +67,7 @@ class NixlConnector(LeasedPullConnector):
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # receives may overlap
         )
         self._agent = api.nixl_agent(self._agent_name, config)
-        tensors = [pool.kv_buffer(layer) for layer in range(pool.num_layers)]
-        tensors += [s for s in map(pool.scale_buffer, range(pool.num_layers)) if s is not None]
-        self._registered = self._agent.register_memory(tensors)
+        self._registered = self._agent.register_memory(pool_buffers(pool))
         self._mem_type = "cuda" if pool.device.type == "cuda" else "cpu"
         self._device_id = pool.device.index or 0
         self._remotes: set[str] = set()
@@ -90,13 +81,8 @@ class NixlConnector(LeasedPullConnector):
         }
 
     def _descs(self, kv_base: list[int], scale_base: list[int], pages: list[int], dev: int):
-        rows = [
-            (b + p * self.layout.kv_page_bytes, self.layout.kv_page_bytes, dev)
-            for b in kv_base
-            for p in pages
-        ]
-        size = self.layout.scale_page_bytes
-        rows += [(b + p * size, size, dev) for b in scale_base for p in pages]
+        slices = page_slices(self.layout, kv_base, scale_base, pages)
+        rows = [(address, length, dev) for address, length in slices]
         return self._agent.get_xfer_descs(rows, self._mem_type)
 
     def _remote(self, source: JSONObject) -> str:

@@ -25,6 +25,8 @@ __all__ = [
     "layer_chunks",
     "make_handle",
     "page_index",
+    "page_slices",
+    "pool_buffers",
     "scatter_pages",
 ]
 
@@ -142,6 +144,22 @@ def _scale_rows(pool: MLAKVPool, layer: int) -> torch.Tensor:
 
 
 Pages = list[int] | torch.Tensor
+
+
+def pool_buffers(pool: MLAKVPool) -> list[torch.Tensor]:
+    """Every buffer of ``pool`` a transport registers: each layer's KV, then fp8 scales."""
+    tensors = [pool.kv_buffer(layer) for layer in range(pool.num_layers)]
+    return tensors + [s for s in map(pool.scale_buffer, range(pool.num_layers)) if s is not None]
+
+
+def page_slices(
+    layout: PageLayout, kv_base: list[int], scale_base: list[int], pages: list[int]
+) -> list[tuple[int, int]]:
+    """(address, length) of every (layer, page) slice: the KV bytes, then the fp8 scales."""
+    kv, scale = layout.kv_page_bytes, layout.scale_page_bytes
+    return [(b + p * kv, kv) for b in kv_base for p in pages] + [
+        (b + p * scale, scale) for b in scale_base for p in pages
+    ]
 
 
 def page_index(pool: MLAKVPool, pages: Pages) -> torch.Tensor:

@@ -19,8 +19,6 @@ to reuse when it returns.
 from __future__ import annotations
 
 import ipaddress
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from dsv3serve.kvcache.pool import MLAKVPool
-from kv_transfer.base import KVConnector, parse_options
+from kv_transfer.base import parse_options
 from kv_transfer.dist_client import PullClient
 from kv_transfer.dist_server import PullServer, Staging
-from kv_transfer.handle import KVHandle, TransferError, TransferStats
-from kv_transfer.pages import check_dst_pages, check_publish, make_handle
+from kv_transfer.handle import KVHandle
+from kv_transfer.pages import check_publish, make_handle
+from kv_transfer.served import ServedConnector
 
 __all__ = ["TorchDistConnector", "TorchDistOptions"]
 
@@ -90,41 +89,27 @@ def _resolve_backend(requested: str | None, device: torch.device) -> str:
     return backend
 
 
-class TorchDistConnector(KVConnector):
+class TorchDistConnector(ServedConnector[Staging, PullServer]):
     """Pull-based KV transfer over per-pair torch.distributed process groups."""
 
     name = "torch_dist"
 
     def __init__(self, pool: MLAKVPool, **options: Any) -> None:
-        super().__init__(pool)
+        super().__init__(pool, Staging(pool))
         self.options = parse_options(TorchDistOptions, options, self.name)
         self.backend = _resolve_backend(self.options.backend, pool.device)
         self._wire_device = pool.device if self.backend == "nccl" else torch.device("cpu")
-        self._staging = Staging(pool)
-        self._server: PullServer | None = None
         opts = self.options
         chunk_bytes = int(opts.chunk_mib * (1 << 20))
         self._client = PullClient(
             pool, self.backend, opts.host, self._wire_device, opts.timeout_s, chunk_bytes
         )
-        self._lock = threading.Lock()
-        self._closed = False
 
-    def _ensure_server(self) -> PullServer:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("torch_dist connector is closed")
-            if self._server is None:
-                opts = self.options
-                self._server = PullServer(
-                    self._staging,
-                    opts.host,
-                    opts.port,
-                    self.backend,
-                    self._wire_device,
-                    opts.timeout_s,
-                )
-            return self._server
+    def _start_server(self) -> PullServer:
+        opts = self.options
+        return PullServer(
+            self._staging, opts.host, opts.port, self.backend, self._wire_device, opts.timeout_s
+        )
 
     def publish(self, request_id: str, pages: list[int], num_tokens: int) -> KVHandle:
         """Stage ``pages`` (by id, no copy) and return a handle naming this server."""
@@ -134,28 +119,11 @@ class TorchDistConnector(KVConnector):
         source = server.address.source()
         return make_handle(self.name, self.layout, request_id, len(pages), num_tokens, source)
 
-    def release(self, request_id: str) -> None:
-        """Unstage (idempotent); waits for a gather of the request's pages in progress."""
-        self._staging.remove(request_id)
-
-    def staged(self) -> int:
-        return len(self._staging)
-
-    def receive(self, handle: KVHandle, dst_pages: list[int]) -> TransferStats:
-        """Pull from the handle's server over this pair's group into ``dst_pages``."""
-        start = time.perf_counter()
-        check_dst_pages(handle, self.layout, dst_pages, self.pool.num_pages, self.name)
-        if self._closed:
-            raise TransferError(f"receive {handle.request_id!r}: the connector is closed")
+    def _pull(self, handle: KVHandle, dst_pages: list[int]) -> None:
+        """Pull from the handle's server over this pair's group."""
         self._client.pull(handle, dst_pages)
-        seconds = time.perf_counter() - start
-        return TransferStats(request_id=handle.request_id, nbytes=handle.nbytes, seconds=seconds)
 
     def close(self) -> None:
         """Stop serving, drop every pair and every staging (idempotent)."""
-        with self._lock:
-            self._closed, server = True, self._server
-        if server is not None:
-            server.close()
+        self._stop_serving()
         self._client.close()
-        self._staging.clear()

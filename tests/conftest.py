@@ -1,9 +1,10 @@
 """Shared fixtures: tiny checkpoints written once per session, and model helpers; on a
 machine without a GPU, Triton's interpreter for the kernel tests.
 
-The tests mirror the packages (``tests/engine/``, ``tests/serving/``, ...); helpers and
-fakes live in ``tests/support/``. Test modules import helpers (and a few other test
-modules' helpers) by module name, so ``support/`` and every test folder go on ``sys.path``.
+The tests mirror the packages (``tests/engine/``, ``tests/router/``, ``tests/workers/``,
+...); live end-to-end tests that start an app are in ``tests/e2e/``. Helpers and fakes
+live in ``tests/support/``. Test modules import helpers (and a few other test modules'
+helpers) by module name, so ``support/`` and every test folder go on ``sys.path``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python deploy/grafana/make_dashboards.py --check  # fail if they are out of date
 
 Every query filters on the ``$model`` variable and uses ``$__rate_interval``;
-tests/serving/test_metrics_prometheus.py runs each one against a live app and Prometheus.
+tests/e2e/test_metrics_prometheus.py runs each one against a live app and Prometheus.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from dsv3serve.config import MLAHeadShape
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.kernels.rope_kv import rope_kv_write, rope_ref
 
@@ -26,7 +27,7 @@ ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class MLADims:
+class MLADims(MLAHeadShape):
     """The attention shapes a kernel backend plans with (DeepSeek-V3: 128 heads, latent
     512 + rope 64, MHA q/k 192 = 128 + 64, v 128)."""
 
@@ -36,14 +37,6 @@ class MLADims:
     qk_rope_head_dim: int
     v_head_dim: int
     softmax_scale: float
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_cache_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, attn_tp_size: int = 1) -> MLADims:

@@ -206,6 +206,11 @@ class FlashInferMLAAttention(PooledAttentionBackend):
             views.append((buf[..., :rank], buf[..., rank:]))
         return views
 
+    @property
+    def prefix_chunks(self) -> int:
+        """How many chunks the last extend plan split the cached prefixes into."""
+        return self._extend.num_chunks
+
     # ---- planning ------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
         self._wait_previous_plan()

@@ -148,6 +148,12 @@ class TritonMLAAttention(PooledAttentionBackend):
         self.graph_slot = "decode"  # CUDA-graph buffers this instance plans into
         self.index_mode = ""  # "page" or "token": how the last absorbed plan indexed KV
 
+    @property
+    def meta(self) -> MLADecodeMeta | None:
+        """The decode metadata the last plan built (None before a plan, or for an extend
+        batch until its absorbed form runs)."""
+        return self._meta
+
     # ---- planning ------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
         self._batch, self._meta, self._mha_planned = batch, None, False

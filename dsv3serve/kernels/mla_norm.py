@@ -25,7 +25,7 @@ import torch
 
 from dsv3serve.kernels.fp8_quant import HAS_TRITON, SCALE_EPS
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, quant_per_token_group
-from dsv3serve.kernels.norm_quant import rms_norm_ref
+from dsv3serve.kernels.norm_quant import rms_norm_ref, rms_normed, store_fp8_groups
 
 if HAS_TRITON:
     import triton
@@ -49,14 +49,6 @@ class QKVNormOut(NamedTuple):
     latent: torch.Tensor  # [T, R + P] bf16: normed c_kv | k_pe as it came (no RoPE yet)
 
 
-def _rms_normed_body(x, sum_sq, w_ptr, cols, mask, n, eps):
-    """``weight * bf16(x * rsqrt(sum_sq / n + eps))`` of one row tile (float32 ``x``)."""
-    var = sum_sq / n
-    normed = (x * tl.math.rsqrt(var + eps)).to(w_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    return (w.to(tl.float32) * normed.to(tl.float32)).to(w_ptr.dtype.element_ty)
-
-
 def _qkv_norm_body(
     qa_ptr, kva_ptr, qw_ptr, kvw_ptr, q_ptr, qs_ptr, lat_ptr, T, Q, R, P,
     stride_qa, stride_kva, eps_q, eps_kv,
@@ -68,27 +60,23 @@ def _qkv_norm_body(
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < Q
     x = tl.load(qa_ptr + row * stride_qa + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _rms_normed(x, tl.sum(tl.sum(x * x, axis=1), axis=0), qw_ptr, cols, mask, Q, eps_q)
+    y = rms_normed(x, tl.sum(tl.sum(x * x, axis=1), axis=0), qw_ptr, cols, mask, Q, eps_q)
     if QUANT:
-        yf = y.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(yf), axis=1), SEPS) * (1.0 / QMAX)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(yf, scale[:, None]), -QMAX), QMAX)
-        tl.store(q_ptr + row * Q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(qs_ptr + row + groups * T, scale, mask=groups < tl.cdiv(Q, GROUP))
+        s_offs, smask = row + groups * T, groups < tl.cdiv(Q, GROUP)
+        store_fp8_groups(y, q_ptr, row * Q + cols, qs_ptr, s_offs, mask, smask, QMAX, SEPS)
     else:
         tl.store(q_ptr + row * Q + cols, y, mask=mask)
     rc = tl.arange(0, RB)
     rmask = rc < R
     c = tl.load(kva_ptr + row * stride_kva + rc, mask=rmask, other=0.0).to(tl.float32)
     lat = lat_ptr + row * (R + P)
-    c = _rms_normed(c, tl.sum(c * c, axis=0), kvw_ptr, rc, rmask, R, eps_kv)
+    c = rms_normed(c, tl.sum(c * c, axis=0), kvw_ptr, rc, rmask, R, eps_kv)
     tl.store(lat + rc, c, mask=rmask)
     pc = tl.arange(0, PB)
     pe = tl.load(kva_ptr + row * stride_kva + R + pc, mask=pc < P, other=0.0)
     tl.store(lat + R + pc, pe, mask=pc < P)
 
 
-_rms_normed = triton.jit(_rms_normed_body) if HAS_TRITON else None
 _qkv_norm_kernel = triton.jit(_qkv_norm_body) if HAS_TRITON else None
 
 

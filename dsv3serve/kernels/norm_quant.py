@@ -49,6 +49,25 @@ class NormQuantOut(NamedTuple):
     normed: torch.Tensor | None  # [M, H] bf16 norm output; None unless asked
 
 
+def _rms_normed_body(x, sum_sq, w_ptr, cols, mask, n, eps):
+    """``weight * bf16(x * rsqrt(sum_sq / n + eps))`` of one row tile (float32 ``x``)."""
+    var = sum_sq / n
+    normed = (x * tl.math.rsqrt(var + eps)).to(w_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(w_ptr.dtype.element_ty)
+
+
+def _store_fp8_groups_body(y, q_ptr, q_offs, s_ptr, s_offs, mask, smask,
+                           QMAX: tl.constexpr, SEPS: tl.constexpr):  # fmt: skip
+    """Store a [groups, GROUP] tile ``y`` as e4m3 with one float32 scale per group:
+    ``scale = max(amax, SEPS) * fl32(1/QMAX)``, ``q = clamp(y / scale)`` (the 1x128 rule)."""
+    yf = y.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(yf), axis=1), SEPS) * (1.0 / QMAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(yf, scale[:, None]), -QMAX), QMAX)
+    tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + s_offs, scale, mask=smask)
+
+
 def _norm_quant_body(
     x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, M, H, eps,
     HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
@@ -65,20 +84,17 @@ def _norm_quant_body(
         s = s.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + offs, s, mask=mask)
     sf = s.to(tl.float32)
-    var = tl.sum(tl.sum(sf * sf, axis=1), axis=0) / H
-    normed = (sf * tl.math.rsqrt(var + eps)).to(w_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(w_ptr.dtype.element_ty)
+    y = rms_normed(sf, tl.sum(tl.sum(sf * sf, axis=1), axis=0), w_ptr, cols, mask, H, eps)
     if WRITE_Y:
         tl.store(y_ptr + offs, y, mask=mask)
     if QUANT:
-        yf = y.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(yf), axis=1), SEPS) * (1.0 / QMAX)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(yf, scale[:, None]), -QMAX), QMAX)
-        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row + groups * M, scale, mask=groups < tl.cdiv(H, GROUP))
+        s_offs, smask = row + groups * M, groups < tl.cdiv(H, GROUP)
+        store_fp8_groups(y, q_ptr, offs, s_ptr, s_offs, mask, smask, QMAX, SEPS)
 
 
+# the two row helpers are also the MLA norms' (dsv3serve.kernels.mla_norm)
+rms_normed = triton.jit(_rms_normed_body) if HAS_TRITON else None
+store_fp8_groups = triton.jit(_store_fp8_groups_body) if HAS_TRITON else None
 _norm_quant_kernel = triton.jit(_norm_quant_body) if HAS_TRITON else None
 
 

@@ -3,7 +3,7 @@
 A client that sends one of these believes it had an effect; silently dropping it would be
 a wrong answer with status 200. Each entry names the field, the values that ask for
 nothing beyond what the server does anyway (accepted), and why any other value is refused.
-Fields honoured elsewhere are not listed (tests/serving/test_openai_fields.py holds the
+Fields honoured elsewhere are not listed (tests/router/test_openai_fields.py holds the
 table of every OpenAI request field and where each is honoured or refused).
 """
 
@@ -28,7 +28,7 @@ def _never(reason: str) -> Refusal:
 
 
 # OpenAI's ``user`` (an end-user id for abuse monitoring) is accepted and ignored, as vLLM
-# does: it changes no output (tests/serving/test_openai_fields.py).
+# does: it changes no output (tests/router/test_openai_fields.py).
 _SHARED: dict[str, Refusal] = {
     "prompt_logprobs": _never("prompt logprobs are not computed by this server"),
 }
@@ -58,7 +58,7 @@ _COMPLETIONS: dict[str, Refusal] = {
 # as top_k, min_p, stop_token_ids, regex or chat_template_kwargs, are request fields). A
 # client moving from either sends them expecting an effect: an unknown name that no
 # server uses is still ignored, as vLLM ignores it. vLLM's ``request_id`` is ignored on
-# purpose: the server assigns every id (tests/serving/test_openai_api_errors.py).
+# purpose: the server assigns every id (tests/router/test_openai_api_errors.py).
 _GUIDED = "use response_format (json_schema, json_object), regex or ebnf"
 _EXTENSIONS: dict[str, Refusal] = {
     "guided_json": _never(_GUIDED),

@@ -72,7 +72,7 @@ def test_prefill_without_prefix(dims: MLADims) -> None:
     case = make_case(dims, [1, 17, 40], [0, 0, 0], "cpu", page_size=16)
     attn = backend(case, dims)
     compare_with_ref(attn, case, dims, absorbed=False)
-    assert attn._extend.num_chunks == 0
+    assert attn.prefix_chunks == 0
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
@@ -82,7 +82,7 @@ def test_extend_with_cached_prefix(dims: MLADims, chunk: int) -> None:
     case = make_case(dims, [5, 1, 12, 3], [0, 20, 9, 33], "cpu", page_size=16)
     attn = backend(case, dims, max_prefix_chunk_tokens=chunk)
     compare_with_ref(attn, case, dims, absorbed=False)
-    assert attn._extend.num_chunks == (1 if chunk > 100 else 9)
+    assert attn.prefix_chunks == (1 if chunk > 100 else 9)
 
 
 def test_extend_where_every_sequence_has_a_prefix() -> None:

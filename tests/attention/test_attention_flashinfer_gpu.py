@@ -81,7 +81,7 @@ def test_extend_with_cached_prefix(chunk: int) -> None:
     case = make_case(DIMS, [50, 1, 100, 64], [0, 300, 64, 1000], "cuda", PAGE)
     attn = FlashInferMLAAttention(case.pool, DIMS, max_prefix_chunk_tokens=chunk)
     compare_with_ref(attn, case, DIMS, absorbed=False)
-    assert attn._extend.num_chunks == (1 if chunk == 8192 else 6)
+    assert attn.prefix_chunks == (1 if chunk == 8192 else 6)
 
 
 def test_cuda_graph_replay_follows_a_new_plan() -> None:

@@ -51,7 +51,7 @@ def _queries(tokens: int, dims: MLADims = DIMS) -> tuple[torch.Tensor, torch.Ten
 
 def _check(case, attn: TritonMLAAttention, out: torch.Tensor, q: tuple, layer: int) -> None:
     pool, scale = case.pool, attn.dims.softmax_scale
-    args = (*q, pool.kv_buffer(layer), pool.scale_buffer(layer), attn._meta)
+    args = (*q, pool.kv_buffer(layer), pool.scale_buffer(layer), attn.meta)
     exact = mla_decode_ref(*args, scale)
     same_q = mla_decode_ref(*args, scale, quantize_q=True)
     err, err_p = rel_err(out, exact), rel_err(out, same_q)

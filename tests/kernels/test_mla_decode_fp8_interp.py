@@ -77,7 +77,7 @@ def _compare(case, cfg: FP8MLAConfig, dims: MLADims = DIMS, **kw) -> TritonMLAAt
     attn.plan(case.batch)
     q_nope, q_pe = _queries(case.batch.num_tokens, dims)
     got = attn.forward_absorbed(q_nope, q_pe, 1, dims.softmax_scale)
-    args = (q_nope, q_pe, case.pool.kv_buffer(1), case.pool.scale_buffer(1), attn._meta)
+    args = (q_nope, q_pe, case.pool.kv_buffer(1), case.pool.scale_buffer(1), attn.meta)
     exact = mla_decode_ref(*args, dims.softmax_scale)
     same_q = mla_decode_ref(*args, dims.softmax_scale, quantize_q=True)
     assert got.shape == exact.shape and got.dtype == torch.float16
@@ -102,7 +102,7 @@ def test_split_counts(max_splits: int) -> None:
     cfg = FP8MLAConfig(block_h=16, block_n=32, max_splits=max_splits, min_split_tokens=32)
     case = fp8_case(DIMS, [1, 1], [95, 40], page_size=16, seed=3)
     attn = _compare(case, cfg)
-    assert attn._meta.num_splits == max_splits
+    assert attn.meta.num_splits == max_splits
 
 
 def test_verify_is_causal_bottom_right() -> None:

@@ -117,13 +117,13 @@ def test_graph_buffers_follow_a_new_plan() -> None:
     limits = CudaGraphLimits(max_batch_size=4, max_kv_indices=64)
     first = fp8_case(DIMS, [1, 1], [10, 30], page_size=8, seed=1)
     attn = _compare(first, SMALL, cuda_graph=limits)
-    meta = attn._meta
+    meta = attn.meta
     second = fp8_case(DIMS, [1, 1], [33, 4], page_size=8, seed=2)
     attn.pool = second.pool
     attn.plan(second.batch)
-    assert attn._meta.kv_len.data_ptr() == meta.kv_len.data_ptr()
-    assert attn._meta.kv_indices.data_ptr() == meta.kv_indices.data_ptr()
-    assert attn._meta.kv_len.tolist() == [34, 5]
+    assert attn.meta.kv_len.data_ptr() == meta.kv_len.data_ptr()
+    assert attn.meta.kv_indices.data_ptr() == meta.kv_indices.data_ptr()
+    assert attn.meta.kv_len.tolist() == [34, 5]
 
 
 @pytest.mark.parametrize(
@@ -171,6 +171,6 @@ def test_padded_decode_graph_path_matches_the_torch_backend(tmp_path) -> None:
     batch = ForwardBatch.build(spans, "cpu")
     assert batch.kv_pages is not None  # a paged batch: KV indices straight from page tables
     want = model.compute_logits(model(batch, ref)).float()
-    assert attn._meta.kv_len.shape[0] == 4  # planned the padded batch
+    assert attn.meta.kv_len.shape[0] == 4  # planned the padded batch
     assert attn.index_mode == "page"
     assert_logits_close([got.float()], [want], rel_tol=3e-2)

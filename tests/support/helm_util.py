@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import pytest
+import referencing
 import yaml
+from kubernetes_validate.utils import latest_version
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "dsv3serve"
@@ -53,3 +58,17 @@ def pod_templates(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def env_of(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
     (container,) = template["spec"]["containers"]
     return {e["name"]: e for e in container.get("env") or []}
+
+
+RAYSERVICE_SCHEMA = ROOT / "tests" / "data" / "kuberay" / "rayservice-v1.schema.json"
+
+
+def kuberay_validator() -> jsonschema.protocols.Validator:
+    """The RayService schema, its Kubernetes $refs served from kubernetes-validate's files."""
+    folder = resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    defs = json.loads(
+        (folder / f"v{latest_version()}-local-strict" / "_definitions.json").read_text()
+    )
+    registry = referencing.Resource.from_contents(defs) @ referencing.Registry()
+    schema = json.loads(RAYSERVICE_SCHEMA.read_text())
+    return jsonschema.Draft202012Validator(schema, registry=registry)

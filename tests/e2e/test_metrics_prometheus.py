@@ -3,7 +3,7 @@ dashboard panel's query answered with data, and promtool on our exposition.
 
 Decode runs as a DP-attention group with the experts split by EP over 2 ranks (rank 1 a
 Ray actor), so the MoE dispatch panels have every rank's series; the tiny checkpoint is the
-bf16 one in float32, as in tests/serving/test_worker_group.py.
+bf16 one in float32, as in tests/e2e/test_worker_group.py.
 
 Needs Debian's ``prometheus`` package (the README's install command installs it).
 """

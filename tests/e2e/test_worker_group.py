@@ -88,7 +88,7 @@ def app_url(tiny_bf16_dir: Path) -> Iterator[str]:
         prefill={"num_cpus": 0.5, "engine": TP2},
         decode={"num_cpus": 0.5, "engine": DP2_EP2},
         # the failure path of a group is under test here: a lost decode stream fails
-        # instead of migrating (migration: tests/serving/test_serving_faults.py)
+        # instead of migrating (migration: tests/e2e/test_serving_faults.py)
         router={"served_model_name": "tiny", "metrics_port": None, "max_decode_migrations": 0},
     )
     with local_serve() as base, running_app(base, APP, cfg) as url:

@@ -5,7 +5,7 @@ the official ``openai`` client over HTTP and a ``grpcio`` client over gRPC. The 
 admits at most two requests, so two held streams overload it. The same app serves the
 routes vLLM clients call beside generation (``/metrics`` on the API port, ``HEAD
 /health``, ``models.retrieve``, ``/version``, ``/tokenize``): their wiring in the Serve
-ingress is checked here, their behaviour in tests/serving/test_openai_utility.py.
+ingress is checked here, their behaviour in tests/router/test_openai_utility.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """router/api/proxy_middleware.py on its own: the inner app (Serve's proxy) is a fake that plays
 back the ASGI messages the proxy sends in each case; the real proxy is in
-tests/serving/test_router_loss.py."""
+tests/e2e/test_router_loss.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 official ``openai`` client where it has a method): ``models.retrieve``, ``HEAD /health``,
 ``/version``, vLLM's ``/tokenize`` and ``/detokenize``, a list of prompts to
 ``/v1/completions``. The Serve ingress mounts the same endpoints (and ``/metrics``):
-tests/serving/test_grpc.py calls them on the PD app."""
+tests/e2e/test_grpc.py calls them on the PD app."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Admission policy: the router's budget, and what Serve's proxy is told of it (and
 how fast Serve stops its replicas).
 
-A full router refuses before reading a body (``tests/serving/test_openai_api.py`` checks
+A full router refuses before reading a body (``tests/router/test_openai_api.py`` checks
 it live); Serve's proxy routes around a full router because the router deployment's
 ``max_ongoing_requests`` is the budget plus refusal headroom, not a fixed 4096.
 """

@@ -1,7 +1,7 @@
 """router.routing.rank_routing: the per-rank board a router polls and orders targets by.
 
 The replicas here are fakes (``FakeHandle``: no engine, a scripted ``load`` answer); the
-live app is tests/serving/test_serving_dp_routing.py.
+live app is tests/e2e/test_serving_dp_routing.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two apps, one after the other (a module fixture per layout): prefill TP2 -> decode DP2
 (DP attention with ``ep_size`` 1: each rank holds every expert whole), and prefill on one
-rank -> decode DP2 + EP2 (tests/serving/test_worker_group.py has TP2 -> DP2 + EP2). The
+rank -> decode DP2 + EP2 (tests/e2e/test_worker_group.py has TP2 -> DP2 + EP2). The
 MLA latent cache is not split by heads, so the prefill side's pages (from one rank, or TP
 rank 0) land whole on the decode DP rank that holds the reservation. Greedy text through
 the official ``openai`` client, streamed and not, must equal the single-rank offline
@@ -13,7 +13,7 @@ locks, staged KV), long before any lease would have freed it.
 Fault injection makes the phases wide enough to hit: every prefill waits
 ``test_prefill_delay_s`` and every decode pull ``test_receive_delay_s`` before it copies.
 The checkpoint is the bf16 tiny one run in float32 (its fp8 blocks cannot split over two
-ranks), as in tests/serving/test_worker_group.py.
+ranks), as in tests/e2e/test_worker_group.py.
 """
 
 from __future__ import annotations
