@@ -18,12 +18,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
-from router.api.admission import router_max_ongoing
+from router.api.admission import REFUSAL_RETRY_AFTER_S, router_max_ongoing
 from router.api.auth import APIKeyAuth, unauthorized_response
 from router.api.grpc_api import GenerationService
 from router.api.grpc_api import Request as GrpcRequest
@@ -35,7 +36,7 @@ from router.autoscale.app import (
     worker_count,
 )
 from router.autoscale.metrics import AutoscaleMetrics
-from router.config import RoleGroup, ServingConfig
+from router.config import RoleGroup, RouterSettings, ServingConfig
 from router.drain import listen
 from router.metered import MeteredBackend
 from router.metrics_server import TEXT_FORMAT, MergedCollector, serve_metrics
@@ -324,6 +325,20 @@ def build_app(args: dict[str, Any]) -> Any:
     return bind_app(cfg)
 
 
+def serve_admission_options(router: RouterSettings) -> dict[str, Any]:
+    """The router deployment's Serve options that make the proxy enforce the admission
+    budget (``router.api.admission``): at most ``max_in_flight`` requests per router
+    replica, ``max_queued_requests`` held while every one is full, the rest refused at
+    once with 429 and ``Retry-After``."""
+    return {
+        "max_ongoing_requests": router_max_ongoing(router.max_in_flight),
+        "max_queued_requests": router.max_queued_requests,
+        "backpressure_config": BackpressureConfig(
+            status_code=429, retry_after_s=REFUSAL_RETRY_AFTER_S
+        ),
+    }
+
+
 def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None) -> Any:
     """The app of ``cfg`` with ``cfg.router.num_replicas`` routers; ``router_options`` are
     Serve deployment options of the router, as a deploy file's ``deployments: [{name:
@@ -333,10 +348,13 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
         role: [_worker_app(cfg, role, i) for i in range(worker_count(cfg, role))]
         for role in cfg.roles()
     }
-    options = {
-        "num_replicas": cfg.router.num_replicas,
-        "graceful_shutdown_timeout_s": cfg.router.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
-        "max_ongoing_requests": router_max_ongoing(cfg.router.max_in_flight),
-    } | dict(router_options or {})
+    options = (
+        {
+            "num_replicas": cfg.router.num_replicas,
+            "graceful_shutdown_timeout_s": cfg.router.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+        }
+        | serve_admission_options(cfg.router)
+        | dict(router_options or {})
+    )
     return Router.options(**options).bind(cfg.model_dump_json(), workers)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.json_types import JSONObject
@@ -101,7 +108,27 @@ class RouterSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     served_model_name: str = "deepseek-v3"
-    max_in_flight: int = Field(256, ge=1, description="admitted requests; more get 429")
+    max_in_flight: int = Field(
+        256,
+        ge=1,
+        description="requests a router replica admits at once (its Serve "
+        "max_ongoing_requests); beyond every router's, Serve's proxy queues, then answers 429",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=-1,
+        description="requests Serve's proxy holds while every router replica is at "
+        "max_in_flight (Serve's max_queued_requests); more get 429 at once with Retry-After; "
+        "-1: no limit",
+    )
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("expected -1 (no limit) or at least 1, as Serve takes it")
+        return value
+
     graceful_shutdown_timeout_s: float = Field(
         30.0,
         gt=0,

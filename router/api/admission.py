@@ -1,23 +1,27 @@
 """Admission control: at most ``max_in_flight`` requests are admitted at once.
 
-A full router answers 429 before it reads the body (``Admission.full``), and Serve's
-proxy is told the router's budget (:func:`router_max_ongoing`), so it routes new
-requests to a router with room instead of one that can only refuse them.
+Serve's proxy enforces the budget before a router sees a request: the router deployment's
+``max_ongoing_requests`` is the budget itself (:func:`router_max_ongoing`), so the proxy
+sends a request only to a router with room, picking the less loaded of two, holds up to
+``router.max_queued_requests`` while every router is full, and refuses the rest at once
+with 429 and ``Retry-After`` (an OpenAI body through
+:class:`~router.api.proxy_refusals.RefusalBody`). A router answering the refusal itself
+had to wait for its event loop, busy with the requests it admitted: 1.65-1.89 s per 429
+under a 600-stream burst on 2 cores (docs/perf/admission_two_routers_cpu.md). The
+router's own check (``Admission.full``, before the body is read) stays for calls that do
+not come through the proxy.
 """
 
 from __future__ import annotations
 
-MIN_REFUSAL_HEADROOM = 32
+REFUSAL_RETRY_AFTER_S = 1.0  # the proxy's Retry-After on a 429
 
 
 def router_max_ongoing(max_in_flight: int) -> int:
     """The router deployment's ``max_ongoing_requests`` for an admission budget of
-    ``max_in_flight``: the budget plus headroom (a quarter of it, at least
-    :data:`MIN_REFUSAL_HEADROOM`) for the requests it refuses at once and for health,
-    model and metrics calls. Serve's proxy sends no request to a router at this count
-    and picks the less loaded of two routers, so a full router's load goes to the other;
-    when every router is at it, the proxy holds requests until one has room."""
-    return max_in_flight + max(MIN_REFUSAL_HEADROOM, max_in_flight // 4)
+    ``max_in_flight``: the budget itself (health, model and metrics calls count too, so
+    a full router's generation requests never exceed it)."""
+    return max_in_flight
 
 
 class Slot:

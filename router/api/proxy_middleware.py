@@ -24,6 +24,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api.errors import INTERNAL_ERROR, error_body
+from router.api.proxy_refusals import RefusalBody
 from router.api.sse import DONE, sse_event
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -45,8 +46,10 @@ logger = logging.getLogger(__name__)
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """The callback Serve's proxy calls (via :data:`PROXY_CALLBACK_ENV`) for its middlewares."""
-    return [Middleware(StreamEndGuard)]
+    """The callback Serve's proxy calls (via :data:`PROXY_CALLBACK_ENV`) for its middlewares:
+    cut streams end in-band, and the proxy's own refusals get OpenAI bodies
+    (:class:`~router.api.proxy_refusals.RefusalBody`)."""
+    return [Middleware(StreamEndGuard), Middleware(RefusalBody)]
 
 
 def stream_cut_events() -> bytes:

@@ -1,16 +1,19 @@
 """Admission policy: the router's budget, and what Serve's proxy is told of it (and
 how fast Serve stops its replicas).
 
-A full router refuses before reading a body (``tests/router/test_openai_api.py`` checks
-it live); Serve's proxy routes around a full router because the router deployment's
-``max_ongoing_requests`` is the budget plus refusal headroom, not a fixed 4096.
+Serve's proxy enforces the budget: the router deployment's ``max_ongoing_requests`` is
+the budget, the proxy holds ``router.max_queued_requests`` while every router is full and
+refuses the rest with 429 and ``Retry-After`` (tests/e2e/test_proxy_refusals.py checks it
+through a real proxy). A full router still refuses before reading a body
+(``tests/router/test_openai_api.py`` checks it live).
 """
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from router.api.admission import MIN_REFUSAL_HEADROOM, Admission, router_max_ongoing
+from router.api.admission import REFUSAL_RETRY_AFTER_S, Admission, router_max_ongoing
 from router.app import DRAIN_POLL_S, bind_app
 from router.config import ServingConfig
 
@@ -25,28 +28,38 @@ def test_full_is_exactly_when_try_acquire_refuses() -> None:
     assert not admission.full and admission.in_flight == 1
 
 
-@pytest.mark.parametrize(
-    ("budget", "expected"),
-    [(1, 1 + MIN_REFUSAL_HEADROOM), (256, 256 + 64), (1024, 1024 + 256)],
-)
-def test_router_max_ongoing_is_the_budget_plus_headroom(budget: int, expected: int) -> None:
-    assert router_max_ongoing(budget) == expected
+@pytest.mark.parametrize("budget", [1, 256, 1024])
+def test_router_max_ongoing_is_the_budget(budget: int) -> None:
+    assert router_max_ongoing(budget) == budget
 
 
-def _config(max_in_flight: int) -> ServingConfig:
+def _config(max_in_flight: int, **router: int) -> ServingConfig:
     return ServingConfig.parse(
         {
             "mode": "pd",
             "engine": {"model": "tiny", "device": "cpu"},
-            "router": {"num_replicas": 2, "max_in_flight": max_in_flight},
+            "router": {"num_replicas": 2, "max_in_flight": max_in_flight, **router},
         }
     )
 
 
 def test_the_router_deployment_carries_its_admission_budget_to_serve() -> None:
-    app = bind_app(_config(100))
-    assert app._bound_deployment.max_ongoing_requests == router_max_ongoing(100)
-    assert app._bound_deployment.num_replicas == 2
+    deployment = bind_app(_config(100, max_queued_requests=7))._bound_deployment
+    assert deployment.max_ongoing_requests == 100
+    assert deployment.num_replicas == 2
+    serve_config = deployment._deployment_config
+    assert serve_config.max_queued_requests == 7
+    refusal = serve_config.backpressure_config
+    assert refusal.status_code == 429 and refusal.retry_after_s == REFUSAL_RETRY_AFTER_S
+
+
+@pytest.mark.parametrize(("queued", "ok"), [(-1, True), (1, True), (0, False), (-2, False)])
+def test_the_proxy_queue_takes_serves_values_only(queued: int, ok: bool) -> None:
+    if ok:
+        assert _config(10, max_queued_requests=queued).router.max_queued_requests == queued
+    else:
+        with pytest.raises((ValidationError, ValueError), match="max_queued_requests"):
+            _config(10, max_queued_requests=queued)
 
 
 def test_a_deploy_files_router_option_still_wins() -> None:
