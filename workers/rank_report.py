@@ -2,7 +2,7 @@
 ``load`` poll, ``router.rank_routing``), and the per-rank metrics and counters.
 
 A replica without DP attention is one rank (0): its engine's scheduler. With DP attention
-the leader's :class:`~dsv3serve.engine.dp_scheduler.DPScheduler` holds one scheduler per
+the leader's :class:`~dsv3serve.engine.scheduler.dp.DPScheduler` holds one scheduler per
 rank. Read on the engine's step thread (``AsyncEngine.call``) for the load, at scrape time
 for the metrics (as the engine-wide gauges are).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.scheduler import Scheduler
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.scheduler import Scheduler
 from dsv3serve.metrics import EngineState
 from workers.protocol import MAX_PREFIX_HASHES, RankLoad
 

@@ -16,9 +16,9 @@ import torch
 
 from dsv3serve.bench.model_batches import context_spans
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
-from dsv3serve.engine.spec.graphs import DraftChainGraphs, VerifyGraphs
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.graphs import DraftChainGraphs, VerifyGraphs
 from dsv3serve.forward_batch import SeqSpan
 
 

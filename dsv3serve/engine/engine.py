@@ -23,21 +23,21 @@ import torch
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.core import EngineCore
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.intake import InvalidRequestError, new_sequence
 from dsv3serve.engine.loops import PlainLoop, SpecLoop, StepLoop
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.overlap import OverlapLoop
+from dsv3serve.engine.overlap_loop import OverlapLoop
 from dsv3serve.engine.pd_hooks import FirstToken, KVExport, PDHooks
 from dsv3serve.engine.protocols import StepRunner, StepScheduler
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
-from dsv3serve.engine.sched_pd import NO_PREFIX
-from dsv3serve.engine.scheduler import KVReservation, Scheduler
-from dsv3serve.engine.sequence import SchedulerConfig
-from dsv3serve.engine.spec.forwards import SpecForwards
-from dsv3serve.engine.spec.loop import SpecDecoder
-from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.pd import NO_PREFIX
+from dsv3serve.engine.scheduler.scheduler import KVReservation, Scheduler
+from dsv3serve.engine.scheduler.sequence import SchedulerConfig
+from dsv3serve.engine.speculative.forwards import SpecForwards
+from dsv3serve.engine.speculative.loop import SpecDecoder
+from dsv3serve.engine.speculative.stats import SpecStats
 from dsv3serve.kvcache.host_pool import HostKVPool
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.kvcache.radix_cache import PrefixMatch

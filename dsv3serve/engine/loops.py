@@ -14,10 +14,10 @@ from dsv3serve.engine.core import EngineCore, top_logprobs
 from dsv3serve.engine.model_runner import StepResult
 from dsv3serve.engine.request import TokenOutput
 from dsv3serve.engine.sampler import SampleOutput
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem
-from dsv3serve.engine.spec.accept import SpecVerifier, VerifyRequest
-from dsv3serve.engine.spec.loop import SpecDecoder
-from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, ScheduledItem
+from dsv3serve.engine.speculative.accept import SpecVerifier, VerifyRequest
+from dsv3serve.engine.speculative.loop import SpecDecoder
+from dsv3serve.engine.speculative.stats import SpecStats
 
 
 class StepLoop(Protocol):

@@ -17,8 +17,8 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.model_runner import kv_slots
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
-from dsv3serve.engine.spec.graphs import SpecGraphs
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.graphs import SpecGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.sampling.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.model_runner import ModelRunner, kv_slots
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.spec.graphs import DraftChainGraphs, SpecGraphs, VerifyGraphs
+from dsv3serve.engine.speculative.graphs import DraftChainGraphs, SpecGraphs, VerifyGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.sampling.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dsv3serve.engine.spec.verify import accepted_prefix, greedy_verify, rejection_verify
+from dsv3serve.engine.speculative.verify import accepted_prefix, greedy_verify, rejection_verify
 
 N, V = 200_000, 6
 ALPHA = 1e-4

@@ -20,7 +20,7 @@ committed it, token 0 past the last committed position. Why the garbage rows are
 - A sequence without pages (finished or aborted before the extend) runs as a padding
   sequence on the scratch slots; its row is ignored.
 
-The next round's :class:`~dsv3serve.engine.spec.loop.DraftState` of every sequence (the
+The next round's :class:`~dsv3serve.engine.speculative.loop.DraftState` of every sequence (the
 draft's hidden state and argmax token at its last committed position) is gathered on the
 device through a static row index the host fills from the accepted counts. The draft
 runs in the absorbed (decode) MLA form, as the verify does; the eager extend, kept for
@@ -34,7 +34,7 @@ import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import GraphPool, SpanGraphs, padded_size
-from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.argmax import row_argmax
 

@@ -5,7 +5,7 @@ Rank 0 (the leader) owns the scheduler. Each step it broadcasts the step's spans
 own device and KV pool. KV pages that arrive from outside (PD import) are broadcast from
 rank 0 to the other ranks' pools the same way, so every pool holds the same pages.
 
-Each rank holds its shard of the model (:mod:`dsv3serve.engine.rank_parts`). Only tensors
+Each rank holds its shard of the model (:mod:`dsv3serve.engine.group.rank_parts`). Only tensors
 and fixed-layout int64 headers cross the wire (no pickle). A rank that dies makes rank 0's
 next collective raise (connection closed, or the group timeout): the engine's step fails.
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
-from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool
 
@@ -264,7 +264,7 @@ def follower_loop(
     """Ranks 1..N-1: execute rank 0's commands until STOP; returns the plain steps run.
 
     ``extra`` maps more ops to handlers called with the wire and the payload length
-    (speculative decoding's forwards: :mod:`dsv3serve.engine.spec.group`).
+    (speculative decoding's forwards: :mod:`dsv3serve.engine.speculative.group`).
     """
     wire = Wire(comm_device(runner))
     handlers = extra or {}

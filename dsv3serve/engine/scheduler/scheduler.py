@@ -1,6 +1,6 @@
 """Continuous-batching scheduler over a paged KV cache (pure Python): the facade.
 
-Its parts, each over one :class:`~dsv3serve.engine.sched_state.SchedState`:
+Its parts, each over one :class:`~dsv3serve.engine.scheduler.state.SchedState`:
 
 - ``sched_policy``: which tokens run in each step (admission, ordering, growth,
   preemption, speculative lookahead); the policy is described there.
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from dsv3serve.engine.sched_launch import LaunchBook
-from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation, PDPages
-from dsv3serve.engine.sched_policy import StepPolicy
-from dsv3serve.engine.sched_state import SchedState, check_start
-from dsv3serve.engine.sequence import (
+from dsv3serve.engine.scheduler.launch import LaunchBook
+from dsv3serve.engine.scheduler.pd import NO_PREFIX, KVReservation, PDPages
+from dsv3serve.engine.scheduler.policy import StepPolicy
+from dsv3serve.engine.scheduler.sequence import (
     ContextLengthError,
     ScheduledBatch,
     ScheduledItem,
@@ -26,6 +25,7 @@ from dsv3serve.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from dsv3serve.engine.scheduler.state import SchedState, check_start
 from dsv3serve.kvcache.host_tier import PageCopier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.radix_cache import PrefixMatch

@@ -26,9 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dsv3serve.engine.cuda_graph import DecodeGraphs, graphable
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.graph_capture import padded_size
-from dsv3serve.engine.group import (
+from dsv3serve.engine.group.tp import (
     OP_DIGEST,
     OP_SAMPLED,
     OP_STOP,
@@ -39,9 +38,10 @@ from dsv3serve.engine.group import (
     gather_digest,
     store_sampled,
 )
-from dsv3serve.engine.group import decode_spans as decode_one
+from dsv3serve.engine.group.tp import decode_spans as decode_one
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
-from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import SeqSpan
 
 OP_DP_STEP, OP_DP_MOVE_PAGES = 17, 18
@@ -214,7 +214,7 @@ def dp_follower_loop(
     """Ranks 1..N-1 under DP attention: run their part of each step until STOP.
 
     ``extra`` maps more ops to handlers called with the wire and the payload length
-    (speculative decoding's forwards: :mod:`dsv3serve.engine.spec.dp_group`).
+    (speculative decoding's forwards: :mod:`dsv3serve.engine.speculative.dp_group`).
     """
     wire, rank = Wire(comm_device(runner)), dist.get_rank()
     handlers = extra or {}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dsv3serve.engine.sched_pd import PDPages
-from dsv3serve.engine.sched_state import SchedState, check_start
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
+from dsv3serve.engine.scheduler.pd import PDPages
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
+from dsv3serve.engine.scheduler.state import SchedState, check_start
 
 
 class LaunchBook:

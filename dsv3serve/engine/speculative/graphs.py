@@ -17,7 +17,7 @@ Both pad a step of ``b`` sequences to a captured size ``B >= b`` as
 
 Mixed steps (prefill chunks beside decode), rows with fewer drafts than ``k``, and
 batches over the largest size stay eager. The draft extend after a verify of this kind
-has graphs of its own (:mod:`dsv3serve.engine.spec.extend_graphs`).
+has graphs of its own (:mod:`dsv3serve.engine.speculative.extend_graphs`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from dsv3serve.engine.graph_capture import (
     padded_size,
     plan_for_graph,
 )
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
 from dsv3serve.engine.static_inputs import StaticInputs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.argmax import row_argmax
