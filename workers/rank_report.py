@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.engine import Engine, scheduler_state
 from dsv3serve.engine.scheduler.dp import DPScheduler
 from dsv3serve.engine.scheduler.scheduler import Scheduler
 from dsv3serve.metrics import EngineState
@@ -64,14 +64,8 @@ def rank_state_readers(engine: Engine) -> list[Callable[[], EngineState]]:
 
     def reader(rank: int) -> Callable[[], EngineState]:
         def read() -> EngineState:
-            s = scheduler.ranks[rank]
-            return EngineState(
-                running=s.num_running,
-                waiting=s.num_waiting,
-                kv_usage=s.kv.usage,
-                prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
-                prefix_hits=s.prefix_hit_tokens,
-                preemptions=s.num_preemptions,
+            return scheduler_state(
+                scheduler.ranks[rank],
                 placed=scheduler.placed[rank],
                 fallbacks=scheduler.fallbacks[rank],
             )

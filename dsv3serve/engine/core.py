@@ -1,6 +1,6 @@
 """The engine core: the per-sequence output state and the stages every step loop is built
 from (schedule, launch, resolve, emit). The loops (``engine/loops.py``: plain and
-speculative, ``engine/overlap.py``: overlapped) use only this public surface."""
+speculative, ``engine/overlap_loop.py``: overlapped) use only this public surface."""
 
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ A step is schedule (CPU), run (device: forward and sample), then process (CPU: s
 detokenize). Without overlap they run back to back. With the overlap scheduler (on by default
 on CUDA, ``disable_overlap_schedule`` turns it off, ``force_overlap_schedule`` turns it on off
 CUDA) the host schedules and launches step n+1 before it processes step n, whose tokens the
-new step reads through device-side placeholders: see ``engine/overlap.py``. Speculative
+new step reads through device-side placeholders: see ``engine/overlap_loop.py``. Speculative
 decoding and multi-rank groups (``use_runner``) always run without overlap.
 
 The engine is a facade: the step stages live in ``engine/core.py``, the step loops in
-``engine/loops.py`` (plain, speculative) and ``engine/overlap.py``, and the PD export and
+``engine/loops.py`` (plain, speculative) and ``engine/overlap_loop.py``, and the PD export and
 import hooks in ``engine/pd_hooks.py``.
 """
 
@@ -195,18 +195,12 @@ class Engine:
         return self._loop.step()
 
     def engine_state(self) -> EngineState:
-        """Scrape-time engine gauges and counters."""
+        """Scrape-time engine gauges and counters (one pool: DP ranks report their own)."""
         s = self.scheduler
-        state = EngineState(
-            running=s.num_running,
-            waiting=s.num_waiting,
-            kv_usage=s.kv.usage,
-            prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
-            prefix_hits=s.prefix_hit_tokens,
-            preemptions=s.num_preemptions,
-            prefill_tokens=s.num_prefill_tokens,
-        )
-        tier = s.kv.host_tier if isinstance(s, Scheduler) else None
+        if not isinstance(s, Scheduler):
+            raise TypeError("engine_state: expected one scheduler; DP ranks report their own")
+        state = scheduler_state(s, prefill_tokens=s.num_prefill_tokens)
+        tier = s.kv.host_tier
         return state if tier is None else with_tier_state(state, tier)
 
     # ---- disaggregation hooks (engine/pd_hooks.py) ------------------------------------
@@ -296,6 +290,20 @@ class Engine:
             draft = (draft_token, draft_hidden)
         first = FirstToken(first_token, first_logprob, first_top, draft, cached_tokens)
         self._pd.import_kv(req, pages, first, NO_PREFIX if prefix is None else prefix)
+
+
+def scheduler_state(s: Scheduler, **extra: int) -> EngineState:
+    """One pool's scrape-time gauges and counters; ``extra``: more ``EngineState`` fields
+    (what the caller adds: prefilled tokens, a DP rank's placement counts)."""
+    return EngineState(
+        running=s.num_running,
+        waiting=s.num_waiting,
+        kv_usage=s.kv.usage,
+        prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
+        prefix_hits=s.prefix_hit_tokens,
+        preemptions=s.num_preemptions,
+        **extra,
+    )
 
 
 def _host_pool(cfg: EngineConfig, runner: ModelRunner) -> HostKVPool | None:

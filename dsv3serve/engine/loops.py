@@ -1,7 +1,7 @@
 """The step loops that finish each step before returning: plain and speculative.
 
 Both are built from :class:`~dsv3serve.engine.core.EngineCore`'s stages only (the
-overlapped loop is ``engine/overlap.py``). Every loop has ``step()`` and ``in_flight``.
+overlapped loop is ``engine/overlap_loop.py``). Every loop has ``step()`` and ``in_flight``.
 """
 
 from __future__ import annotations

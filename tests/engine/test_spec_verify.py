@@ -1,4 +1,4 @@
-"""Draft verification (``spec/verify.py``) on fresh random inputs.
+"""Draft verification (``speculative/verify.py``) on fresh random inputs.
 
 Greedy: against a plain-Python prefix match. Rejection sampling: the committed tokens
 must follow the target's distribution whatever the draft proposes. Each check draws

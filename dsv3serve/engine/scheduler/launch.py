@@ -1,7 +1,7 @@
 """The scheduler's side of overlap scheduling: a launched step's placeholders, their
 resolution to real tokens, and the rollback of a launch whose sequence ends (pure Python).
 
-See ``engine/overlap.py`` for the placeholders (negative ids of a device ring's slots).
+See ``engine/overlap_loop.py`` for the placeholders (negative ids of a device ring's slots).
 """
 
 from __future__ import annotations

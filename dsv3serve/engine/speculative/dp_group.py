@@ -21,7 +21,6 @@ rank ``r`` returns (for the gather). ``flag``: the verify form for ``OP_DP_SPEC_
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dsv3serve.engine.group.dp import gather_rows, idle_logits
-from dsv3serve.engine.group.tp import Wire, comm_device
+from dsv3serve.engine.group.tp import OpHandler, Wire, comm_device
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.engine.speculative.draft_quant import DraftQuant
@@ -38,7 +37,6 @@ from dsv3serve.engine.speculative.group import SRC_TARGET, SRC_WIRE, pack, unpac
 from dsv3serve.forward_batch import SeqSpan
 
 OP_DP_SPEC_TARGET, OP_DP_SPEC_DRAFT = 35, 36
-OpHandler = Callable[[Wire, int], None]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv3serve.engine.graph_capture import GraphSetup
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.engine.speculative.draft_quant import DraftQuant, requantize_draft
@@ -35,15 +36,14 @@ def spec_graphs_for(runner: ModelRunner, draft: NextNDraft, num_steps: int) -> S
     on CUDA; elsewhere the same padded path runs uncaptured."""
     if runner.graphs is None or runner.graphs_by_group:
         return None
-    return SpecGraphs.build(
-        draft,
+    setup = GraphSetup(
         runner.attn,
-        num_steps,
         runner.graphs.sizes,
         runner.scratch_slots(num_steps + 1),
         capture=runner.device.type == "cuda",
         mempool=runner.graph_pool,
     )
+    return SpecGraphs.build(draft, num_steps, setup)
 
 
 class SpecForwards:

@@ -27,10 +27,9 @@ import logging
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import (
     GraphCache,
-    GraphPool,
+    GraphSetup,
     SpanGraphs,
     fork_attention,
     pad_spans,
@@ -53,22 +52,11 @@ class VerifyGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
     kind = "verify"
     label = "verify"
 
-    def __init__(
-        self,
-        model: DeepseekV3ForCausalLM,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slots: list[int],
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> None:
-        """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
-        scratch page, for the padding sequences."""
-        device = model.embed_tokens.weight.device
-        super().__init__(attn, device, num_steps + 1, sizes, scratch_slots, True, mempool)
+    def __init__(self, model: DeepseekV3ForCausalLM, num_steps: int, setup: GraphSetup) -> None:
+        """``setup.scratch_slots``: at least ``num_steps + 1`` slots."""
+        super().__init__(setup, model.embed_tokens.weight.device, num_steps + 1, True)
         self.model = model
-        if capture:
+        if setup.capture:
             self._capture_all(lambda size: self._load_spans([], size))
 
     def can_run(self, spans: list[SeqSpan]) -> bool:
@@ -93,30 +81,23 @@ class VerifyGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
 class DraftChainGraphs:
     """The ``k - 1`` chained draft steps of a round, captured as one graph per size."""
 
-    def __init__(
-        self,
-        draft: NextNDraft,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slot: int,
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> None:
+    def __init__(self, draft: NextNDraft, num_steps: int, setup: GraphSetup) -> None:
+        """Padding sequences write to ``setup.scratch_slots[0]`` in every step."""
         if num_steps < 2:
             raise ValueError(f"a draft chain needs num_steps >= 2, got {num_steps}")
-        self.draft, self.chain, self.sizes = draft, num_steps - 1, sorted(sizes)
+        self.draft, self.chain, self.sizes = draft, num_steps - 1, sorted(setup.sizes)
+        scratch_slot = setup.scratch_slots[0]
         target = draft.target
         self.device = target.embed_tokens.weight.device
         n = self.sizes[-1]
         self._dummy = SeqSpan([0], 0, [scratch_slot], True)
         self._steps = [StaticInputs(n, scratch_slot, self.device) for _ in range(self.chain)]
-        self._attns = [fork_attention(attn, f"draft{s}") for s in range(self.chain)]
+        self._attns = [fork_attention(setup.attn, f"draft{s}") for s in range(self.chain)]
         dtype = target.embed_tokens.weight.dtype
         self._hidden = torch.zeros(n, target.cfg.hidden_size, dtype=dtype, device=self.device)
-        self._graphs: GraphCache[torch.Tensor] = GraphCache(self.device, mempool)
+        self._graphs: GraphCache[torch.Tensor] = GraphCache(self.device, setup.mempool)
         self.runs = 0  # chains through the padded path (replayed or not)
-        if capture:
+        if setup.capture:
             for size in reversed(self.sizes):
                 batches = self._load([[] for _ in range(self.chain)], self._hidden[:0], size)
                 self._graphs.capture(size, lambda b=batches: self._forward(b))
@@ -182,22 +163,9 @@ class SpecGraphs:
     extend: ExtendGraphs | None = None
 
     @classmethod
-    def build(
-        cls,
-        draft: NextNDraft,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slots: list[int],
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> SpecGraphs:
-        """Capture (or with ``capture=False`` only prepare) every kind of graph."""
-        model = draft.target
-        verify = VerifyGraphs(model, attn, num_steps, sizes, scratch_slots, capture, mempool)
-        chain = None
-        if num_steps >= 2:
-            slot = scratch_slots[0]
-            chain = DraftChainGraphs(draft, attn, num_steps, sizes, slot, capture, mempool)
-        extend = ExtendGraphs(draft, attn, num_steps, sizes, scratch_slots, capture, mempool)
-        return cls(verify, chain, extend)
+    def build(cls, draft: NextNDraft, num_steps: int, setup: GraphSetup) -> SpecGraphs:
+        """Capture (or with ``setup.capture=False`` only prepare) every kind of graph;
+        ``setup.scratch_slots``: at least ``num_steps + 1`` slots."""
+        verify = VerifyGraphs(draft.target, num_steps, setup)
+        chain = DraftChainGraphs(draft, num_steps, setup) if num_steps >= 2 else None
+        return cls(verify, chain, ExtendGraphs(draft, num_steps, setup))

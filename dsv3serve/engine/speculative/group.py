@@ -25,12 +25,10 @@ the same spans the same way, so all replay the same graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
-from dsv3serve.engine.group.tp import Wire, comm_device, decode_spans, encode_spans
+from dsv3serve.engine.group.tp import OpHandler, Wire, comm_device, decode_spans, encode_spans
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.engine.speculative.draft_quant import DraftQuant
@@ -41,7 +39,6 @@ from dsv3serve.forward_batch import SeqSpan
 OP_SPEC_TARGET, OP_SPEC_DRAFT, OP_SPEC_GRAPH = 33, 34, 37
 SRC_WIRE, SRC_TARGET = 0, 1
 GRAPH_VERIFY, GRAPH_CHAIN, GRAPH_EXTEND = 0, 1, 2  # the flag of an OP_SPEC_GRAPH
-OpHandler = Callable[[Wire, int], None]
 
 
 def pack(flag: int, rows: list[int], spans: list[SeqSpan]) -> torch.Tensor:
