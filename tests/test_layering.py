@@ -123,3 +123,22 @@ def test_protocol_and_router_stay_torch_free() -> None:
         " sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_scheduler_room_imports_no_other_engine_module(graph: dict[str, list[Import]]) -> None:
+    """``engine/scheduler/`` is pure bookkeeping over the KV cache: of the engine it
+    imports only itself (the engine imports it, never the other way)."""
+    room = "dsv3serve.engine.scheduler"
+    wrong = [
+        str(imp)
+        for module, imps in graph.items()
+        if _inside(module, room)
+        for imp in imps
+        if _inside(imp.target, "dsv3serve.engine") and not _inside(imp.target, room)
+    ]
+    shown = "\n".join(wrong)
+    assert not wrong, f"expected {room} to import no other engine module, found:\n{shown}"

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import torch
 
-from dsv3serve.engine.spec.loop import DraftState
+from dsv3serve.engine.speculative.loop import DraftState
 from workers.protocol import DraftHandoff
 
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(

@@ -30,9 +30,9 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dsv3serve.engine.dp_group import DPGroupLeader
-from dsv3serve.engine.group import GroupLeader, GroupSpec, init_group, rank_timeout_s
-from dsv3serve.engine.rank import run_follower
+from dsv3serve.engine.group.dp import DPGroupLeader
+from dsv3serve.engine.group.rank import run_follower
+from dsv3serve.engine.group.tp import GroupLeader, GroupSpec, init_group, rank_timeout_s
 from dsv3serve.json_types import JSONObject
 from dsv3serve.parallel.dispatch_meter import process_snapshots
 from workers.config import WorkerConfig

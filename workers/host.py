@@ -18,9 +18,9 @@ import torch
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError, PrefillReleasedError
 from dsv3serve.engine.engine import Engine, InvalidRequestError, KVExport, KVReservation
-from dsv3serve.engine.rank import attach_leader
+from dsv3serve.engine.group.rank import attach_leader
 from dsv3serve.engine.request import Request, TokenOutput
-from dsv3serve.engine.sequence import ContextLengthError
+from dsv3serve.engine.scheduler.sequence import ContextLengthError
 from dsv3serve.metrics import Identity
 from workers.autoscale_stats import AutoscaleStats
 from workers.config import WorkerConfig

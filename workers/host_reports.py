@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.group import pool_digest
+from dsv3serve.engine.group.tp import pool_digest
 from workers.config import WorkerConfig
 from workers.kv_intake import KVIntake
 from workers.protocol import WorkerInfo, WorkerLoad, WorkerProgress, WorkerStats

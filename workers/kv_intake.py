@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from dsv3serve.engine.async_engine import AsyncEngine, EngineDeadError
 from dsv3serve.engine.engine import Engine, KVReservation
-from dsv3serve.engine.spec.loop import DraftState
+from dsv3serve.engine.speculative.loop import DraftState
 from kv_transfer.base import KVConnector
 from kv_transfer.handle import KVHandle, TransferError, TransferStats
 from workers.config import WorkerConfig

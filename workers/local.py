@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine, InvalidRequestError
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sequence import ContextLengthError
+from dsv3serve.engine.scheduler.sequence import ContextLengthError
 from workers.backend import BackendError
 from workers.convert import chunk_from_output
 from workers.protocol import GenerateRequest, TokenChunk

@@ -2,7 +2,7 @@
 ``load`` poll, ``router.routing.rank_routing``), and the per-rank metrics and counters.
 
 A replica without DP attention is one rank (0): its engine's scheduler. With DP attention
-the leader's :class:`~dsv3serve.engine.dp_scheduler.DPScheduler` holds one scheduler per
+the leader's :class:`~dsv3serve.engine.scheduler.dp.DPScheduler` holds one scheduler per
 rank. Read on the engine's step thread (``AsyncEngine.call``) for the load, at scrape time
 for the metrics (as the engine-wide gauges are).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dsv3serve.engine.dp_scheduler import DPScheduler
-from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.scheduler import Scheduler
+from dsv3serve.engine.engine import Engine, scheduler_state
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.scheduler import Scheduler
 from dsv3serve.metrics import EngineState
 from workers.protocol import MAX_PREFIX_HASHES, RankLoad
 
@@ -64,14 +64,8 @@ def rank_state_readers(engine: Engine) -> list[Callable[[], EngineState]]:
 
     def reader(rank: int) -> Callable[[], EngineState]:
         def read() -> EngineState:
-            s = scheduler.ranks[rank]
-            return EngineState(
-                running=s.num_running,
-                waiting=s.num_waiting,
-                kv_usage=s.kv.usage,
-                prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
-                prefix_hits=s.prefix_hit_tokens,
-                preemptions=s.num_preemptions,
+            return scheduler_state(
+                scheduler.ranks[rank],
                 placed=scheduler.placed[rank],
                 fallbacks=scheduler.fallbacks[rank],
             )

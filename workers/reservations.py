@@ -3,8 +3,8 @@ the check that a prefill's staged pages are exactly the ones a reservation misse
 
 from __future__ import annotations
 
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.engine import Engine, KVReservation
+from dsv3serve.engine.scheduler.dp import DPScheduler
 from kv_transfer.handle import KVHandle
 from workers.protocol import ReserveRequest
 

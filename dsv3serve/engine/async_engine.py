@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.engine.request import Request, TokenOutput
-from dsv3serve.engine.spec.loop import DraftState
+from dsv3serve.engine.speculative.loop import DraftState
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 T = TypeVar("T")

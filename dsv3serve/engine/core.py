@@ -1,6 +1,6 @@
 """The engine core: the per-sequence output state and the stages every step loop is built
 from (schedule, launch, resolve, emit). The loops (``engine/loops.py``: plain and
-speculative, ``engine/overlap.py``: overlapped) use only this public surface."""
+speculative, ``engine/overlap_loop.py``: overlapped) use only this public surface."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dsv3serve.engine.model_runner import StepResult
 from dsv3serve.engine.protocols import StepRunner, StepScheduler
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, Sequence
-from dsv3serve.engine.spec.accept import mask_early_stop
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, ScheduledItem, Sequence
+from dsv3serve.engine.speculative.accept import mask_early_stop
 from dsv3serve.metrics import Metrics
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.sampling.stop import StopStringMatcher, check_stop_token

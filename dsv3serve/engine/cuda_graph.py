@@ -13,7 +13,7 @@ rank without sequences replays dummies) and the forward runs as a uniform batch,
 collectives need no host-side row counts.
 
 Prefill and extend steps stay eager; speculative decoding's verify and chained draft
-steps have graphs of their own (:mod:`dsv3serve.engine.spec.graphs`), built on the same
+steps have graphs of their own (:mod:`dsv3serve.engine.speculative.graphs`), built on the same
 helpers (:mod:`dsv3serve.engine.graph_capture`) and memory pool.
 """
 

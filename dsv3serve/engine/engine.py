@@ -4,11 +4,11 @@ A step is schedule (CPU), run (device: forward and sample), then process (CPU: s
 detokenize). Without overlap they run back to back. With the overlap scheduler (on by default
 on CUDA, ``disable_overlap_schedule`` turns it off, ``force_overlap_schedule`` turns it on off
 CUDA) the host schedules and launches step n+1 before it processes step n, whose tokens the
-new step reads through device-side placeholders: see ``engine/overlap.py``. Speculative
+new step reads through device-side placeholders: see ``engine/overlap_loop.py``. Speculative
 decoding and multi-rank groups (``use_runner``) always run without overlap.
 
 The engine is a facade: the step stages live in ``engine/core.py``, the step loops in
-``engine/loops.py`` (plain, speculative) and ``engine/overlap.py``, and the PD export and
+``engine/loops.py`` (plain, speculative) and ``engine/overlap_loop.py``, and the PD export and
 import hooks in ``engine/pd_hooks.py``.
 """
 
@@ -23,21 +23,21 @@ import torch
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.core import EngineCore
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.intake import InvalidRequestError, new_sequence
 from dsv3serve.engine.loops import PlainLoop, SpecLoop, StepLoop
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.overlap import OverlapLoop
+from dsv3serve.engine.overlap_loop import OverlapLoop
 from dsv3serve.engine.pd_hooks import FirstToken, KVExport, PDHooks
 from dsv3serve.engine.protocols import StepRunner, StepScheduler
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
-from dsv3serve.engine.sched_pd import NO_PREFIX
-from dsv3serve.engine.scheduler import KVReservation, Scheduler
-from dsv3serve.engine.sequence import SchedulerConfig
-from dsv3serve.engine.spec.forwards import SpecForwards
-from dsv3serve.engine.spec.loop import SpecDecoder
-from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.pd import NO_PREFIX
+from dsv3serve.engine.scheduler.scheduler import KVReservation, Scheduler
+from dsv3serve.engine.scheduler.sequence import SchedulerConfig
+from dsv3serve.engine.speculative.forwards import SpecForwards
+from dsv3serve.engine.speculative.loop import SpecDecoder
+from dsv3serve.engine.speculative.stats import SpecStats
 from dsv3serve.kvcache.host_pool import HostKVPool
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.kvcache.radix_cache import PrefixMatch
@@ -195,18 +195,12 @@ class Engine:
         return self._loop.step()
 
     def engine_state(self) -> EngineState:
-        """Scrape-time engine gauges and counters."""
+        """Scrape-time engine gauges and counters (one pool: DP ranks report their own)."""
         s = self.scheduler
-        state = EngineState(
-            running=s.num_running,
-            waiting=s.num_waiting,
-            kv_usage=s.kv.usage,
-            prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
-            prefix_hits=s.prefix_hit_tokens,
-            preemptions=s.num_preemptions,
-            prefill_tokens=s.num_prefill_tokens,
-        )
-        tier = s.kv.host_tier if isinstance(s, Scheduler) else None
+        if not isinstance(s, Scheduler):
+            raise TypeError("engine_state: expected one scheduler; DP ranks report their own")
+        state = scheduler_state(s, prefill_tokens=s.num_prefill_tokens)
+        tier = s.kv.host_tier
         return state if tier is None else with_tier_state(state, tier)
 
     # ---- disaggregation hooks (engine/pd_hooks.py) ------------------------------------
@@ -296,6 +290,20 @@ class Engine:
             draft = (draft_token, draft_hidden)
         first = FirstToken(first_token, first_logprob, first_top, draft, cached_tokens)
         self._pd.import_kv(req, pages, first, NO_PREFIX if prefix is None else prefix)
+
+
+def scheduler_state(s: Scheduler, **extra: int) -> EngineState:
+    """One pool's scrape-time gauges and counters; ``extra``: more ``EngineState`` fields
+    (what the caller adds: prefilled tokens, a DP rank's placement counts)."""
+    return EngineState(
+        running=s.num_running,
+        waiting=s.num_waiting,
+        kv_usage=s.kv.usage,
+        prefix_queries=s.prefix_hit_tokens + s.prefix_miss_tokens,
+        prefix_hits=s.prefix_hit_tokens,
+        preemptions=s.num_preemptions,
+        **extra,
+    )
 
 
 def _host_pool(cfg: EngineConfig, runner: ModelRunner) -> HostKVPool | None:

@@ -1,4 +1,4 @@
-"""The overlap scheduler's device ring of sampled token ids (see ``engine/overlap.py``)."""
+"""The overlap scheduler's device ring of sampled token ids (see ``engine/overlap_loop.py``)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 import torch
@@ -34,6 +35,21 @@ T = TypeVar("T")
 
 # what torch.cuda.graph_pool_handle() returns: the memory pool graphs of one rank share
 GraphPool = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class GraphSetup:
+    """What a graph runner is built with: the attention backend it plans on, the batch
+    sizes it captures, the scratch slots padding sequences write to (page-aligned from
+    row 0 of a scratch page the allocator never hands out), whether to capture
+    (``False``: the padded static-buffer path runs eagerly, as on CPU) and the CUDA graph
+    memory pool to share (one of its own when None)."""
+
+    attn: AttentionBackend
+    sizes: list[int]
+    scratch_slots: list[int]
+    capture: bool = True
+    mempool: GraphPool | None = None
 
 
 def padded_size(sizes: list[int], num_seqs: int) -> int:
@@ -148,28 +164,20 @@ class SpanGraphs(ABC, Generic[T]):
     kind: ClassVar[str]  # the attention fork's slot and the name in errors
     label: ClassVar[str]  # the name in the capture log
 
-    def __init__(
-        self,
-        attn: AttentionBackend,
-        device: torch.device,
-        width: int,
-        sizes: list[int],
-        scratch_slots: list[int],
-        sample: bool,
-        mempool: GraphPool | None = None,
-    ) -> None:
-        """``scratch_slots``: at least ``width`` slots, page-aligned from row 0 of a scratch
-        page, for the padding sequences; ``sample``: whether the padding wants logits."""
+    def __init__(self, setup: GraphSetup, device: torch.device, width: int, sample: bool) -> None:
+        """``setup.scratch_slots``: at least ``width`` slots for the padding sequences;
+        ``sample``: whether the padding wants logits."""
+        scratch_slots = setup.scratch_slots
         if len(scratch_slots) < width:
             raise ValueError(
                 f"{self.kind} graphs pad with {width} tokens per sequence, expected as many "
                 f"scratch slots, got {len(scratch_slots)}"
             )
-        self.width, self.sizes, self.device = width, sorted(sizes), device
+        self.width, self.sizes, self.device = width, sorted(setup.sizes), device
         self.dummy = SeqSpan([0] * width, 0, scratch_slots[:width], sample)
-        self._attn = fork_attention(attn, self.kind)
+        self._attn = fork_attention(setup.attn, self.kind)
         self._inputs = StaticInputs(self.sizes[-1] * width, scratch_slots[0], device)
-        self._graphs: GraphCache[T] = GraphCache(device, mempool)
+        self._graphs: GraphCache[T] = GraphCache(device, setup.mempool)
         self.runs = 0  # forwards through the padded path (replayed or not)
 
     @property

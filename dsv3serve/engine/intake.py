@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sequence import Sequence
+from dsv3serve.engine.scheduler.sequence import Sequence
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.tokenizer import Tokenizer
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.local_group import LocalGroup, rank_config, spawn_followers
-from dsv3serve.engine.rank import attach_leader
+from dsv3serve.engine.group.local import LocalGroup, rank_config, spawn_followers
+from dsv3serve.engine.group.rank import attach_leader
 from dsv3serve.engine.request import Request
 from dsv3serve.sampling.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """The step loops that finish each step before returning: plain and speculative.
 
 Both are built from :class:`~dsv3serve.engine.core.EngineCore`'s stages only (the
-overlapped loop is ``engine/overlap.py``). Every loop has ``step()`` and ``in_flight``.
+overlapped loop is ``engine/overlap_loop.py``). Every loop has ``step()`` and ``in_flight``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dsv3serve.engine.core import EngineCore, top_logprobs
 from dsv3serve.engine.model_runner import StepResult
 from dsv3serve.engine.request import TokenOutput
 from dsv3serve.engine.sampler import SampleOutput
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem
-from dsv3serve.engine.spec.accept import SpecVerifier, VerifyRequest
-from dsv3serve.engine.spec.loop import SpecDecoder
-from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, ScheduledItem
+from dsv3serve.engine.speculative.accept import SpecVerifier, VerifyRequest
+from dsv3serve.engine.speculative.loop import SpecDecoder
+from dsv3serve.engine.speculative.stats import SpecStats
 
 
 class StepLoop(Protocol):

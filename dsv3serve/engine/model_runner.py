@@ -18,8 +18,8 @@ from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.graph_capture import GraphPool
-from dsv3serve.engine.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
-from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.group.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import (
     MLAKVPool,
@@ -176,7 +176,7 @@ class ModelRunner:
     @property
     def graphs_by_group(self) -> bool:
         """Under DP attention the leader decides each step whether every rank replays a graph
-        and of which size (:mod:`dsv3serve.engine.dp_group`); ``run_spans`` never does."""
+        and of which size (:mod:`dsv3serve.engine.group.dp`); ``run_spans`` never does."""
         layout = self.parts.layout
         return layout is not None and layout.parallel.enable_dp_attention
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from dsv3serve.engine.core import EngineCore
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.intake import new_sequence
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation
-from dsv3serve.engine.sequence import Sequence, SequenceStatus
-from dsv3serve.engine.spec.loop import DraftState, SpecDecoder
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.pd import NO_PREFIX, KVReservation
+from dsv3serve.engine.scheduler.sequence import Sequence, SequenceStatus
+from dsv3serve.engine.speculative.loop import DraftState, SpecDecoder
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 

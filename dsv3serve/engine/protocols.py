@@ -1,12 +1,12 @@
 """The engine's seams as types: what a step is scheduled by and what runs it.
 
 :class:`StepScheduler` is what :class:`~dsv3serve.engine.core.EngineCore` and the loops
-ask of a scheduler; :class:`~dsv3serve.engine.scheduler.Scheduler` (one pool) and
-:class:`~dsv3serve.engine.dp_scheduler.DPScheduler` (DP attention: one per DP rank) both
+ask of a scheduler; :class:`~dsv3serve.engine.scheduler.scheduler.Scheduler` (one pool) and
+:class:`~dsv3serve.engine.scheduler.dp.DPScheduler` (DP attention: one per DP rank) both
 satisfy it. :class:`StepRunner` is what runs a step's forward: a
 :class:`~dsv3serve.engine.model_runner.ModelRunner`, or a group leader that drives its
-group's ranks (:class:`~dsv3serve.engine.group.GroupLeader`,
-:class:`~dsv3serve.engine.dp_group.DPGroupLeader`).
+group's ranks (:class:`~dsv3serve.engine.group.tp.GroupLeader`,
+:class:`~dsv3serve.engine.group.dp.DPGroupLeader`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,18 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SchedulerConfig, Sequence
+from dsv3serve.engine.scheduler.sequence import (
+    ScheduledBatch,
+    ScheduledItem,
+    SchedulerConfig,
+    Sequence,
+)
 from dsv3serve.kvcache.pool import MLAKVPool
 
 if TYPE_CHECKING:
     from dsv3serve.engine.eplb_runtime import EplbRuntime
     from dsv3serve.engine.model_runner import StepResult
-    from dsv3serve.engine.sched_pd import KVReservation
+    from dsv3serve.engine.scheduler.pd import KVReservation
     from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 __all__ = ["KVCounters", "StepRunner", "StepScheduler"]

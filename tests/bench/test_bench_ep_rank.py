@@ -29,7 +29,7 @@ from dsv3serve.bench.ep_rank.setup import (
     planned_rank,
 )
 from dsv3serve.bench.model.batches import seq_stride
-from dsv3serve.engine.rank_parts import RankParts
+from dsv3serve.engine.group.rank_parts import RankParts
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.parallel.comm_loopback import LoopbackTimingOnlyComm
 from dsv3serve.parallel.config import LayoutError, ParallelConfig

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dsv3serve.engine.dp_scheduler import DPScheduler
-from dsv3serve.engine.sequence import ScheduledBatch, SchedulerConfig, Sequence
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, SchedulerConfig, Sequence
 
 PAGE = 4
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from dsv3serve.engine.dp_group import StepShape, decode_part, encode_parts, step_shape
+from dsv3serve.engine.group.dp import StepShape, decode_part, encode_parts, step_shape
 from dsv3serve.forward_batch import SeqSpan
 from dsv3serve.moe.sharded import run_dispatched
 from dsv3serve.parallel.dispatch_base import (
@@ -116,7 +116,7 @@ class RecordingRunnerFake:
 def test_forward_local_sets_the_headers_phase_then_clears_it() -> None:
     """What each rank does with the header: the phase is set for the forward (an idle rank
     too) and cleared after it, so a later speculative forward never inherits it."""
-    from dsv3serve.engine.dp_group import forward_local
+    from dsv3serve.engine.group.dp import forward_local
 
     runner = RecordingRunnerFake()
     logits = forward_local(runner, [], StepShape(0, True, 5))  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ import pytest
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine, InvalidRequestError
 from dsv3serve.engine.request import Request, TokenOutput
-from dsv3serve.engine.sequence import ContextLengthError
+from dsv3serve.engine.scheduler.sequence import ContextLengthError
 from dsv3serve.sampling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)

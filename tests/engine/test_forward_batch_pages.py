@@ -19,7 +19,7 @@ import dsv3serve.forward_batch as forward_batch
 from dsv3serve.attention.flashinfer_backend import CudaGraphLimits, FlashInferMLAAttention
 from dsv3serve.attention.flashinfer_meta import paged_kv_index, pages_kv_index
 from dsv3serve.attention.ref import TorchRefAttention
-from dsv3serve.engine.group import decode_spans, encode_spans
+from dsv3serve.engine.group.tp import decode_spans, encode_spans
 from dsv3serve.engine.model_runner import kv_slots
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.page_table import pages_of_slots

@@ -10,7 +10,7 @@ from serving_util import TINY_ENGINE
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.scheduler import Scheduler, Sequence
+from dsv3serve.engine.scheduler.scheduler import Scheduler, Sequence
 from dsv3serve.sampling.sampling_params import SamplingParams
 
 PAGE = TINY_ENGINE["page_size"]

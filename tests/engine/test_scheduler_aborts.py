@@ -10,7 +10,7 @@ from scheduler_util import (
     reference_output,
 )
 
-from dsv3serve.engine.scheduler import (
+from dsv3serve.engine.scheduler.scheduler import (
     ContextLengthError,
     Scheduler,
     Sequence,

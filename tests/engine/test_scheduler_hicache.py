@@ -22,7 +22,7 @@ from scheduler_util import (
 )
 from tier_util import FakeSlotCopier
 
-from dsv3serve.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from dsv3serve.engine.scheduler.scheduler import Scheduler, Sequence, SequenceStatus
 
 
 def _engine(host_pages: int, **overrides: object) -> tuple[FakeEngine, FakeSlotCopier]:

@@ -25,8 +25,8 @@ from scheduler_util import (
     outputs,
 )
 
-from dsv3serve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from dsv3serve.engine.sequence import ScheduledItem, Sequence
+from dsv3serve.engine.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from dsv3serve.engine.scheduler.sequence import ScheduledItem, Sequence
 
 
 class FakeSpecModel(FakeKVModel):

@@ -24,7 +24,7 @@ from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine, KVExport
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.spec.stats import SpecStats
+from dsv3serve.engine.speculative.stats import SpecStats
 from dsv3serve.metrics import Identity, Metrics
 from dsv3serve.model.tiny import make_tiny_checkpoint
 from dsv3serve.sampling.sampling_params import SamplingParams

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv3serve.engine.spec.dp_group import SpanSplit, decode, encode, route_rows, sampled_order
+from dsv3serve.engine.speculative.dp_group import (
+    SpanSplit,
+    decode,
+    encode,
+    route_rows,
+    sampled_order,
+)
 from dsv3serve.forward_batch import SeqSpan
 
 

@@ -15,8 +15,8 @@ import torch
 from model_utils import load_ours
 from spec_util import ScratchModel
 
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.draft_quant import requantize_draft
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.draft_quant import requantize_draft
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 

@@ -15,10 +15,11 @@ from test_spec_graphs import PAGE, SPEC, STEPS, _changed, _prefill, _scratch
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.graph_capture import GraphSetup
 from dsv3serve.engine.model_runner import kv_slots
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
-from dsv3serve.engine.spec.graphs import SpecGraphs
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.graphs import SpecGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.sampling.sampling_params import SamplingParams
 
@@ -49,7 +50,8 @@ def _eager_extend(engine: Engine, lens, tables, ids, hidden, accepted):
 def test_padded_extend_gives_the_eager_states_and_committed_kv(engine: Engine) -> None:
     runner, rng = engine.runner, random.Random(5)
     scratch_page, scratch = _scratch(runner)
-    graphs = ExtendGraphs(engine.spec.draft, runner.attn, STEPS, [1, 4], scratch, capture=False)
+    setup = GraphSetup(runner.attn, [1, 4], scratch, capture=False)
+    graphs = ExtendGraphs(engine.spec.draft, STEPS, setup)
     layer = runner.model.num_kv_layers - 1
     kv = runner.pool.kv_buffer(layer)
     for trial in range(3):
@@ -91,14 +93,9 @@ def _spec_engine(extend_graphs: bool) -> tuple[Engine, list[int]]:
     scratch = engine.reserve_kv(WIDTH)
     assert scratch is not None
     runner = engine.runner
-    graphs = SpecGraphs.build(
-        engine.spec.draft,
-        runner.attn,
-        STEPS,
-        [1, 2, 4, 8],
-        kv_slots(scratch, runner.cfg.page_size, WIDTH),
-        capture=False,
-    )
+    slots = kv_slots(scratch, runner.cfg.page_size, WIDTH)
+    setup = GraphSetup(runner.attn, [1, 2, 4, 8], slots, capture=False)
+    graphs = SpecGraphs.build(engine.spec.draft, STEPS, setup)
     if not extend_graphs:
         graphs.extend = None
     engine.spec.graphs = graphs

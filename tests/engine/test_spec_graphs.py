@@ -13,9 +13,10 @@ from test_engine import drain, make_engine, prompts
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
+from dsv3serve.engine.graph_capture import GraphSetup
 from dsv3serve.engine.model_runner import ModelRunner, kv_slots
 from dsv3serve.engine.request import Request
-from dsv3serve.engine.spec.graphs import DraftChainGraphs, SpecGraphs, VerifyGraphs
+from dsv3serve.engine.speculative.graphs import DraftChainGraphs, SpecGraphs, VerifyGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.sampling.sampling_params import SamplingParams
 
@@ -57,7 +58,9 @@ def test_padded_verify_gives_the_eager_logits_and_hidden(engine: Engine) -> None
     lens = [5, 17, 30]
     tables = _prefill(runner, lens, rng)
     scratch_page, scratch = _scratch(runner)
-    graphs = VerifyGraphs(runner.model, runner.attn, STEPS, [1, 4], scratch, capture=False)
+    graphs = VerifyGraphs(
+        runner.model, STEPS, GraphSetup(runner.attn, [1, 4], scratch, capture=False)
+    )
     spans = [
         SeqSpan([rng.randrange(2, 1000) for _ in range(STEPS + 1)], n, kv_slots(t, PAGE, n + 4))
         for n, t in zip(lens, tables, strict=True)
@@ -102,7 +105,7 @@ def test_padded_draft_chain_gives_the_eager_tokens(engine: Engine) -> None:
     tables = _prefill(runner, lens, rng)
     scratch_page, scratch = _scratch(runner)
     chain = DraftChainGraphs(
-        engine.spec.draft, runner.attn, STEPS, [1, 2, 4], scratch[0], capture=False
+        engine.spec.draft, STEPS, GraphSetup(runner.attn, [1, 2, 4], scratch, capture=False)
     )
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(len(lens), runner.model_cfg.hidden_size, generator=gen)
@@ -143,14 +146,9 @@ def test_engine_through_the_padded_paths_is_lossless() -> None:
     scratch = engine.reserve_kv(STEPS + 1)  # pages the scheduler will not hand out
     assert scratch is not None
     runner = engine.runner
-    engine.spec.graphs = SpecGraphs.build(
-        engine.spec.draft,
-        runner.attn,
-        STEPS,
-        [1, 2, 4, 8],
-        kv_slots(scratch, runner.cfg.page_size, STEPS + 1),
-        capture=False,
-    )
+    slots = kv_slots(scratch, runner.cfg.page_size, STEPS + 1)
+    setup = GraphSetup(runner.attn, [1, 2, 4, 8], slots, capture=False)
+    engine.spec.graphs = SpecGraphs.build(engine.spec.draft, STEPS, setup)
     assert _run(engine, batch) == reference
     graphs = engine.spec.graphs
     assert graphs.verify.runs > 0 and graphs.chain is not None and graphs.chain.runs > 0

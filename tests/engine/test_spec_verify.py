@@ -1,4 +1,4 @@
-"""Draft verification (``spec/verify.py``) on fresh random inputs.
+"""Draft verification (``speculative/verify.py``) on fresh random inputs.
 
 Greedy: against a plain-Python prefix match. Rejection sampling: the committed tokens
 must follow the target's distribution whatever the draft proposes. Each check draws
@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dsv3serve.engine.spec.verify import accepted_prefix, greedy_verify, rejection_verify
+from dsv3serve.engine.speculative.verify import accepted_prefix, greedy_verify, rejection_verify
 
 N, V = 200_000, 6
 ALPHA = 1e-4

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from group_scenario import DP_KV_TOKENS, LAYOUTS, SCENARIO_ENGINE, assert_no_leaks, run_scenario
 
-from dsv3serve.engine import dp_group
+from dsv3serve.engine.group import dp as dp_group
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.model_runner import EAGER_GRAPH_PATH_ENV
 

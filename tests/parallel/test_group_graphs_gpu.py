@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.gpu
 
-from dsv3serve.engine.group import GroupSpec, init_group  # noqa: E402
+from dsv3serve.engine.group.tp import GroupSpec, init_group  # noqa: E402
 from dsv3serve.parallel.comm import GroupComm  # noqa: E402
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher  # noqa: E402
 from dsv3serve.parallel.dispatch_gather import UniformGatherDispatcher  # noqa: E402

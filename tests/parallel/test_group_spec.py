@@ -36,7 +36,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.model_runner import EAGER_GRAPH_PATH_ENV
-from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
 
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
 TP_LAYOUTS = ("tp2", "tp2-ep2")

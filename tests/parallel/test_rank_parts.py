@@ -9,7 +9,7 @@ import torch
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.rank_parts import check_fits, rank_parts
+from dsv3serve.engine.group.rank_parts import check_fits, rank_parts
 from dsv3serve.model.presets import PRESETS
 from dsv3serve.parallel.config import LayoutError
 from dsv3serve.plan.planner import PlanError

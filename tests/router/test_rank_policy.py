@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tier_util import NullCopier
 
-from dsv3serve.engine.scheduler import Scheduler, SchedulerConfig
+from dsv3serve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from dsv3serve.kvcache.host_tier import HostTier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.prefix_hash import page_prefix_hashes

@@ -7,7 +7,7 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
-from dsv3serve.engine.scheduler import (
+from dsv3serve.engine.scheduler.scheduler import (
     ScheduledBatch,
     Scheduler,
     SchedulerConfig,

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from dsv3serve.attention.ref import TorchRefAttention
 from dsv3serve.engine.engine import Engine
-from dsv3serve.engine.sequence import ScheduledItem
-from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
+from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM

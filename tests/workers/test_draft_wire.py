@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dsv3serve.engine.spec.loop import DraftState
+from dsv3serve.engine.speculative.loop import DraftState
 from dsv3serve.sampling.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from workers.draft_wire import (

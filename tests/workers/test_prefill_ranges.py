@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv3serve.engine.sched_pd import KVReservation
+from dsv3serve.engine.scheduler.pd import KVReservation
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 from kv_transfer.handle import KVHandle
 from workers.ranges import PrefillRanges

@@ -26,7 +26,7 @@ import torch
 
 from dsv3serve.attention.base import MLADims
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.sequence import ScheduledItem, Sequence
+from dsv3serve.engine.scheduler.sequence import ScheduledItem, Sequence
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.kvcache.pool import MLAKVPool
 

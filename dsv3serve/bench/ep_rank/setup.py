@@ -21,8 +21,8 @@ from dsv3serve.bench.model.batches import seq_stride
 from dsv3serve.bench.model.setup import BENCH_PRESETS
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.group.rank_parts import RankParts
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.rank_parts import RankParts
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.parallel.comm_loopback import LoopbackTimingOnlyComm
 from dsv3serve.parallel.config import ParallelConfig

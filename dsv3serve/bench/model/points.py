@@ -23,7 +23,7 @@ from dsv3serve.bench.model.timing import (
     time_step,
 )
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch
 
 

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from dsv3serve.bench.model.batches import context_spans
+from dsv3serve.engine.graph_capture import GraphSetup
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
-from dsv3serve.engine.spec.graphs import DraftChainGraphs, VerifyGraphs
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.graphs import DraftChainGraphs, VerifyGraphs
 from dsv3serve.forward_batch import SeqSpan
 
 
@@ -77,8 +78,8 @@ class SpecGraphTimer:
         """A call of the ``num_steps - 1`` chained draft steps as the engine makes it (host
         padding and planning, then the replay of their one graph), and the graphs."""
         r = self.runner
-        scratch = r.scratch_slots(1)[0]
-        chain = DraftChainGraphs(self.draft, r.attn, num_steps, [batch_size], scratch)
+        scratch = r.scratch_slots(1)
+        chain = DraftChainGraphs(self.draft, num_steps, GraphSetup(r.attn, [batch_size], scratch))
         steps = chain_steps(self._spans(batch_size, context, num_steps), num_steps)
         hidden = self._hidden(batch_size)
         return lambda: chain.run(steps, hidden), chain
@@ -96,7 +97,7 @@ class SpecGraphTimer:
         """A graphed verify call as the engine makes it (its graph captured here)."""
         r = self.runner
         scratch = r.scratch_slots(num_steps + 1)
-        verify = VerifyGraphs(r.model, r.attn, num_steps, [batch_size], scratch)
+        verify = VerifyGraphs(r.model, num_steps, GraphSetup(r.attn, [batch_size], scratch))
         spans = self._spans(batch_size, context, num_steps)
 
         def call() -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +117,7 @@ class SpecGraphTimer:
         next draft states gathered at the last (the cost does not depend on which)."""
         r, width = self.runner, num_steps + 1
         scratch = r.scratch_slots(width)
-        extend = ExtendGraphs(self.draft, r.attn, num_steps, [batch_size], scratch)
+        extend = ExtendGraphs(self.draft, num_steps, GraphSetup(r.attn, [batch_size], scratch))
         spans = self._spans(batch_size, context, num_steps)
         hidden = self._hidden(batch_size * width)
         rows = [i * width + num_steps for i in range(batch_size)]

@@ -8,7 +8,7 @@ import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.bench.model.timing import Marks
-from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 

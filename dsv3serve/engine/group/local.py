@@ -3,8 +3,8 @@
 Rank 0 is the calling process; ranks 1..N-1 are spawned processes (``torch.multiprocessing``
 with the ``spawn`` start method), one device each (``cuda:r`` on GPU, the CPU with gloo
 otherwise). All ranks join one process group over a rendezvous file, build their shard of
-the model, and follow rank 0's steps (:mod:`dsv3serve.engine.group` for TP,
-:mod:`dsv3serve.engine.dp_group` under DP attention) until it stops them.
+the model, and follow rank 0's steps (:mod:`dsv3serve.engine.group.tp` for TP,
+:mod:`dsv3serve.engine.group.dp` under DP attention) until it stops them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.group import GroupSpec, init_group, rank_timeout_s
+from dsv3serve.engine.group.tp import GroupSpec, init_group, rank_timeout_s
 from dsv3serve.settings import Settings
 
 FOLLOWER_JOIN_TIMEOUT_S = 600.0
@@ -58,7 +58,7 @@ def _diagnosable(log_level: int) -> None:
 def _follow(
     cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads: int, log_level: int
 ) -> None:
-    from dsv3serve.engine.rank import run_follower
+    from dsv3serve.engine.group.rank import run_follower
 
     _diagnosable(log_level)
     if threads:

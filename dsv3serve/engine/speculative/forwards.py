@@ -1,20 +1,21 @@
 """The collective forwards of a speculative step, apart from the bookkeeping around them.
 
-:class:`~dsv3serve.engine.spec.loop.SpecDecoder` decides what to run (spans, which
+:class:`~dsv3serve.engine.speculative.loop.SpecDecoder` decides what to run (spans, which
 hidden rows feed the draft) and keeps the per-sequence draft states; these two calls run
 it. Under tensor parallelism every layer and the vocab-parallel head end in a collective,
 so every rank of a group must make the same calls with the same inputs in the same order:
-:mod:`~dsv3serve.engine.spec.group` broadcasts them from rank 0.
+:mod:`~dsv3serve.engine.speculative.group` broadcasts them from rank 0.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsv3serve.engine.graph_capture import GraphSetup
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.draft_quant import DraftQuant, requantize_draft
-from dsv3serve.engine.spec.graphs import SpecGraphs
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.draft_quant import DraftQuant, requantize_draft
+from dsv3serve.engine.speculative.graphs import SpecGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.argmax import row_argmax
 
@@ -35,22 +36,21 @@ def spec_graphs_for(runner: ModelRunner, draft: NextNDraft, num_steps: int) -> S
     on CUDA; elsewhere the same padded path runs uncaptured."""
     if runner.graphs is None or runner.graphs_by_group:
         return None
-    return SpecGraphs.build(
-        draft,
+    setup = GraphSetup(
         runner.attn,
-        num_steps,
         runner.graphs.sizes,
         runner.scratch_slots(num_steps + 1),
         capture=runner.device.type == "cuda",
         mempool=runner.graph_pool,
     )
+    return SpecGraphs.build(draft, num_steps, setup)
 
 
 class SpecForwards:
     """Target and draft forwards of one rank, eager or through its :class:`SpecGraphs`.
 
     ``owners`` (one per span) names the DP rank whose KV pool holds each span; only the DP
-    attention forwards (:mod:`~dsv3serve.engine.spec.dp_group`) read it. ``graphed``:
+    attention forwards (:mod:`~dsv3serve.engine.speculative.dp_group`) read it. ``graphed``:
     whether the graphed calls may be used (every rank of the group runs them together).
     """
 

@@ -20,7 +20,7 @@ committed it, token 0 past the last committed position. Why the garbage rows are
 - A sequence without pages (finished or aborted before the extend) runs as a padding
   sequence on the scratch slots; its row is ignored.
 
-The next round's :class:`~dsv3serve.engine.spec.loop.DraftState` of every sequence (the
+The next round's :class:`~dsv3serve.engine.speculative.loop.DraftState` of every sequence (the
 draft's hidden state and argmax token at its last committed position) is gathered on the
 device through a static row index the host fills from the accepted counts. The draft
 runs in the absorbed (decode) MLA form, as the verify does; the eager extend, kept for
@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend
-from dsv3serve.engine.graph_capture import GraphPool, SpanGraphs, padded_size
-from dsv3serve.engine.spec.draft import NextNDraft
+from dsv3serve.engine.graph_capture import GraphSetup, SpanGraphs, padded_size
+from dsv3serve.engine.speculative.draft import NextNDraft
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.argmax import row_argmax
 
@@ -45,28 +44,17 @@ class ExtendGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
     kind = "extend"
     label = "draft-extend"
 
-    def __init__(
-        self,
-        draft: NextNDraft,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slots: list[int],
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> None:
-        """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
-        scratch page, for the padding sequences (the verify graphs' scratch slots)."""
+    def __init__(self, draft: NextNDraft, num_steps: int, setup: GraphSetup) -> None:
+        """``setup.scratch_slots``: at least ``num_steps + 1`` slots (the verify graphs')."""
         target = draft.target
-        device = target.embed_tokens.weight.device
-        super().__init__(attn, device, num_steps + 1, sizes, scratch_slots, False, mempool)
+        super().__init__(setup, target.embed_tokens.weight.device, num_steps + 1, False)
         self.draft = draft
         n, dtype = self.sizes[-1], target.embed_tokens.weight.dtype
         self._hidden = torch.zeros(
-            n * self.width, target.cfg.hidden_size, dtype=dtype, device=device
+            n * self.width, target.cfg.hidden_size, dtype=dtype, device=self.device
         )
-        self._rows = torch.zeros(n, dtype=torch.int64, device=device)
-        if capture:
+        self._rows = torch.zeros(n, dtype=torch.int64, device=self.device)
+        if setup.capture:
             self._capture_all(lambda size: self._load([], self._hidden[:0], [], size))
 
     def can_run(self, num_seqs: int) -> bool:

@@ -16,15 +16,15 @@ Per sequence, with committed tokens ``t[0..n]`` and target KV for ``0..n-1``, a 
    (the chain's rows were written from draft hidden states) and, for sequences ready to
    decode, leaves the next round's :class:`DraftState`. After an all-decode step that
    verified ``k + 1`` positions everywhere it runs over all of them, a fixed shape that
-   CUDA graphs capture (:mod:`~dsv3serve.engine.spec.extend_graphs`).
+   CUDA graphs capture (:mod:`~dsv3serve.engine.speculative.extend_graphs`).
 
 So a position's draft KV always comes from the target's hidden state once committed, as
 if the draft had run over the whole sequence, and pages reach the prefix cache (and PD
 export) with both the target's and the draft's rows.
 
-The eager forwards go through ``self.forwards`` (:mod:`~dsv3serve.engine.spec.forwards`);
+The eager forwards go through ``self.forwards`` (:mod:`~dsv3serve.engine.speculative.forwards`);
 on rank 0 of a TP group they are broadcast so the other ranks run them too
-(:mod:`~dsv3serve.engine.spec.group`).
+(:mod:`~dsv3serve.engine.speculative.group`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.sequence import ScheduledItem
-from dsv3serve.engine.spec.draft_quant import DraftQuant
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
-from dsv3serve.engine.spec.forwards import SpecForwards, make_draft, spec_graphs_for
-from dsv3serve.engine.spec.graphs import SpecGraphs
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
+from dsv3serve.engine.speculative.draft_quant import DraftQuant
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.forwards import SpecForwards, make_draft, spec_graphs_for
+from dsv3serve.engine.speculative.graphs import SpecGraphs
 from dsv3serve.forward_batch import SeqSpan
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class SpecDecoder:
 
         After an all-decode step whose items each verified ``k + 1`` positions, one padded
         draft forward over all of them (graphed where captured: see
-        :mod:`~dsv3serve.engine.spec.extend_graphs`); otherwise eager, over each
+        :mod:`~dsv3serve.engine.speculative.extend_graphs`); otherwise eager, over each
         sequence's committed positions only (ragged; the MHA extend form).
         """
         graphs = None if self.graphs is None else self.graphs.extend

@@ -18,7 +18,7 @@ point to point; no other rank receives them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,22 +26,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dsv3serve.engine.cuda_graph import DecodeGraphs, graphable
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.graph_capture import padded_size
-from dsv3serve.engine.group import (
-    OP_DIGEST,
-    OP_SAMPLED,
-    OP_STOP,
+from dsv3serve.engine.group.tp import (
     LeaderBase,
+    OpHandler,
     Wire,
     comm_device,
     encode_spans,
-    gather_digest,
-    store_sampled,
+    serve_ops,
 )
-from dsv3serve.engine.group import decode_spans as decode_one
+from dsv3serve.engine.group.tp import decode_spans as decode_one
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
-from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import SeqSpan
 
 OP_DP_STEP, OP_DP_MOVE_PAGES = 17, 18
@@ -208,34 +205,25 @@ class DPGroupLeader(LeaderBase):
             self.scheduler.ranks[0].release_reservation(staging)
 
 
-def dp_follower_loop(
-    runner: ModelRunner, extra: Mapping[int, Callable[[Wire, int], None]] | None = None
-) -> int:
+def dp_follower_loop(runner: ModelRunner, extra: Mapping[int, OpHandler] | None = None) -> int:
     """Ranks 1..N-1 under DP attention: run their part of each step until STOP.
 
     ``extra`` maps more ops to handlers called with the wire and the payload length
-    (speculative decoding's forwards: :mod:`dsv3serve.engine.spec.dp_group`).
+    (speculative decoding's forwards: :mod:`dsv3serve.engine.speculative.dp_group`).
     """
-    wire, rank = Wire(comm_device(runner)), dist.get_rank()
-    handlers = extra or {}
-    steps = 0
-    while True:
-        op, n = wire.recv_header()
-        if op == OP_DP_STEP:
-            spans, sizes, shape = decode_part(wire.recv(n).cpu(), rank)
-            gather_rows(forward_local(runner, spans, shape), sizes, wire.device)
-            steps += 1
-        elif op == OP_DP_MOVE_PAGES:
-            owner, *pages = wire.recv(n).tolist()
-            if owner == rank:
-                recv_pages(runner, pages, src=0)
-        elif op == OP_SAMPLED:
-            store_sampled(runner, wire, n)
-        elif op == OP_DIGEST:
-            gather_digest(runner, dist.get_world_size())
-        elif op == OP_STOP:
-            return steps
-        elif op in handlers:
-            handlers[op](wire, n)
-        else:
-            raise RuntimeError(f"unknown DP group op {op}")
+    rank, steps = dist.get_rank(), 0
+
+    def step(wire: Wire, n: int) -> None:
+        nonlocal steps
+        spans, sizes, shape = decode_part(wire.recv(n).cpu(), rank)
+        gather_rows(forward_local(runner, spans, shape), sizes, wire.device)
+        steps += 1
+
+    def move_pages(wire: Wire, n: int) -> None:
+        owner, *pages = wire.recv(n).tolist()
+        if owner == rank:
+            recv_pages(runner, pages, src=0)
+
+    ops = {**(extra or {}), OP_DP_STEP: step, OP_DP_MOVE_PAGES: move_pages}
+    serve_ops(runner, Wire(comm_device(runner)), ops, "DP group")
+    return steps

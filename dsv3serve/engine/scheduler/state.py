@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsv3serve.engine.sequence import (
+from dsv3serve.engine.scheduler.sequence import (
     ContextLengthError,
     ScheduledItem,
     SchedulerConfig,

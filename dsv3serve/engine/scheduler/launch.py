@@ -1,16 +1,16 @@
 """The scheduler's side of overlap scheduling: a launched step's placeholders, their
 resolution to real tokens, and the rollback of a launch whose sequence ends (pure Python).
 
-See ``engine/overlap.py`` for the placeholders (negative ids of a device ring's slots).
+See ``engine/overlap_loop.py`` for the placeholders (negative ids of a device ring's slots).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dsv3serve.engine.sched_pd import PDPages
-from dsv3serve.engine.sched_state import SchedState, check_start
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
+from dsv3serve.engine.scheduler.pd import PDPages
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
+from dsv3serve.engine.scheduler.state import SchedState, check_start
 
 
 class LaunchBook:

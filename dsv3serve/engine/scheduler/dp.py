@@ -19,9 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation
-from dsv3serve.engine.scheduler import Scheduler
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SchedulerConfig, Sequence
+from dsv3serve.engine.scheduler.pd import NO_PREFIX, KVReservation
+from dsv3serve.engine.scheduler.scheduler import Scheduler
+from dsv3serve.engine.scheduler.sequence import (
+    ScheduledBatch,
+    ScheduledItem,
+    SchedulerConfig,
+    Sequence,
+)
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 

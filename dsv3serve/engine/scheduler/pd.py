@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv3serve.engine.sched_state import SchedState
-from dsv3serve.engine.sequence import Sequence, SequenceStatus
+from dsv3serve.engine.scheduler.sequence import Sequence, SequenceStatus
+from dsv3serve.engine.scheduler.state import SchedState
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 
 NO_PREFIX = PrefixMatch([], 0, None)

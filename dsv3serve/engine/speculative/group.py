@@ -1,21 +1,21 @@
 """Speculative decoding in a tensor-parallel group: rank 0 broadcasts each spec forward.
 
-Rank 0's :class:`~dsv3serve.engine.spec.loop.SpecDecoder` decides every forward of a
+Rank 0's :class:`~dsv3serve.engine.speculative.loop.SpecDecoder` decides every forward of a
 step (draft chain steps, the target verify, the draft extend). Each one is collective
 under TP, so :class:`GroupSpecForwards` broadcasts it over the group's
-:class:`~dsv3serve.engine.group.Wire` before running it, and a follower's
+:class:`~dsv3serve.engine.group.tp.Wire` before running it, and a follower's
 :class:`SpecFollower` runs the same call with the same inputs. The followers keep no
 per-sequence state: a chain step's input hidden states (from rank 0's draft states) come
 over the wire; the extend reads rows of the follower's own last target hidden states,
 which equal rank 0's (every TP layer ends in an all-reduce).
 
 Payload (int64): ``[flag, n_rows, rows..., spans...]`` with the spans of
-:func:`~dsv3serve.engine.group.encode_spans`. ``OP_SPEC_TARGET``: flag 1 for the
+:func:`~dsv3serve.engine.group.tp.encode_spans`. ``OP_SPEC_TARGET``: flag 1 for the
 absorbed (verify) form, rows the logits rows. ``OP_SPEC_DRAFT``: flag ``SRC_WIRE`` (then
 a second broadcast of the input hidden states [T, H] in the compute dtype) or
 ``SRC_TARGET`` (rows of the last target hidden states).
 
-Rounds through the speculative graphs (:class:`~dsv3serve.engine.spec.graphs.SpecGraphs`,
+Rounds through the speculative graphs (:class:`~dsv3serve.engine.speculative.graphs.SpecGraphs`,
 which every rank of a TP group builds, and on CUDA captures, in the same order) go as
 ``OP_SPEC_GRAPH``: flag ``GRAPH_VERIFY`` (the spans), ``GRAPH_CHAIN`` (rows ``[n]``, the
 spans of every chained step one after the other, then a broadcast of the input hidden
@@ -25,23 +25,20 @@ the same spans the same way, so all replay the same graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
-from dsv3serve.engine.group import Wire, comm_device, decode_spans, encode_spans
+from dsv3serve.engine.group.tp import OpHandler, Wire, comm_device, decode_spans, encode_spans
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.draft_quant import DraftQuant
-from dsv3serve.engine.spec.forwards import SpecForwards, make_draft, spec_graphs_for
-from dsv3serve.engine.spec.graphs import SpecGraphs
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.draft_quant import DraftQuant
+from dsv3serve.engine.speculative.forwards import SpecForwards, make_draft, spec_graphs_for
+from dsv3serve.engine.speculative.graphs import SpecGraphs
 from dsv3serve.forward_batch import SeqSpan
 
 OP_SPEC_TARGET, OP_SPEC_DRAFT, OP_SPEC_GRAPH = 33, 34, 37
 SRC_WIRE, SRC_TARGET = 0, 1
 GRAPH_VERIFY, GRAPH_CHAIN, GRAPH_EXTEND = 0, 1, 2  # the flag of an OP_SPEC_GRAPH
-OpHandler = Callable[[Wire, int], None]
 
 
 def pack(flag: int, rows: list[int], spans: list[SeqSpan]) -> torch.Tensor:

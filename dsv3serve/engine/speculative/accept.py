@@ -25,7 +25,7 @@ from dsv3serve.engine.sampler import (
     apply_penalties,
     filtered_probs,
 )
-from dsv3serve.engine.spec.verify import greedy_verify, rejection_verify
+from dsv3serve.engine.speculative.verify import greedy_verify, rejection_verify
 from dsv3serve.kernels.argmax import row_argmax
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.sampling.stop import check_stop_token

@@ -1,6 +1,6 @@
 """Speculative decoding under DP attention: every spec forward split by DP rank.
 
-Rank 0's :class:`~dsv3serve.engine.spec.loop.SpecDecoder` decides each forward of a step
+Rank 0's :class:`~dsv3serve.engine.speculative.loop.SpecDecoder` decides each forward of a step
 (draft chain steps, the target verify, the draft extend) for the sequences of every DP
 rank. :class:`DPSpecForwards` splits a call's spans by ``owners`` (the DP rank whose KV pool
 holds each span), sends every rank its part in one message, runs rank 0's part, and gathers
@@ -13,7 +13,7 @@ states, which the extend reads by local row; a chain step's inputs (the draft st
 keeps) go point to point to the owning rank only.
 
 Payload (int64): ``[flag, ranks, size_0 .. size_{n-1}, out_0 .. out_{n-1}]`` + per rank
-:func:`~dsv3serve.engine.spec.group.pack` of ``(0, local rows, spans)``; ``out_r``: the rows
+:func:`~dsv3serve.engine.speculative.group.pack` of ``(0, local rows, spans)``; ``out_r``: the rows
 rank ``r`` returns (for the gather). ``flag``: the verify form for ``OP_DP_SPEC_TARGET``,
 ``SRC_WIRE`` / ``SRC_TARGET`` for ``OP_DP_SPEC_DRAFT``.
 """
@@ -21,24 +21,22 @@ rank ``r`` returns (for the gather). ``flag``: the verify form for ``OP_DP_SPEC_
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dsv3serve.engine.dp_group import gather_rows, idle_logits
-from dsv3serve.engine.group import Wire, comm_device
+from dsv3serve.engine.group.dp import gather_rows, idle_logits
+from dsv3serve.engine.group.tp import OpHandler, Wire, comm_device
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.draft_quant import DraftQuant
-from dsv3serve.engine.spec.forwards import SpecForwards, make_draft
-from dsv3serve.engine.spec.group import SRC_TARGET, SRC_WIRE, pack, unpack
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.draft_quant import DraftQuant
+from dsv3serve.engine.speculative.forwards import SpecForwards, make_draft
+from dsv3serve.engine.speculative.group import SRC_TARGET, SRC_WIRE, pack, unpack
 from dsv3serve.forward_batch import SeqSpan
 
 OP_DP_SPEC_TARGET, OP_DP_SPEC_DRAFT = 35, 36
-OpHandler = Callable[[Wire, int], None]
 
 
 @dataclass(frozen=True)

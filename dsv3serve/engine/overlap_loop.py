@@ -37,7 +37,7 @@ from dsv3serve.engine.core import EngineCore, top_logprobs
 from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.request import TokenOutput
 from dsv3serve.engine.sampler import SampleOutput
-from dsv3serve.engine.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
+from dsv3serve.engine.scheduler.sequence import ScheduledBatch, ScheduledItem, SequenceStatus
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Continuous-batching scheduler over a paged KV cache (pure Python): the facade.
 
-Its parts, each over one :class:`~dsv3serve.engine.sched_state.SchedState`:
+Its parts, each over one :class:`~dsv3serve.engine.scheduler.state.SchedState`:
 
-- ``sched_policy``: which tokens run in each step (admission, ordering, growth,
+- ``policy``: which tokens run in each step (admission, ordering, growth,
   preemption, speculative lookahead); the policy is described there.
-- ``sched_pd``: PD reservations, prefilled admission and exported pages.
-- ``sched_launch``: overlap launch / resolve / rollback bookkeeping.
+- ``pd``: PD reservations, prefilled admission and exported pages.
+- ``launch``: overlap launch / resolve / rollback bookkeeping.
 
 This module records finished steps and ends sequences.
 """
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from dsv3serve.engine.sched_launch import LaunchBook
-from dsv3serve.engine.sched_pd import NO_PREFIX, KVReservation, PDPages
-from dsv3serve.engine.sched_policy import StepPolicy
-from dsv3serve.engine.sched_state import SchedState, check_start
-from dsv3serve.engine.sequence import (
+from dsv3serve.engine.scheduler.launch import LaunchBook
+from dsv3serve.engine.scheduler.pd import NO_PREFIX, KVReservation, PDPages
+from dsv3serve.engine.scheduler.policy import StepPolicy
+from dsv3serve.engine.scheduler.sequence import (
     ContextLengthError,
     ScheduledBatch,
     ScheduledItem,
@@ -26,6 +25,7 @@ from dsv3serve.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from dsv3serve.engine.scheduler.state import SchedState, check_start
 from dsv3serve.kvcache.host_tier import PageCopier
 from dsv3serve.kvcache.manager import KVCacheManager
 from dsv3serve.kvcache.radix_cache import PrefixMatch
@@ -47,7 +47,7 @@ class Scheduler:
     """Decides which tokens of which sequences run in each step and owns their pages.
 
     Drive it with ``add`` / ``schedule`` / ``on_step_done`` / ``finish``; see
-    ``engine/sched_policy.py`` for the policy. ``abort`` works in every state.
+    ``scheduler/policy.py`` for the policy. ``abort`` works in every state.
     ``copier`` carries out the host tier's page copies (``config.num_host_pages`` > 0).
     """
 
@@ -153,7 +153,7 @@ class Scheduler:
         """Overlap mode: ``batch`` is queued on the device, its sampled tokens unknown yet.
 
         Advances KV progress as ``on_step_done`` does and appends ``placeholders[seq_id]``
-        (a negative id, see ``engine/overlap.py``) for each sampled item, so the next
+        (a negative id, see ``engine/overlap_loop.py``) for each sampled item, so the next
         ``schedule()`` can already give the sequence its decode. A prefill-only sequence
         is exported now; other prefix-cache inserts wait for ``resolve_token``. Lookahead
         (speculative) items are not supported here.

@@ -19,7 +19,7 @@ Both pad a step of ``b`` sequences to a captured size ``B >= b`` as
 
 Mixed steps (prefill chunks beside decode), rows with fewer drafts than ``k``, and
 batches over the largest size stay eager. The draft extend after a verify of this kind
-has graphs of its own (:mod:`dsv3serve.engine.spec.extend_graphs`).
+has graphs of its own (:mod:`dsv3serve.engine.speculative.extend_graphs`).
 """
 
 from __future__ import annotations
@@ -29,18 +29,17 @@ import logging
 
 import torch
 
-from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.graph_capture import (
     GraphCache,
-    GraphPool,
+    GraphSetup,
     SpanGraphs,
     fork_attention,
     pad_spans,
     padded_size,
     plan_for_graph,
 )
-from dsv3serve.engine.spec.draft import NextNDraft
-from dsv3serve.engine.spec.extend_graphs import ExtendGraphs
+from dsv3serve.engine.speculative.draft import NextNDraft
+from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
 from dsv3serve.engine.static_inputs import StaticInputs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.argmax import row_argmax
@@ -55,22 +54,11 @@ class VerifyGraphs(SpanGraphs[tuple[torch.Tensor, torch.Tensor]]):
     kind = "verify"
     label = "verify"
 
-    def __init__(
-        self,
-        model: DeepseekV3ForCausalLM,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slots: list[int],
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> None:
-        """``scratch_slots``: at least ``num_steps + 1`` slots, page-aligned from row 0 of a
-        scratch page, for the padding sequences."""
-        device = model.embed_tokens.weight.device
-        super().__init__(attn, device, num_steps + 1, sizes, scratch_slots, True, mempool)
+    def __init__(self, model: DeepseekV3ForCausalLM, num_steps: int, setup: GraphSetup) -> None:
+        """``setup.scratch_slots``: at least ``num_steps + 1`` slots."""
+        super().__init__(setup, model.embed_tokens.weight.device, num_steps + 1, True)
         self.model = model
-        if capture:
+        if setup.capture:
             self._capture_all(lambda size: self._load_spans([], size))
 
     def can_run(self, spans: list[SeqSpan]) -> bool:
@@ -97,25 +85,18 @@ class DraftChainGraphs:
     one after another, each step's host work (padding, inputs, attention plan) done while
     the step before it runs on the device."""
 
-    def __init__(
-        self,
-        draft: NextNDraft,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slot: int,
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> None:
+    def __init__(self, draft: NextNDraft, num_steps: int, setup: GraphSetup) -> None:
+        """Padding sequences write to ``setup.scratch_slots[0]`` in every step."""
         if num_steps < 2:
             raise ValueError(f"a draft chain needs num_steps >= 2, got {num_steps}")
-        self.draft, self.chain, self.sizes = draft, num_steps - 1, sorted(sizes)
+        self.draft, self.chain, self.sizes = draft, num_steps - 1, sorted(setup.sizes)
+        scratch_slot = setup.scratch_slots[0]
         target = draft.target
         self.device = target.embed_tokens.weight.device
         n = self.sizes[-1]
         self._dummy = SeqSpan([0], 0, [scratch_slot], True)
         self._steps = [StaticInputs(n, scratch_slot, self.device) for _ in range(self.chain)]
-        self._attns = [fork_attention(attn, f"draft{s}") for s in range(self.chain)]
+        self._attns = [fork_attention(setup.attn, f"draft{s}") for s in range(self.chain)]
         dtype = target.embed_tokens.weight.dtype
         # carried from step to step outside the graphs' pool (a replay overwrites the
         # pool's outputs): the hidden states, the last argmax, every step's tokens
@@ -123,10 +104,10 @@ class DraftChainGraphs:
         self._ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         self._tokens = torch.zeros(n, self.chain, dtype=torch.int64, device=self.device)
         self._graphs: list[GraphCache[torch.Tensor]] = [
-            GraphCache(self.device, mempool) for _ in range(self.chain)
+            GraphCache(self.device, setup.mempool) for _ in range(self.chain)
         ]
         self.runs = 0  # chains through the padded path (replayed or not)
-        if capture:
+        if setup.capture:
             for size in reversed(self.sizes):
                 self._load_hidden(self._hidden[:0], size)
                 for step, graphs in enumerate(self._graphs):
@@ -200,22 +181,9 @@ class SpecGraphs:
     extend: ExtendGraphs | None = None
 
     @classmethod
-    def build(
-        cls,
-        draft: NextNDraft,
-        attn: AttentionBackend,
-        num_steps: int,
-        sizes: list[int],
-        scratch_slots: list[int],
-        capture: bool = True,
-        mempool: GraphPool | None = None,
-    ) -> SpecGraphs:
-        """Capture (or with ``capture=False`` only prepare) every kind of graph."""
-        model = draft.target
-        verify = VerifyGraphs(model, attn, num_steps, sizes, scratch_slots, capture, mempool)
-        chain = None
-        if num_steps >= 2:
-            slot = scratch_slots[0]
-            chain = DraftChainGraphs(draft, attn, num_steps, sizes, slot, capture, mempool)
-        extend = ExtendGraphs(draft, attn, num_steps, sizes, scratch_slots, capture, mempool)
-        return cls(verify, chain, extend)
+    def build(cls, draft: NextNDraft, num_steps: int, setup: GraphSetup) -> SpecGraphs:
+        """Capture (or with ``setup.capture=False`` only prepare) every kind of graph;
+        ``setup.scratch_slots``: at least ``num_steps + 1`` slots."""
+        verify = VerifyGraphs(draft.target, num_steps, setup)
+        chain = DraftChainGraphs(draft, num_steps, setup) if num_steps >= 2 else None
+        return cls(verify, chain, ExtendGraphs(draft, num_steps, setup))

@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from dsv3serve.engine.sched_state import SchedState
-from dsv3serve.engine.sequence import (
+from dsv3serve.engine.scheduler.sequence import (
     ScheduledBatch,
     ScheduledItem,
     Sequence,
     SequenceStatus,
     StepPlan,
 )
+from dsv3serve.engine.scheduler.state import SchedState
 
 # Longest-prefix-match ordering looks up every waiting sequence; past this queue length
 # the scheduler falls back to arrival order.

@@ -5,7 +5,7 @@ Rank 0 (the leader) owns the scheduler. Each step it broadcasts the step's spans
 own device and KV pool. KV pages that arrive from outside (PD import) are broadcast from
 rank 0 to the other ranks' pools the same way, so every pool holds the same pages.
 
-Each rank holds its shard of the model (:mod:`dsv3serve.engine.rank_parts`). Only tensors
+Each rank holds its shard of the model (:mod:`dsv3serve.engine.group.rank_parts`). Only tensors
 and fixed-layout int64 headers cross the wire (no pickle). A rank that dies makes rank 0's
 next collective raise (connection closed, or the group timeout): the engine's step fails.
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.model_runner import ModelRunner, StepResult
-from dsv3serve.engine.sequence import ScheduledItem
+from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import SeqSpan
 from dsv3serve.kvcache.pool import MLAKVPool
 
@@ -258,31 +258,43 @@ def gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
     return [t.cpu() for t in out]
 
 
-def follower_loop(
-    runner: ModelRunner, extra: Mapping[int, Callable[[Wire, int], None]] | None = None
-) -> int:
+OpHandler = Callable[["Wire", int], None]  # called with the wire and the payload length
+
+
+def serve_ops(runner: ModelRunner, wire: Wire, ops: Mapping[int, OpHandler], group: str) -> None:
+    """A follower's loop: run rank 0's commands until STOP, by ``ops`` and the ones every
+    group shares (the overlap ring's sampled ids, pool digests); an unknown op raises."""
+
+    def digest(wire: Wire, n: int) -> None:
+        gather_digest(runner, dist.get_world_size())
+
+    handlers = {**ops, OP_SAMPLED: lambda w, n: store_sampled(runner, w, n), OP_DIGEST: digest}
+    while True:
+        op, n = wire.recv_header()
+        if op == OP_STOP:
+            return
+        handler = handlers.get(op)
+        if handler is None:
+            raise RuntimeError(f"unknown {group} op {op}")
+        handler(wire, n)
+
+
+def follower_loop(runner: ModelRunner, extra: Mapping[int, OpHandler] | None = None) -> int:
     """Ranks 1..N-1: execute rank 0's commands until STOP; returns the plain steps run.
 
     ``extra`` maps more ops to handlers called with the wire and the payload length
-    (speculative decoding's forwards: :mod:`dsv3serve.engine.spec.group`).
+    (speculative decoding's forwards: :mod:`dsv3serve.engine.speculative.group`).
     """
-    wire = Wire(comm_device(runner))
-    handlers = extra or {}
     steps = 0
-    while True:
-        op, n = wire.recv_header()
-        if op == OP_STEP:
-            runner.run_spans(decode_spans(wire.recv(n).cpu()), None)
-            steps += 1
-        elif op == OP_WRITE_PAGES:
-            broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
-        elif op == OP_SAMPLED:
-            store_sampled(runner, wire, n)
-        elif op == OP_DIGEST:
-            gather_digest(runner, dist.get_world_size())
-        elif op == OP_STOP:
-            return steps
-        elif op in handlers:
-            handlers[op](wire, n)
-        else:
-            raise RuntimeError(f"unknown group op {op}")
+
+    def step(wire: Wire, n: int) -> None:
+        nonlocal steps
+        runner.run_spans(decode_spans(wire.recv(n).cpu()), None)
+        steps += 1
+
+    def write_pages(wire: Wire, n: int) -> None:
+        broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
+
+    ops = {**(extra or {}), OP_STEP: step, OP_WRITE_PAGES: write_pages}
+    serve_ops(runner, Wire(comm_device(runner)), ops, "group")
+    return steps

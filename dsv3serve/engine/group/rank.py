@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.dp_group import DPGroupLeader, dp_follower_loop
-from dsv3serve.engine.dp_scheduler import DPScheduler
 from dsv3serve.engine.engine import Engine, resolve_model_dir
-from dsv3serve.engine.group import GroupLeader, follower_loop
+from dsv3serve.engine.group.dp import DPGroupLeader, dp_follower_loop
+from dsv3serve.engine.group.tp import GroupLeader, follower_loop
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.spec.dp_group import DPSpecFollower, DPSpecForwards
-from dsv3serve.engine.spec.group import GroupSpecForwards, SpecFollower
+from dsv3serve.engine.scheduler.dp import DPScheduler
+from dsv3serve.engine.speculative.dp_group import DPSpecFollower, DPSpecForwards
+from dsv3serve.engine.speculative.group import GroupSpecForwards, SpecFollower
 
 
 def attach_leader(engine: Engine) -> GroupLeader | DPGroupLeader:
