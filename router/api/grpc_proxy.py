@@ -7,7 +7,10 @@ function the deploy files list (``grpc_options.grpc_servicer_functions``; Serve 
 in the proxy when it builds its gRPC server), registers ``dsv3serve.v1.Generation`` and
 wraps the proxy's handlers of it: a call that ends ``INTERNAL`` with Ray's actor-death
 text ends ``UNAVAILABLE`` with a clean message instead (safe to retry: a unary call got
-nothing; a stream says it was cut). Every other status passes unchanged.
+nothing; a stream says it was cut). The proxy's own refusal when every router replica is
+at its budget and its queue is full (``RESOURCE_EXHAUSTED``, "Request dropped due to
+backpressure (num_queued_requests=...)") keeps its code and gets the HTTP 429's message.
+Every other status passes unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from router.api.proxy_refusals import CAPACITY_MESSAGE
 from router.proto.generate_pb2_grpc import add_GenerationServicer_to_server
 
 ROUTER_LOST_MESSAGE = (
@@ -29,6 +33,7 @@ STREAM_CUT_MESSAGE = (
 )
 # Ray's RayActorError / ActorDiedError / ActorUnavailableError texts, as Serve passes them
 _ACTOR_DEATH = re.compile(r"^The actor\b|\bactor_id:")
+_BACKPRESSURE = re.compile(r"^Request dropped due to backpressure")  # Serve's refusal
 _WRAPPED = "_dsv3serve_clean_status"
 
 Handler = Callable[..., Awaitable[bytes] | AsyncIterator[bytes]]
@@ -46,19 +51,31 @@ def add_generation_servicer(servicer: object, server: grpc.aio.Server) -> None:
     add_GenerationServicer_to_server(servicer, server)
 
 
+def _details(context: grpc.aio.ServicerContext) -> str:
+    details = context.details() or ""
+    return details.decode(errors="replace") if isinstance(details, bytes) else details
+
+
 def router_died(context: grpc.aio.ServicerContext) -> bool:
     """Whether the call's status is Serve's ``INTERNAL`` for a replica that died."""
-    details = context.details() or ""
-    if isinstance(details, bytes):
-        details = details.decode(errors="replace")
-    return context.code() == grpc.StatusCode.INTERNAL and bool(_ACTOR_DEATH.search(details))
+    died = _ACTOR_DEATH.search(_details(context))
+    return context.code() == grpc.StatusCode.INTERNAL and bool(died)
+
+
+def proxy_refused(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call's status is the proxy's backpressure refusal."""
+    refused = _BACKPRESSURE.search(_details(context))
+    return context.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and bool(refused)
 
 
 def clean_status(context: grpc.aio.ServicerContext, sent_any: bool) -> None:
-    """Replace Serve's ``INTERNAL`` for a dead router replica by ``UNAVAILABLE``."""
+    """Replace Serve's ``INTERNAL`` for a dead router replica by ``UNAVAILABLE``, and the
+    text of the proxy's backpressure refusal by the capacity message."""
     if router_died(context):
         context.set_code(grpc.StatusCode.UNAVAILABLE)
         context.set_details(STREAM_CUT_MESSAGE if sent_any else ROUTER_LOST_MESSAGE)
+    elif proxy_refused(context):
+        context.set_details(CAPACITY_MESSAGE)
 
 
 def clean_status_factory(factory: Factory) -> Factory:

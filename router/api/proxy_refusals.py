@@ -24,14 +24,14 @@ UNAVAILABLE = "service_unavailable"
 TIMED_OUT = "timeout"
 RETRY_AFTER_S = "1"
 
+CAPACITY_MESSAGE = (
+    "the server is at capacity: every router replica is at its admission budget "
+    "(router.max_in_flight) and the queue in front of them (router.max_queued_requests) "
+    "is full; retry later"
+)
 # status -> (type and code, message) of the OpenAI body that replaces the proxy's text
 _REFUSALS: dict[int, tuple[str, str]] = {
-    429: (
-        RATE_LIMITED,
-        "the server is at capacity: every router replica is at its admission budget "
-        "(router.max_in_flight) and the queue in front of them (router.max_queued_requests) "
-        "is full; retry later",
-    ),
+    429: (RATE_LIMITED, CAPACITY_MESSAGE),
     503: (UNAVAILABLE, "no router replica can take the request now; retry later"),
     408: (TIMED_OUT, "the request was not answered within the server's request time-out"),
 }

@@ -14,6 +14,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import grpc
@@ -65,6 +66,7 @@ def served() -> Iterator[Served]:
         router={
             "served_model_name": "tiny",
             "max_in_flight": MAX_IN_FLIGHT,
+            "max_queued_requests": 1,  # Serve's proxy holds one more, then refuses
             "metrics_port": metrics_port,
         },
     )
@@ -270,17 +272,29 @@ def test_unknown_model_is_not_found(served: Served) -> None:
 
 
 def test_overload_is_resource_exhausted(served: Served) -> None:
+    """With the router's budget held, of two more calls Serve's proxy queues one (its
+    queue holds one) and refuses the other at once, with the capacity message; the queued
+    one runs once a held stream ends."""
     held = [long_stream(served.stub) for _ in range(MAX_IN_FLIGHT)]
-    try:
-        for stream in held:
-            next(stream)  # admitted and generating
-        with pytest.raises(grpc.RpcError) as info:
-            served.stub.Generate(pb.GenerateRequest(text=PROMPT), metadata=META, timeout=30)
-        assert info.value.code() == Code.RESOURCE_EXHAUSTED
-        assert "capacity" in info.value.details()
-    finally:
-        for stream in held:
-            stream.cancel()
+    request = pb.GenerateRequest(text=PROMPT, sampling=greedy(2))
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            for stream in held:
+                next(stream)  # admitted and generating
+            calls = [
+                pool.submit(served.stub.Generate, request, metadata=META, timeout=60)
+                for _ in range(2)
+            ]
+            refused = next(as_completed(calls, timeout=30))
+            info = refused.exception()
+            assert isinstance(info, grpc.RpcError), f"expected a refusal, got {info!r}"
+            assert info.code() == Code.RESOURCE_EXHAUSTED
+            assert "capacity" in info.details() and "num_queued" not in info.details()
+        finally:
+            for stream in held:
+                stream.cancel()
+        queued = next(c for c in calls if c is not refused)
+        assert queued.result().choices[0].token_ids  # served once a slot came free
     assert_pages_return()
     assert (
         served.stub.Generate(
