@@ -1,10 +1,12 @@
 """Admission across two routers (issue 29 item 5): 600 concurrent streams against the local
 PD app (tiny model, CPU, two router replicas of ``max_in_flight`` 256, one prefill and one
-decode replica) through ``bench serve``; prints how the 429s split between the routers
-(each router's ``requests_total{status="429"}``) and how long a 429 took, by kind: the
-router at capacity (``rate_limit_exceeded``: answered before the body is read) or no KV
-room on decode within ``router.reserve_wait_s`` (a wait by design).
-Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR``."""
+decode replica) through ``bench serve``, with Serve's proxy running our middlewares (as
+``dsv3serve serve`` starts it) and holding ``router.max_queued_requests`` (``QUEUED``,
+or the second argument) while both routers are full. Prints how many requests each
+router served and how long a 429 took, by kind: Serve's proxy refusing for full routers
+(``rate_limit_exceeded``, "at capacity") or no KV room on decode within
+``router.reserve_wait_s`` (a wait by design).
+Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR [QUEUED]``."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from dsv3serve.bench.serve.config import BenchServeConfig
 from dsv3serve.bench.serve.run import run_bench_serve
 from router.app import bind_app
 from router.config import ServingConfig
-from router.launch import load_deploy_file
+from router.launch import load_deploy_file, use_proxy_middleware
 
 APP = "dsv3serve"
 STREAMS = 600
+QUEUED = 256  # router.max_queued_requests' default; the second argument overrides it
 
 
 def free_port() -> int:
@@ -35,15 +38,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def router_429s(url: str) -> float:
-    """One router's HTTP 429 answers (``dsv3serve:requests_total``)."""
+def router_answers(url: str, status: str | None = None) -> float:
+    """One router's HTTP answers (``dsv3serve:requests_total``), of ``status`` or all."""
     families = text_string_to_metric_families(httpx.get(url, timeout=30).text)
     return sum(
         s.value
         for family in families
         for s in family.samples
         if s.name == "dsv3serve:requests_total"
-        and s.labels.get("status") == "429"
+        and status in (None, s.labels.get("status"))
         and s.labels.get("role") == "router"
     )
 
@@ -80,12 +83,13 @@ def rejection_summary(record: dict[str, object]) -> dict[str, object]:
     }
 
 
-def main(out: Path) -> None:
+def main(out: Path, queued: int = QUEUED) -> None:
     args = load_deploy_file(Path("deploy/local-pd.yaml"))["applications"][0]["args"]
     metrics_port, http_port = free_port(), free_port()
-    args["router"] |= {"metrics_port": metrics_port}
+    args["router"] |= {"metrics_port": metrics_port, "max_queued_requests": queued}
     cfg = ServingConfig.parse(args)
     urls = [f"http://127.0.0.1:{metrics_port + k}/metrics" for k in range(cfg.router.num_replicas)]
+    use_proxy_middleware()  # as `dsv3serve serve` does: OpenAI bodies on the proxy's 429s
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -101,9 +105,11 @@ def main(out: Path) -> None:
             disable_tqdm=True,
             output_file=out / "admission_two_routers_cpu_bench.json",
         )
-        before = [router_429s(u) for u in urls]
+        before = [(router_answers(u), router_answers(u, "429")) for u in urls]
         (record,) = run_bench_serve(config)
-        per_router = [router_429s(u) - b for u, b in zip(urls, before, strict=True)]
+        after = [(router_answers(u), router_answers(u, "429")) for u in urls]
+        answered = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+        refused = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -111,8 +117,10 @@ def main(out: Path) -> None:
         "streams": STREAMS,
         "routers": cfg.router.num_replicas,
         "max_in_flight_per_router": cfg.router.max_in_flight,
+        "max_queued_requests": cfg.router.max_queued_requests,
         "succeeded": sum(1 for ok in record["success"] if ok),
-        "429_per_router": per_router,
+        "answered_per_router": answered,
+        "429_by_router_per_router": refused,
         "rejections": rejection_summary(record),
     }
     (out / "admission_two_routers_cpu.json").write_text(json.dumps(report, indent=2))
@@ -120,4 +128,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:3]))
