@@ -29,7 +29,7 @@ from router.launch import load_deploy_file, use_proxy_middleware
 
 APP = "dsv3serve"
 STREAMS = 600
-QUEUED = 256  # router.max_queued_requests' default; the second argument overrides it
+QUEUED = 256  # the proxy's queue of the recorded runs; the second argument overrides it
 
 
 def free_port() -> int:

@@ -115,11 +115,11 @@ class RouterSettings(BaseModel):
         "max_ongoing_requests); beyond every router's, Serve's proxy queues, then answers 429",
     )
     max_queued_requests: int = Field(
-        256,
+        1024,
         ge=-1,
         description="requests Serve's proxy holds while every router replica is at "
-        "max_in_flight (Serve's max_queued_requests); more get 429 at once with Retry-After; "
-        "-1: no limit",
+        "max_in_flight (Serve's max_queued_requests, which counts a burst's requests as "
+        "queued while it places them); more get 429 at once with Retry-After; -1: no limit",
     )
 
     @field_validator("max_queued_requests")

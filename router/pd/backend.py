@@ -55,6 +55,7 @@ from router.pd.replica_calls import (
     lost_on_503,
     progress_of,
 )
+from router.pd.room_signal import RESERVE_RETRY_S, RoomSignal, next_backoff
 from router.pd.seam import SeamTokenizer
 from router.routing.policy import ReplicaSet
 from router.routing.rank_routing import PDTargets, Target
@@ -73,7 +74,6 @@ from workers.protocol import (
 )
 from workers.protocol import decode as parse
 
-RESERVE_RETRY_S = 0.05
 logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.25
 
@@ -100,6 +100,7 @@ class PDBackend:
         self.overlap = overlap
         self.metrics = metrics or Metrics(Identity("router", "router", "unnamed"))
         self.settings = settings
+        self.room = RoomSignal()  # wakes reservations waiting for KV room
         self.page_size = page_size
         self.lease_s = settings.prefill_timeout_s * settings.max_prefill_attempts + 10.0
         self._bg = Background()
@@ -163,6 +164,7 @@ class PDBackend:
         finally:
             self.decode.release(d, tokens)
             self.decode_ranks.release(d, rank)
+            self.room.freed()
 
     def _cancel_reservation(self, d: int, request_id: str) -> None:
         self._bg.submit(self.decode.handles[d].cancel_reservation.remote, request_id)
@@ -185,13 +187,15 @@ class PDBackend:
             self.metrics.waiting_for_kv.dec()
 
     async def _reserve_until(self, msg: ReserveRequest, deadline: float) -> tuple[int, int, int]:
-        """Full replicas are retried until ``deadline`` (then 429); when every replica
+        """Full replicas are retried until ``deadline`` (then 429), each retry when this
+        router ends a request or after a back-off (``router.pd.room_signal``); when every replica
         failed (dead, or its engine died) it is a 503 at once, not a wait for room. A
         replica is asked once per round (a full one fell back to its other ranks). When
         every replica failed (dead, or its engine died) they are marked down and the
         reservation waits for one to come back, as a migration does, at most
         ``decode_migration_wait_s`` in all; then it is a 503."""
         wait_until: float | None = None
+        delay = RESERVE_RETRY_S
         while True:
             failures: list[str] = []
             asked: set[int] = set()
@@ -224,9 +228,11 @@ class PDBackend:
                     "no decode replica answered within router.decode_migration_wait_s: "
                     + "; ".join(failures)
                 )
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise BackendOverloaded("no decode replica has KV cache room; retry later")
-            await asyncio.sleep(RESERVE_RETRY_S)
+            if not await self.room.wait(min(delay, left)):
+                delay = next_backoff(delay)  # woken by nothing: room may free elsewhere
 
     async def _prefill(
         self, req: GenerateRequest, skip_pages: int = 0, d: int | None = None

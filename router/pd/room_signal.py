@@ -1,0 +1,63 @@
+"""Waiting for decode KV room without a storm of reserve calls.
+
+A PD request that finds no decode replica with KV room waits up to
+``router.reserve_wait_s``. It used to ask every decode replica again every 50 ms: under a
+600-stream burst on the 2-core dev VM, 255 such waiters made about 5,000 reserve calls a
+second to one decode replica, all on the router's event loop (2026-11-29,
+docs/perf/admission_two_routers_cpu.md). Now a waiter sleeps until :class:`RoomSignal`
+wakes it, when this router ends a request (the room it held goes back), oldest waiter
+first and one per ended request; or until its back-off runs out (room that another
+router's requests freed), the back-off doubling from ``RESERVE_RETRY_S`` to
+``RESERVE_RETRY_MAX_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+RESERVE_RETRY_S = 0.05
+RESERVE_RETRY_MAX_S = 0.8
+
+
+def next_backoff(delay_s: float) -> float:
+    """The wait after one of ``delay_s`` that found no room: doubled, at most the cap."""
+    return min(RESERVE_RETRY_MAX_S, 2 * delay_s)
+
+
+class RoomSignal:
+    """Wakes the oldest waiter once per request this router ends. Used from one event loop."""
+
+    def __init__(self) -> None:
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Waiters not yet woken (and not timed out or cancelled)."""
+        return sum(1 for w in self._waiters if not w.done())
+
+    def freed(self) -> None:
+        """A request ended here: wake the oldest waiter still waiting, if any."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Sleep until :meth:`freed` wakes this waiter (True) or ``timeout_s`` passes."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, max(0.0, timeout_s))
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            self._drop_done()
+
+    def _drop_done(self) -> None:
+        while self._waiters and self._waiters[0].done():
+            self._waiters.popleft()
