@@ -3,7 +3,7 @@ how fast Serve stops its replicas).
 
 Serve's proxy enforces the budget: the router deployment's ``max_ongoing_requests`` is
 the budget, the proxy holds ``router.max_queued_requests`` while every router is full and
-refuses the rest with 429 and ``Retry-After`` (tests/e2e/test_proxy_refusals.py checks it
+refuses the rest with 429 and ``Retry-After`` (tests/e2e/test_proxy_refusals_live.py checks it
 through a real proxy). A full router still refuses before reading a body
 (``tests/router/test_openai_api.py`` checks it live).
 """

@@ -1,7 +1,7 @@
 """router/api/proxy_refusals.py on its own: the messages are the ones Serve's proxy builds
 for its own refusals (``ray.serve._private.http_util``: a backpressure 429, an unavailable
 deployment's 503, a time-out's 408), played through the middleware; a real proxy refusing
-is in tests/e2e/test_proxy_refusals.py."""
+is in tests/e2e/test_proxy_refusals_live.py."""
 
 from __future__ import annotations
 
