@@ -39,7 +39,7 @@ run() {  # run NAME MAX_S CMD...: under min(MAX_S, what is left); skipped below 
 
 stage_tests() {
   run gpu_tests "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
-    ${GPU_TESTS:-tests/engine/test_spec_graphs_gpu.py tests/engine/test_cuda_graph_gpu.py \
+    ${GPU_TESTS:-tests/engine/speculative/test_spec_graphs_gpu.py tests/engine/test_cuda_graph_gpu.py \
     tests/attention/test_attention_flashinfer_gpu.py tests/kernels/test_argmax_gpu.py}
   grep -E "passed|failed|Error" "$OUT/gpu_tests.log" | tail -15
 }

@@ -1,8 +1,9 @@
 """Shared fixtures: tiny checkpoints written once per session, and model helpers; on a
 machine without a GPU, Triton's interpreter for the kernel tests.
 
-The tests mirror the packages (``tests/engine/``, ``tests/router/``, ``tests/workers/``,
-...); live end-to-end tests that start an app are in ``tests/e2e/``. Helpers and fakes
+The tests mirror the packages (``tests/engine/`` with its rooms ``scheduler/``,
+``speculative/`` and ``group/``, ``tests/router/``, ``tests/workers/``, ...); live
+end-to-end tests that start an app are in ``tests/e2e/``. Helpers and fakes
 live in ``tests/support/``. Test modules import helpers (and a few other test modules'
 helpers) by module name, so ``support/`` and every test folder go on ``sys.path``.
 """
@@ -25,8 +26,9 @@ if not torch.cuda.is_available():
 from dsv3serve.model.tiny import make_tiny_checkpoint
 
 _TESTS = Path(__file__).resolve().parent
-for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name.isidentifier()):
-    if str(_folder) not in sys.path and _folder.name not in ("data", "__pycache__"):
+_FOLDERS = (p for p in _TESTS.rglob("*") if p.is_dir() and p.name.isidentifier())
+for _folder in sorted(_FOLDERS):  # rooms inside a folder too (tests/engine/speculative/)
+    if str(_folder) not in sys.path and not {"data", "__pycache__"} & set(_folder.parts):
         sys.path.insert(0, str(_folder))
 
 

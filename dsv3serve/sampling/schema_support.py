@@ -4,7 +4,7 @@ xgrammar (``engine/grammar.py``) compiles a schema into a grammar, but it drops 
 keywords without an error: the output then satisfies the grammar and not the schema.
 :func:`schema_problem` finds the first such keyword so the request is refused with a 400
 that names it, before any work. What is enforced (checked keyword by keyword in
-``tests/engine/test_schema_support.py``): ``type`` (one or a list), ``enum``, ``const``,
+``tests/sampling/test_schema_support.py``): ``type`` (one or a list), ``enum``, ``const``,
 ``properties``, ``required``, ``additionalProperties``, ``unevaluatedProperties``,
 ``propertyNames``, ``minProperties``, ``maxProperties``, ``items``, ``prefixItems``,
 ``unevaluatedItems``, ``minItems``, ``maxItems``, ``minLength``, ``maxLength``,

@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from test_engine import GREEDY, drain, make_engine, prompts, run_alone
+from engine_util import GREEDY, drain, make_engine, prompts, run_alone
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.request import Request

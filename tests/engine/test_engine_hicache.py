@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_util import GREEDY, drain, make_engine, prompts
 from prometheus_client import CollectorRegistry, generate_latest
-from test_engine import GREEDY, drain, make_engine, prompts
 from tier_util import NullCopier
 
 from dsv3serve.cli import build_parser

@@ -9,9 +9,9 @@ whose evicted prefix pages move to a host tier and come back (nothing leaks in e
 from __future__ import annotations
 
 import pytest
+from engine_util import make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request

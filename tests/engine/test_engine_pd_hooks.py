@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_engine import GREEDY, drain, make_engine, prompts, run_alone
+from engine_util import GREEDY, drain, make_engine, prompts, run_alone
 
 from dsv3serve.engine.engine import Engine, KVReservation
 from dsv3serve.engine.request import Request, TokenOutput

@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 import xgrammar
+from engine_util import make_engine
 from schema_cases import SCHEMAS, valid
-from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.grammar import GrammarCompiler, full_bitmask

@@ -14,7 +14,7 @@ from functools import cache
 
 import pytest
 import torch
-from test_engine import GREEDY, drain, make_engine, prompts
+from engine_util import GREEDY, drain, make_engine, prompts
 
 from dsv3serve.cli import build_parser
 from dsv3serve.engine.async_engine import AsyncEngine

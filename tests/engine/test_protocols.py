@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from test_engine import make_engine
+from engine_util import make_engine
 
 from dsv3serve.engine.group.dp import DPGroupLeader
 from dsv3serve.engine.group.tp import GroupLeader

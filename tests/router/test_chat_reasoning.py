@@ -14,8 +14,8 @@ from typing import Any
 import openai
 import pytest
 from chat_output_util import MODEL, ScriptedServer, calls_section, read_stream, scripted_server
+from engine_util import make_engine
 from openai_api_util import CHAT, MAX_MODEL_LEN, Served, serve, wait_idle
-from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from test_engine import make_engine
+from engine_util import make_engine
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request

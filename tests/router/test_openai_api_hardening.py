@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_util import make_engine
 from http_util import ServerThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_api_util import CHAT_PATH, COMPLETIONS_PATH, MAX_MODEL_LEN, MODEL, Served, wait_idle
 from request_fuzz import any_json, deep_json, request_bodies
-from test_engine import make_engine
 
 from dsv3serve.metrics import Identity, Metrics
 from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app

@@ -9,8 +9,8 @@ from typing import Any
 
 import openai
 import pytest
+from engine_util import make_engine
 from http_util import ServerThread
-from test_engine import make_engine
 
 from dsv3serve.engine.engine import Engine
 from router.api.openai_api import APIConfig, OpenAIServer, build_fastapi_app

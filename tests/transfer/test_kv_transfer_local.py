@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_util import GREEDY, drain, make_engine, prompts, run_alone
 from kv_transfer_util import (
     FAST_S,
     NAMES,
@@ -22,7 +23,6 @@ from kv_transfer_util import (
     poisoned_pool,
     random_pool,
 )
-from test_engine import GREEDY, drain, make_engine, prompts, run_alone
 
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.request import Request

@@ -37,7 +37,7 @@ def test_tp_group_with_speculation_is_accepted(role: str) -> None:
 
 @pytest.mark.parametrize("role", ["decode", "colocated"])
 def test_dp_attention_group_with_speculation_is_accepted(role: str) -> None:
-    """MTP runs under DP attention (tests/parallel/test_group_spec.py)."""
+    """MTP runs under DP attention (tests/engine/group/test_group_spec.py)."""
     data = {"model": "tiny", **DP_ATTENTION, **SPEC}
     worker = WorkerConfig.model_validate({"role": role, "engine": data})
     assert worker.group_size == 2 and worker.engine.spec_num_steps > 0

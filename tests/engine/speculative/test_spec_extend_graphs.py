@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from test_engine import make_engine, prompts
+from engine_util import make_engine, prompts
 from test_spec_graphs import PAGE, SPEC, STEPS, _changed, _prefill, _scratch
 
 from dsv3serve.engine.config import EngineConfig

@@ -15,9 +15,9 @@ import collections
 
 import pytest
 import torch
+from engine_util import drain, make_engine, prompts
 from scipy.stats import chi2_contingency
 from spec_util import TargetOracleDraft, scratch_drafts
-from test_engine import drain, make_engine, prompts
 
 from dsv3serve.cli import build_parser
 from dsv3serve.engine.async_engine import AsyncEngine

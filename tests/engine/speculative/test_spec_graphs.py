@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from test_engine import drain, make_engine, prompts
+from engine_util import drain, make_engine, prompts
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
