@@ -21,9 +21,10 @@ import json
 import logging
 
 from starlette.middleware import Middleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from router.api.errors import INTERNAL_ERROR, error_body
+from router.api.http_middleware import HTTPMiddleware
 from router.api.proxy_refusals import RefusalBody
 from router.api.sse import DONE, sse_event
 
@@ -92,19 +93,13 @@ class _EventStream:
         return separator + stream_cut_events()
 
 
-class StreamEndGuard:
+class StreamEndGuard(HTTPMiddleware):
     """Pure ASGI middleware: event streams that end without ``[DONE]`` get an error event.
 
     Other responses, and streams that end with ``[DONE]``, pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = _EventStream()
         started = False
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from router.api.errors import error_body
+from router.api.http_middleware import HTTPMiddleware
 
 RATE_LIMITED = "rate_limit_exceeded"
 UNAVAILABLE = "service_unavailable"
@@ -64,17 +65,11 @@ def _json_head(head: Message, body: bytes) -> Message:
     return {**head, "headers": headers}
 
 
-class RefusalBody:
+class RefusalBody(HTTPMiddleware):
     """Pure ASGI middleware: a plain-text 408, 429 or 503 (Serve's proxy refusing a request
     itself) becomes the same status with an OpenAI error body; all else passes through."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         held: Message | None = None  # a refusal's head, sent once its body has ended
 
         async def rewriting_send(message: Message) -> None:
