@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from import_graph import Import, cycles, import_graph, parents, project_modules
@@ -142,3 +143,19 @@ def test_scheduler_room_imports_no_other_engine_module(graph: dict[str, list[Imp
     ]
     shown = "\n".join(wrong)
     assert not wrong, f"expected {room} to import no other engine module, found:\n{shown}"
+
+
+def _documented_layers() -> tuple[tuple[str, ...], ...]:
+    """The layer block of docs/architecture.md ("## Layers"), one tuple of groups a line."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    layers = []
+    for line in block.strip().splitlines():
+        names = line.split("  ", 1)[0].replace("(package)", "")  # drop the comment column
+        layers.append(tuple(name.strip() for name in names.split(",")))
+    return tuple(layers)
+
+
+def test_architecture_page_lists_the_same_layers() -> None:
+    """docs/architecture.md's layer order is the one this test enforces."""
+    assert _documented_layers() == LAYERS
