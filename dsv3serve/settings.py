@@ -1,8 +1,10 @@
 """The environment variables dsv3serve reads, in one typed place.
 
-Every lookup of the process environment goes through :meth:`Settings.from_env`, and the one
-write (:func:`export_compile_caches`) is here too; no other module reads ``os.environ``.
-Imports no torch, so the router may use it.
+The project's configuration variables are read through :meth:`Settings.from_env`, and the
+compile caches are exported by :func:`export_compile_caches`. The exceptions are listed in
+docs/architecture.md (a CPU test switch read in ``engine/model_runner.py``; NCCL, Ray and
+Serve variables set before a group or the local cluster starts). Imports no torch, so the
+router may use it.
 """
 
 from __future__ import annotations
