@@ -14,7 +14,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +23,7 @@ import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from refusal_util import first_refusal
 from serving_util import (
     TINY_ENGINE,
     free_port,
@@ -271,34 +272,33 @@ def test_unknown_model_is_not_found(served: Served) -> None:
     assert info.value.code() == Code.NOT_FOUND
 
 
+def _exhausted(call: Future[pb.GenerateResponse]) -> bool:
+    err = call.exception()
+    return isinstance(err, grpc.RpcError) and err.code() == Code.RESOURCE_EXHAUSTED
+
+
 def test_overload_is_resource_exhausted(served: Served) -> None:
-    """With the router's budget held, of four more calls Serve's proxy queues about one
-    (its queue holds one; it counts loosely) and refuses the others at once, with the
-    capacity message; the queued ones run once the held streams end."""
+    """With the router's budget held, Serve's proxy queues one more call (its queue holds
+    one) and refuses the next at once, with the capacity message; the queued one runs once
+    the held streams end."""
     held = [long_stream(served.stub) for _ in range(MAX_IN_FLIGHT)]
     request = pb.GenerateRequest(text=PROMPT, sampling=greedy(2))
     with ThreadPoolExecutor(4) as pool:
         try:
             for stream in held:
                 next(stream)  # admitted and generating
-            calls = [
-                pool.submit(served.stub.Generate, request, metadata=META, timeout=60)
-                for _ in range(4)
-            ]
-            refused = next(as_completed(calls, timeout=30))  # a refusal comes at once
-            info = refused.exception()
-            assert isinstance(info, grpc.RpcError), f"expected a refusal, got {info!r}"
-            assert info.code() == Code.RESOURCE_EXHAUSTED
-            assert "capacity" in info.details() and "num_queued" not in info.details()
+
+            def submit() -> Future[pb.GenerateResponse]:
+                return pool.submit(served.stub.Generate, request, metadata=META, timeout=120)
+
+            refused, queued = first_refusal(submit, _exhausted)
+            details = refused.exception().details()  # type: ignore[union-attr]
+            assert "capacity" in details and "num_queued" not in details
         finally:
             for stream in held:
                 stream.cancel()
-        for call in calls:  # the rest: refused the same way, or served once a slot freed
-            err = call.exception()
-            if err is None:
-                assert call.result().choices[0].token_ids
-            else:
-                assert isinstance(err, grpc.RpcError) and err.code() == Code.RESOURCE_EXHAUSTED
+        for call in queued:  # served once a slot came free (or refused the same way)
+            assert _exhausted(call) or call.result().choices[0].token_ids
     assert_pages_return()
     assert (
         served.stub.Generate(

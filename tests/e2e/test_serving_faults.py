@@ -1,5 +1,5 @@
 """PD app under faults: a prefill replica killed mid-request, and overload (429 from Serve's
-proxy, which holds the router's budget and one queued request).
+proxy, which holds the router's budget and queues one request).
 
 The app here has two prefill replicas that each wait ``test_prefill_delay_s`` before
 prefilling (fault injection), so a request is reliably in flight on a known replica.
@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,6 +21,7 @@ import openai
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+from refusal_util import first_refusal
 from serving_util import (
     free_port,
     holds_nothing,
@@ -100,26 +101,36 @@ def test_killed_prefill_replica_is_retried_and_decode_keeps_serving(app_url: str
 
 
 def test_overload_gets_429_fast_and_admitted_requests_succeed(app_url: str) -> None:
+    """With the router's budget held by long streams, Serve's proxy queues one more request
+    and refuses the next within ``first_refusal``'s 1.5 s (before a prefill could end):
+    429, ``Retry-After`` and an OpenAI body. The queued one is served once the streams
+    end, and the slots come back."""
+    client = openai.OpenAI(base_url=f"{app_url}/v1", api_key="none", max_retries=0, timeout=120)
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    held = [
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4000, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in range(MAX_IN_FLIGHT)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            for stream in held:
+                next(iter(stream))  # admitted and generating
 
-    def post(_: int) -> tuple[int, float, httpx.Response]:
-        start = time.monotonic()
-        response = httpx.post(f"{app_url}/v1/chat/completions", json=body, timeout=60)
-        return response.status_code, time.monotonic() - start, response
+            def post() -> Future[httpx.Response]:
+                url = f"{app_url}/v1/chat/completions"
+                return pool.submit(httpx.post, url, json=body, timeout=120)
 
-    with ThreadPoolExecutor(12) as pool:
-        results = list(pool.map(post, range(12)))
-    ok = [r for r in results if r[0] == 200]
-    rejected = [r for r in results if r[0] == 429]
-    assert len(ok) + len(rejected) == 12, [r[0] for r in results]
-    # all 12 arrive before the first one can finish: the budget and about the proxy's
-    # queue are served (Serve counts its queue loosely: 5 were served in one run), the
-    # rest refused
-    assert 1 <= len(ok) <= 2 * (MAX_IN_FLIGHT + QUEUED) and rejected, len(ok)
-    assert all(seconds < DELAY_S for _, seconds, _ in rejected)  # before any prefill ends
-    for _, _, response in rejected:  # Serve's proxy refused them, with an OpenAI body
-        assert int(response.headers["retry-after"]) >= 1
-        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+            refused, queued = first_refusal(post, lambda f: f.result().status_code == 429)
+        finally:
+            for stream in held:
+                stream.close()
+        assert [call.result().status_code for call in queued] == [200] * len(queued)
+    response = refused.result()
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
     assert chat(app_url)  # slots were released
 
 
