@@ -13,8 +13,14 @@ from pathlib import Path
 
 import fake_deep_ep
 import torch
-import torch.multiprocessing as mp
-from dispatch_util import NUM_EXPERTS, Case, flat_round, gloo_rank
+from dispatch_util import (
+    NUM_EXPERTS,
+    Case,
+    flat_round,
+    gloo_rank,
+    save_rank_results,
+    spawn_for_results,
+)
 
 from dsv3serve.moe.experts import random_experts
 from dsv3serve.moe.ref import TorchRefMoE
@@ -143,11 +149,10 @@ def _rank_main(rank: int, world: int, workdir: str, seed: int) -> None:
         results["_close"] = _close(world, rank)
         results["_moe"] = _moe_round(world, rank, seed)
         results["_refusals"] = _refusals(world, rank)
-        torch.save(results, root / f"rank{rank}.pt")
+        save_rank_results(results, root, rank)
 
 
 def run_deepep_ranks(cases: list[Case], world: int, workdir: Path, seed: int) -> list[dict]:
     """Every case on ``world`` spawned gloo ranks; returns each rank's results dict."""
     torch.save(cases, workdir / "cases.pt")
-    mp.spawn(_rank_main, args=(world, str(workdir), seed), nprocs=world, join=True)
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return spawn_for_results(_rank_main, (world, str(workdir), seed), world, workdir)

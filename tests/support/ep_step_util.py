@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from deepep_util import MAX_TOKENS, make_deepep
-from dispatch_util import NUM_EXPERTS, TOPK, Case, flat_round, gloo_rank
+from dispatch_util import (
+    NUM_EXPERTS,
+    TOPK,
+    Case,
+    flat_round,
+    gloo_rank,
+    save_rank_results,
+    spawn_for_results,
+)
 
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher
@@ -141,12 +148,11 @@ def _rank_main(rank: int, world: int, workdir: str, steps: list[int]) -> None:
         results["_graph_style"] = _graph_style(cases[0], world, rank, steps)
         modes = ("normal", "low_latency", "auto")
         results["_graph_safe"] = {m: make_deepep(world, rank, m, 128).graph_safe for m in modes}
-        torch.save(results, root / f"rank{rank}.pt")
+        save_rank_results(results, root, rank)
 
 
 def run_step_ranks(cases: list[Case], world: int, workdir: Path, steps: list[int]) -> list[dict]:
     """Every case metered on ``world`` spawned gloo ranks, and the graph-style steps of the
     first case (``steps``: real token counts); returns each rank's results."""
     torch.save(cases, workdir / "cases.pt")
-    mp.spawn(_rank_main, args=(world, str(workdir), steps), nprocs=world, join=True)
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return spawn_for_results(_rank_main, (world, str(workdir), steps), world, workdir)
