@@ -303,6 +303,7 @@ def _small_decode(spans: list[SeqSpan]) -> _SmallDecode | None:
     paged = _batch_pages(spans)
     if paged is None:
         return None
+    _check_slot_lists(spans)  # as the general path checks them
     size, tables = paged
     b = _SmallDecode(size)
     for i, (s, table) in enumerate(zip(spans, tables, strict=True)):

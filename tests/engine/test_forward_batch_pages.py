@@ -163,6 +163,8 @@ def test_span_needs_one_cache_description_and_enough_pages() -> None:
         SeqSpan([1], 16, page_table=[3], page_size=16)
     with pytest.raises(ValueError, match="needs 3 kv slots"):
         ForwardBatch.build([SeqSpan([1], 2, [0, 1])], "cpu")
+    with pytest.raises(ValueError, match="needs 3 kv slots"):  # the small decode path too
+        ForwardBatch.build([SeqSpan.from_pages([5], 20, [3, 9], 16), SeqSpan([0], 2, [112])], "cpu")
 
 
 def test_group_wire_round_trips_paged_and_slot_spans() -> None:
