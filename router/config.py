@@ -185,7 +185,19 @@ class RouterSettings(BaseModel):
         description="with every prefill replica down (failed, not answering since), wait "
         "this long for one to come back (e.g. restarted by Serve), then 503",
     )
-    reserve_wait_s: float = Field(5.0, ge=0, description="wait for decode KV room, then 429")
+    reserve_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="a request waiting for decode KV room gets a 429 once no room has been "
+        "freed for this long (no decode stream ended on a decode replica it asked, nor at "
+        "this router): the decode side is stuck, not busy; while streams end it waits on",
+    )
+    reserve_max_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="the longest a request waits for decode KV room in all, however much "
+        "room is being freed meanwhile; then 429",
+    )
     max_decode_migrations: int = Field(
         1,
         ge=0,

@@ -130,6 +130,7 @@ class EngineHost(HostReports):
         self.overlap_off = self._overlap_off()
         self.autoscale = AutoscaleStats()
         self.cancelled_prefills = 0  # prefill tries cancelled while they ran (WorkerStats)
+        self.ended_decodes = 0  # decode streams ended here, any way: the KV room they freed
         if cfg.role == "prefill" and self.overlap_off is None:
             self.engine.on_pages_dropped(self.staging.ranges.drop)
         elif cfg.role == "prefill":
@@ -311,7 +312,7 @@ class EngineHost(HostReports):
 
         res, rank = await self.aengine.read(reserve_here)
         if res is None:
-            return ReserveResult(ok=False)
+            return ReserveResult(ok=False, ended=self.ended_decodes)
         self.intake.hold(msg.request_id, res, msg.lease_s)
         self._start_reaper()  # a reservation no decode ever takes over expires with its lease
         return ReserveResult(
@@ -332,7 +333,17 @@ class EngineHost(HostReports):
     def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Pull the KV into the reservation, then stream every output token."""
         self._require("decode")
-        return _unless_dead(msg.request.request_id, self._decode(msg))
+        return _unless_dead(msg.request.request_id, self._counted_decode(msg))
+
+    async def _counted_decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
+        """:meth:`_decode`, counted in ``ended_decodes`` when it ends (what a full
+        replica's refusal reports: a router waits for room while this grows)."""
+        try:
+            async with aclosing(self._decode(msg)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.ended_decodes += 1
 
     async def _decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         self._start_reaper()

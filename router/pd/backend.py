@@ -3,7 +3,8 @@
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
 1. reserve pages on a decode (replica, DP rank) chosen by policy (``router.routing.rank_routing``);
-   no room anywhere within ``reserve_wait_s`` is a 429; every replica failing waits for
+   no room freed anywhere for ``reserve_wait_s`` (or none found within
+   ``reserve_max_wait_s``) is a 429; every replica failing waits for
    one to come back (``decode_migration_wait_s``), then 503. The decode replica locks the
    prompt's prefix its own cache holds and reserves pages for the rest only; the prefill
    side is told to stage only those (``skip_pages``);
@@ -55,7 +56,7 @@ from router.pd.replica_calls import (
     lost_on_503,
     progress_of,
 )
-from router.pd.room_signal import RESERVE_RETRY_S, RoomSignal, next_backoff
+from router.pd.room_signal import RESERVE_RETRY_S, RoomDeadline, RoomSignal, next_backoff
 from router.pd.seam import SeamTokenizer
 from router.routing.policy import ReplicaSet
 from router.routing.rank_routing import PDTargets, Target
@@ -179,21 +180,22 @@ class PDBackend:
             lease_s=self.lease_s,
             prompt_ids=req.prompt_ids,
         )
-        deadline = time.monotonic() + self.settings.reserve_wait_s
+        deadline = RoomDeadline(self.settings.reserve_wait_s, self.settings.reserve_max_wait_s)
         self.metrics.waiting_for_kv.inc()
         try:
             return await self._reserve_until(msg, deadline)
         finally:
             self.metrics.waiting_for_kv.dec()
 
-    async def _reserve_until(self, msg: ReserveRequest, deadline: float) -> tuple[int, int, int]:
-        """Full replicas are retried until ``deadline`` (then 429), each retry when this
-        router ends a request or after a back-off (``router.pd.room_signal``); when every replica
-        failed (dead, or its engine died) it is a 503 at once, not a wait for room. A
-        replica is asked once per round (a full one fell back to its other ranks). When
-        every replica failed (dead, or its engine died) they are marked down and the
-        reservation waits for one to come back, as a migration does, at most
-        ``decode_migration_wait_s`` in all; then it is a 503."""
+    async def _reserve_until(
+        self, msg: ReserveRequest, deadline: RoomDeadline
+    ) -> tuple[int, int, int]:
+        """Full replicas are retried while room is being freed (``deadline``, then 429),
+        each retry when this router ends a request or after a back-off
+        (``router.pd.room_signal``). A replica is asked once per round (a full one fell
+        back to its other ranks). When every replica failed (dead, or its engine died)
+        they are marked down and the reservation waits for one to come back, as a
+        migration does, at most ``decode_migration_wait_s`` in all; then it is a 503."""
         wait_until: float | None = None
         delay = RESERVE_RETRY_S
         while True:
@@ -220,6 +222,7 @@ class PDBackend:
                 if reserved.ok:  # the caller releases this rank when the request ends
                     self.decode_ranks.acquire(d, reserved.dp_rank)
                     return d, reserved.dp_rank, reserved.cached_pages
+                deadline.saw(d, reserved.ended)
             if len(failures) == len(self.decode.members()):
                 wait_until = wait_until or time.monotonic() + self.settings.decode_migration_wait_s
                 if await self.decode_health.wait_any_up(wait_until - time.monotonic()):
@@ -228,10 +231,12 @@ class PDBackend:
                     "no decode replica answered within router.decode_migration_wait_s: "
                     + "; ".join(failures)
                 )
-            left = deadline - time.monotonic()
+            left = deadline.left()
             if left <= 0:
-                raise BackendOverloaded("no decode replica has KV cache room; retry later")
-            if not await self.room.wait(min(delay, left)):
+                raise BackendOverloaded(deadline.refusal())
+            if await self.room.wait(min(delay, left)):
+                deadline.progress()  # a request ended here: its room went back
+            else:
                 delay = next_backoff(delay)  # woken by nothing: room may free elsewhere
 
     async def _prefill(

@@ -9,11 +9,19 @@ wakes it, when this router ends a request (the room it held goes back), oldest w
 first and one per ended request; or until its back-off runs out (room that another
 router's requests freed), the back-off doubling from ``RESERVE_RETRY_S`` to
 ``RESERVE_RETRY_MAX_S``.
+
+How long it waits is :class:`RoomDeadline`'s: a waiter is refused (429) only once no room
+has been freed for ``router.reserve_wait_s`` (a decode replica it asked reports no more
+ended streams than before, and no request ended at this router), or past
+``router.reserve_max_wait_s`` in all. A busy decode side keeps its waiters; a stuck one
+refuses them. Before, the wait was a fixed 5 s from the first ask, so a burst that the
+decode side would have served a few seconds later got 429s after 5-18 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 RESERVE_RETRY_S = 0.05
@@ -61,3 +69,49 @@ class RoomSignal:
     def _drop_done(self) -> None:
         while self._waiters and self._waiters[0].done():
             self._waiters.popleft()
+
+
+class RoomDeadline:
+    """When a reservation waiting for KV room gives up: ``idle_s`` after the last sign of
+    room being freed, and never later than ``max_s`` after it started.
+
+    Signs of progress: a decode replica's refusal reports more ended streams
+    (``ReserveResult.ended``) than the last refusal from it that this waiter saw, or this
+    router ended a request (:meth:`progress`). The first refusal from a replica only sets
+    its baseline.
+    """
+
+    def __init__(self, idle_s: float, max_s: float) -> None:
+        now = time.monotonic()
+        self._idle_s = idle_s
+        self._hard = now + max_s
+        self._until = min(now + idle_s, self._hard)
+        self._ended: dict[int, int] = {}
+        self.progressed = 0  # signs of progress seen (for tests and logs)
+
+    def saw(self, replica: int, ended: int) -> None:
+        """A refusal from ``replica`` reporting ``ended`` streams ended there so far."""
+        last = self._ended.get(replica)
+        self._ended[replica] = ended
+        if last is not None and ended > last:
+            self.progress()
+
+    def progress(self) -> None:
+        """Room was freed: the idle time-out starts again (up to the hard limit)."""
+        self.progressed += 1
+        self._until = min(time.monotonic() + self._idle_s, self._hard)
+
+    def left(self) -> float:
+        """Seconds until the waiter gives up (0 or less: now)."""
+        return self._until - time.monotonic()
+
+    def refusal(self) -> str:
+        """The 429's message: why the wait ended."""
+        if time.monotonic() >= self._hard:
+            return (
+                "no decode replica had KV cache room within router.reserve_max_wait_s; retry later"
+            )
+        return (
+            "no decode replica has KV cache room, and none was freed within "
+            "router.reserve_wait_s; retry later"
+        )

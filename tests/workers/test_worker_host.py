@@ -100,6 +100,24 @@ def test_decode_after_released_kv_fails_cleanly_and_frees_the_reservation(
     assert holds_nothing(decode.stats()) and holds_nothing(prefill.stats())
 
 
+def test_a_full_decode_side_reports_the_streams_it_ended(hosts: dict[str, EngineHost]) -> None:
+    """A refusal carries how many decode streams ended here: a router waiting for KV room
+    waits on while it grows (router/pd/room_signal.RoomDeadline)."""
+    decode = hosts["decode"]
+    too_big = ReserveRequest(request_id="big", num_tokens=4096, lease_s=5)  # pool: 1024
+
+    async def run() -> tuple[int, int]:
+        before = (await decode.reserve(too_big)).ended
+        await pd_generate(hosts, "ends")
+        refused = await decode.reserve(too_big)
+        assert not refused.ok
+        return before, refused.ended
+
+    before, after = asyncio.run(run())
+    assert after == before + 1
+    assert holds_nothing(decode.stats())
+
+
 def test_cancelled_prefill_frees_its_pages(hosts: dict[str, EngineHost]) -> None:
     prefill = hosts["prefill"]
 
