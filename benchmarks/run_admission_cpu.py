@@ -11,6 +11,7 @@ Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR [QUEUED]``."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import sys
@@ -114,6 +115,7 @@ def main(out: Path, queued: int = QUEUED) -> None:
         serve.shutdown()
         ray.shutdown()
     report = {
+        "host_cpus": os.cpu_count(),
         "streams": STREAMS,
         "routers": cfg.router.num_replicas,
         "max_in_flight_per_router": cfg.router.max_in_flight,
