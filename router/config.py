@@ -188,9 +188,10 @@ class RouterSettings(BaseModel):
     reserve_wait_s: float = Field(
         5.0,
         ge=0,
-        description="a request waiting for decode KV room gets a 429 once no room has been "
-        "freed for this long (no decode stream ended on a decode replica it asked, nor at "
-        "this router): the decode side is stuck, not busy; while streams end it waits on",
+        description="a request waiting for decode KV room gets a 429 once the decode side "
+        "made no progress for this long (no engine step or ended stream on a decode replica "
+        "it asked, no request ended at this router): stuck, not busy; while it steps the "
+        "request waits on (router/pd/room_signal.py)",
     )
     reserve_max_wait_s: float = Field(
         300.0,

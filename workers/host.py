@@ -312,12 +312,18 @@ class EngineHost(HostReports):
 
         res, rank = await self.aengine.read(reserve_here)
         if res is None:
-            return ReserveResult(ok=False, ended=self.ended_decodes)
+            return ReserveResult(ok=False, progress=self.room_progress)
         self.intake.hold(msg.request_id, res, msg.lease_s)
         self._start_reaper()  # a reservation no decode ever takes over expires with its lease
         return ReserveResult(
             ok=True, num_pages=len(res.pages), cached_pages=res.num_cached_pages, dp_rank=rank
         )
+
+    @property
+    def room_progress(self) -> int:
+        """Grows while this replica frees KV room or works towards it: its engine's steps
+        plus the decode streams it ended (what a refusal reports)."""
+        return self.aengine.steps_done + self.ended_decodes
 
     def cancel_reservation(self, request_id: str) -> None:
         """Give back a reservation that will not be used. Idempotent."""
@@ -336,8 +342,8 @@ class EngineHost(HostReports):
         return _unless_dead(msg.request.request_id, self._counted_decode(msg))
 
     async def _counted_decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
-        """:meth:`_decode`, counted in ``ended_decodes`` when it ends (what a full
-        replica's refusal reports: a router waits for room while this grows)."""
+        """:meth:`_decode`, counted in ``ended_decodes`` when it ends (part of what a full
+        replica's refusal reports: :attr:`room_progress`)."""
         try:
             async with aclosing(self._decode(msg)) as chunks:
                 async for chunk in chunks:

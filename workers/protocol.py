@@ -208,15 +208,16 @@ class ReserveRequest(_Msg):
 class ReserveResult(_Msg):
     """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages this side's
     prefix cache holds already (the prefill side stages none of them), on DP rank
-    ``dp_rank`` (0 without DP attention). A refusal (``ok`` False) reports ``ended``: how
-    many decode streams this replica has ended since it started, so a router waiting for
-    room sees whether room is being freed (progress) or not."""
+    ``dp_rank`` (0 without DP attention). A refusal (``ok`` False) reports ``progress``: a
+    count that grows while this replica frees KV room or works towards it (its engine's
+    steps plus the decode streams it has ended), so a router waiting for room tells a busy
+    replica from a stuck one."""
 
     ok: bool
     num_pages: int = 0
     cached_pages: int = 0
     dp_rank: int = Field(0, ge=0)
-    ended: int = Field(0, ge=0)
+    progress: int = Field(0, ge=0)
 
 
 class Caller(_Msg):

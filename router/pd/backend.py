@@ -222,7 +222,7 @@ class PDBackend:
                 if reserved.ok:  # the caller releases this rank when the request ends
                     self.decode_ranks.acquire(d, reserved.dp_rank)
                     return d, reserved.dp_rank, reserved.cached_pages
-                deadline.saw(d, reserved.ended)
+                deadline.saw(d, reserved.progress)
             if len(failures) == len(self.decode.members()):
                 wait_until = wait_until or time.monotonic() + self.settings.decode_migration_wait_s
                 if await self.decode_health.wait_any_up(wait_until - time.monotonic()):

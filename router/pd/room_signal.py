@@ -10,11 +10,12 @@ first and one per ended request; or until its back-off runs out (room that anoth
 router's requests freed), the back-off doubling from ``RESERVE_RETRY_S`` to
 ``RESERVE_RETRY_MAX_S``.
 
-How long it waits is :class:`RoomDeadline`'s: a waiter is refused (429) only once no room
-has been freed for ``router.reserve_wait_s`` (a decode replica it asked reports no more
-ended streams than before, and no request ended at this router), or past
-``router.reserve_max_wait_s`` in all. A busy decode side keeps its waiters; a stuck one
-refuses them. Before, the wait was a fixed 5 s from the first ask, so a burst that the
+How long it waits is :class:`RoomDeadline`'s: a waiter is refused (429) only once the
+decode side has made no progress for ``router.reserve_wait_s`` (no decode replica it asked
+reports engine steps or ended streams since its last refusal, and no request ended at
+this router), or past ``router.reserve_max_wait_s`` in all. A busy decode side keeps its
+waiters (its running streams are bounded by their ``max_tokens``, so room will free); a
+stuck one refuses them. Before, the wait was a fixed 5 s from the first ask, so a burst that the
 decode side would have served a few seconds later got 429s after 5-18 s.
 """
 
@@ -75,10 +76,10 @@ class RoomDeadline:
     """When a reservation waiting for KV room gives up: ``idle_s`` after the last sign of
     room being freed, and never later than ``max_s`` after it started.
 
-    Signs of progress: a decode replica's refusal reports more ended streams
-    (``ReserveResult.ended``) than the last refusal from it that this waiter saw, or this
-    router ended a request (:meth:`progress`). The first refusal from a replica only sets
-    its baseline.
+    Signs of progress: a decode replica's refusal reports a higher ``ReserveResult.progress``
+    (its engine's steps plus its ended streams) than the last refusal from it that this
+    waiter saw, or this router ended a request (:meth:`progress`). The first refusal from
+    a replica only sets its baseline.
     """
 
     def __init__(self, idle_s: float, max_s: float) -> None:
@@ -86,14 +87,14 @@ class RoomDeadline:
         self._idle_s = idle_s
         self._hard = now + max_s
         self._until = min(now + idle_s, self._hard)
-        self._ended: dict[int, int] = {}
+        self._seen: dict[int, int] = {}
         self.progressed = 0  # signs of progress seen (for tests and logs)
 
-    def saw(self, replica: int, ended: int) -> None:
-        """A refusal from ``replica`` reporting ``ended`` streams ended there so far."""
-        last = self._ended.get(replica)
-        self._ended[replica] = ended
-        if last is not None and ended > last:
+    def saw(self, replica: int, progress: int) -> None:
+        """A refusal from ``replica`` reporting its ``progress`` count."""
+        last = self._seen.get(replica)
+        self._seen[replica] = progress
+        if last is not None and progress > last:
             self.progress()
 
     def progress(self) -> None:
@@ -112,6 +113,6 @@ class RoomDeadline:
                 "no decode replica had KV cache room within router.reserve_max_wait_s; retry later"
             )
         return (
-            "no decode replica has KV cache room, and none was freed within "
-            "router.reserve_wait_s; retry later"
+            "no decode replica has KV cache room, and none made progress (ran a step or "
+            "ended a stream) within router.reserve_wait_s; retry later"
         )

@@ -81,11 +81,11 @@ class FakeRemote:
 
 class FakeDecodeReplica:
     """A decode replica full for its first ``full_asks`` reserve calls, then with room;
-    each refusal reports ``ended`` streams, growing by ``ended_per_ask`` per call (0: a
-    stuck replica, whose streams do not end)."""
+    each refusal reports a ``progress`` count growing by ``progress_per_ask`` per call
+    (0: a stuck replica, which neither steps nor ends streams)."""
 
-    def __init__(self, full_asks: int, ended_per_ask: int) -> None:
-        self.full_asks, self.ended_per_ask = full_asks, ended_per_ask
+    def __init__(self, full_asks: int, progress_per_ask: int) -> None:
+        self.full_asks, self.progress_per_ask = full_asks, progress_per_ask
         self.asks = 0
         self.reserve = FakeRemote(self._reserve)
         self.cancel_reservation = FakeRemote(self._cancel)
@@ -94,7 +94,7 @@ class FakeDecodeReplica:
         parse(ReserveRequest, data)
         self.asks += 1
         if self.asks <= self.full_asks:
-            return encode(ReserveResult(ok=False, ended=self.asks * self.ended_per_ask))
+            return encode(ReserveResult(ok=False, progress=self.asks * self.progress_per_ask))
         return encode(ReserveResult(ok=True, num_pages=1))
 
     async def _cancel(self, request_id: str) -> None:
@@ -119,21 +119,21 @@ def reserve(replica: FakeDecodeReplica, max_wait_s: float = 60.0) -> tuple[int, 
 
 def test_a_busy_decode_replica_keeps_its_waiters_past_reserve_wait_s() -> None:
     """Six refusals take 0.05 + 0.1 + 0.2 + 0.4 + 0.4 s of back-off, longer than
-    reserve_wait_s; the replica's streams end all along, so the request waits and gets
+    reserve_wait_s; the replica steps and ends streams all along, so the request waits and gets
     its room (before: 429 after reserve_wait_s from the first ask)."""
-    replica = FakeDecodeReplica(full_asks=6, ended_per_ask=2)
+    replica = FakeDecodeReplica(full_asks=6, progress_per_ask=2)
     assert reserve(replica) == (0, 0, 0)
     assert replica.asks == 7
 
 
 def test_a_stuck_decode_replica_refuses_after_reserve_wait_s() -> None:
-    replica = FakeDecodeReplica(full_asks=1000, ended_per_ask=0)
-    with pytest.raises(BackendOverloaded, match="none was freed within router.reserve_wait_s"):
+    replica = FakeDecodeReplica(full_asks=1000, progress_per_ask=0)
+    with pytest.raises(BackendOverloaded, match="none made progress"):
         reserve(replica)
     assert 2 <= replica.asks < 1000
 
 
 def test_the_hard_limit_refuses_a_waiter_while_room_is_still_being_freed() -> None:
-    replica = FakeDecodeReplica(full_asks=1000, ended_per_ask=1)
+    replica = FakeDecodeReplica(full_asks=1000, progress_per_ask=1)
     with pytest.raises(BackendOverloaded, match="reserve_max_wait_s"):
         reserve(replica, max_wait_s=0.6)

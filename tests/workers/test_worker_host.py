@@ -100,21 +100,21 @@ def test_decode_after_released_kv_fails_cleanly_and_frees_the_reservation(
     assert holds_nothing(decode.stats()) and holds_nothing(prefill.stats())
 
 
-def test_a_full_decode_side_reports_the_streams_it_ended(hosts: dict[str, EngineHost]) -> None:
-    """A refusal carries how many decode streams ended here: a router waiting for KV room
-    waits on while it grows (router/pd/room_signal.RoomDeadline)."""
+def test_a_full_decode_side_reports_its_progress(hosts: dict[str, EngineHost]) -> None:
+    """A refusal carries the decode side's progress (engine steps plus ended streams): a
+    router waiting for KV room waits on while it grows (router/pd/room_signal.RoomDeadline)."""
     decode = hosts["decode"]
     too_big = ReserveRequest(request_id="big", num_tokens=4096, lease_s=5)  # pool: 1024
 
     async def run() -> tuple[int, int]:
-        before = (await decode.reserve(too_big)).ended
-        await pd_generate(hosts, "ends")
+        before = (await decode.reserve(too_big)).progress
+        chunks = await pd_generate(hosts, "ends")
         refused = await decode.reserve(too_big)
         assert not refused.ok
-        return before, refused.ended
+        return before, refused.progress, sum(len(c.token_ids) for c in chunks)
 
-    before, after = asyncio.run(run())
-    assert after == before + 1
+    before, after, tokens = asyncio.run(run())
+    assert after >= before + tokens  # a step per decoded token after the first, and the end
     assert holds_nothing(decode.stats())
 
 
