@@ -24,6 +24,7 @@ from ray import serve
 
 from dsv3serve.bench.serve.config import BenchServeConfig
 from dsv3serve.bench.serve.run import run_bench_serve
+from router.api.admission import admission_limit
 from router.app import bind_app
 from router.config import ServingConfig
 from router.launch import load_deploy_file, use_proxy_middleware
@@ -90,7 +91,7 @@ def main(out: Path, queued: int = QUEUED) -> None:
     args["router"] |= {"metrics_port": metrics_port, "max_queued_requests": queued}
     cfg = ServingConfig.parse(args)
     urls = [f"http://127.0.0.1:{metrics_port + k}/metrics" for k in range(cfg.router.num_replicas)]
-    use_proxy_middleware()  # as `dsv3serve serve` does: OpenAI bodies on the proxy's 429s
+    use_proxy_middleware(admission_limit([cfg.router]))  # as `dsv3serve serve` does
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})

@@ -13,6 +13,8 @@ from typing import NoReturn
 import yaml
 
 from dsv3serve.json_types import JSONObject
+from router.api.admission import admission_limit
+from router.api.proxy_admission import PROXY_ADMISSION_ENV
 from router.api.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from router.config import ConfigError, ServingConfig
 from router.launch_stop import graceful_bound_s, start_drain_board, stop_and_exit
@@ -109,11 +111,17 @@ def use_loopback_ray() -> None:
     os.environ.update(LOOPBACK_RAY_ENV)
 
 
-def use_proxy_middleware() -> None:
-    """Have Serve's HTTP proxy end cut event streams with an error event
-    (``router/api/proxy_middleware.py``). Call before ``ray.init`` starts the local cluster:
-    the raylet inherits this process's environment, and the proxy actor the raylet's."""
+def use_proxy_middleware(admission: int | None = None) -> None:
+    """Have Serve's HTTP proxy run our middlewares (``router/api/proxy_middleware.py``):
+    cut event streams end with an error event, and with ``admission`` (a budget from
+    :func:`~router.api.admission.admission_limit`) the door refuses past it at once. Call
+    before ``ray.init`` starts the local cluster: the raylet inherits this process's
+    environment, and the proxy actor the raylet's."""
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    if admission is None:
+        os.environ.pop(PROXY_ADMISSION_ENV, None)
+    else:
+        os.environ[PROXY_ADMISSION_ENV] = str(admission)
 
 
 def _check_loopback_node() -> None:
@@ -138,12 +146,13 @@ def http_options(data: JSONObject, port: int | None = None) -> JSONObject:
     return options
 
 
-def init_local_ray() -> None:
+def init_local_ray(admission: int | None = None) -> None:
     """Start a local Ray cluster with every Ray port (GCS, raylet, workers, agents) on
-    loopback, no dashboard, and our proxy middleware (``use_proxy_middleware``); raises
-    RuntimeError when it could not be kept on loopback."""
+    loopback, no dashboard, and our proxy middleware (``use_proxy_middleware``, with the
+    door's budget ``admission``); raises RuntimeError when it could not be kept on
+    loopback."""
     use_loopback_ray()
-    use_proxy_middleware()
+    use_proxy_middleware(admission)
     import ray
 
     ray.init(
@@ -159,7 +168,8 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
     """Start a local Ray cluster (``init_local_ray``), HTTP (on loopback unless the file
     names a host), gRPC when the file has ``grpc_options``, and every app; returns the
     HTTP URL."""
-    init_local_ray()
+    configs = [ServingConfig.parse(app.get("args") or {}) for app in data["applications"]]
+    init_local_ray(admission_limit(cfg.router for cfg in configs))
     from ray import serve
 
     from router.app import build_app
@@ -168,8 +178,7 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
     start_drain_board()
     serve.start(http_options=http, grpc_options=grpc_options(data, grpc_port))
     autoscaled = []
-    for app in data["applications"]:
-        cfg = ServingConfig.parse(app.get("args") or {})
+    for app, cfg in zip(data["applications"], configs, strict=True):
         if cfg.slo is not None:
             autoscaled.append(app)
             continue

@@ -14,6 +14,12 @@ not come through the proxy.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the proxy imports this module: no config (engine) imports at run time
+    from router.config import RouterSettings
+
 REFUSAL_RETRY_AFTER_S = 1.0  # the proxy's Retry-After on a 429
 
 
@@ -22,6 +28,19 @@ def router_max_ongoing(max_in_flight: int) -> int:
     ``max_in_flight``: the budget itself (health, model and metrics calls count too, so
     a full router's generation requests never exceed it)."""
     return max_in_flight
+
+
+def admission_limit(routers: Iterable[RouterSettings]) -> int | None:
+    """The budget of the proxy's door (:class:`~router.api.proxy_admission.ProxyAdmission`)
+    for apps with these router settings: each app's routers' ``max_in_flight`` and its
+    ``max_queued_requests``, summed. None when an app sets no queue limit
+    (``max_queued_requests`` -1): then the door counts nothing."""
+    total = 0
+    for router in routers:
+        if router.max_queued_requests < 0:
+            return None
+        total += router.num_replicas * router.max_in_flight + router.max_queued_requests
+    return total
 
 
 class Slot:

@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.api.errors import INTERNAL_ERROR, error_body
 from router.api.http_middleware import HTTPMiddleware
+from router.api.proxy_admission import ProxyAdmission
 from router.api.proxy_refusals import RefusalBody
 from router.api.sse import DONE, sse_event
 
@@ -48,9 +49,10 @@ logger = logging.getLogger(__name__)
 
 def proxy_middlewares() -> list[Middleware]:
     """The callback Serve's proxy calls (via :data:`PROXY_CALLBACK_ENV`) for its middlewares:
-    cut streams end in-band, and the proxy's own refusals get OpenAI bodies
-    (:class:`~router.api.proxy_refusals.RefusalBody`)."""
-    return [Middleware(StreamEndGuard), Middleware(RefusalBody)]
+    the exact admission budget at the door (:class:`~router.api.proxy_admission.ProxyAdmission`,
+    outermost: a refusal costs nothing else), cut streams end in-band, and the proxy's own
+    refusals get OpenAI bodies (:class:`~router.api.proxy_refusals.RefusalBody`)."""
+    return [Middleware(ProxyAdmission), Middleware(StreamEndGuard), Middleware(RefusalBody)]
 
 
 def stream_cut_events() -> bytes:

@@ -39,6 +39,8 @@ from plan_util import plan_published
 from ray.serve.schema import ServeDeploySchema
 
 from dsv3serve.engine.config import PARALLEL_FIELDS, EngineConfig
+from router.api.admission import admission_limit
+from router.api.proxy_admission import PROXY_ADMISSION_ENV
 from router.config import RouterSettings, ServingConfig
 
 K8S_VERSIONS = ("1.27.0", latest_version())  # the chart's kubeVersion floor, and the newest
@@ -207,6 +209,20 @@ def test_cache_volume_mounts_on_workers_only() -> None:
     for template in pod_templates(plain).values():
         assert "cache" not in {v["name"] for v in template["spec"]["volumes"]}
         assert "DSV3SERVE_CACHE" not in env_of(template)
+
+
+@layouts
+def test_the_proxys_door_holds_the_apps_admission_budget(layout: str) -> None:
+    """The head pod (Serve's proxy) gets router.num_replicas x max_in_flight +
+    max_queued_requests as the door's budget (router/api/proxy_admission.py); with no
+    queue limit it gets none."""
+    head = pod_templates(rayservice(LAYOUTS[layout]))["head"]
+    budget = admission_limit([serving(layout).router])
+    assert env_of(head)[PROXY_ADMISSION_ENV]["value"] == str(budget)
+    values = copy.deepcopy(LAYOUTS[layout])
+    values.setdefault("router", {})["max_queued_requests"] = -1
+    head = pod_templates(rayservice(values))["head"]
+    assert PROXY_ADMISSION_ENV not in env_of(head)
 
 
 def serving(layout: str) -> ServingConfig:

@@ -23,11 +23,18 @@
 
 {{/* The router's API key is the head's alone, and so is Serve's HTTP proxy (HeadOnly): its
 middleware (router/api/proxy_middleware.py) ends a stream cut by a router replica's death with an
-error event. */}}
+error event, and refuses past the admission budget at the door (router/api/proxy_admission.py:
+router.num_replicas x max_in_flight + max_queued_requests). */}}
 {{- define "dsv3serve.headEnv" -}}
 {{- include "dsv3serve.rayAuthEnv" . }}
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: router.api.proxy_middleware:proxy_middlewares
+{{- $queued := int (dig "max_queued_requests" 1024 .Values.router) }}
+{{- if ge $queued 0 }}
+{{- $routers := int (include "dsv3serve.routerReplicas" .) }}
+- name: DSV3SERVE_PROXY_ADMISSION_LIMIT
+  value: {{ add (mul $routers (int (dig "max_in_flight" 256 .Values.router))) $queued | quote }}
+{{- end }}
 {{- if .Values.apiKey.enabled }}
 - name: DSV3SERVE_API_KEY
   valueFrom:

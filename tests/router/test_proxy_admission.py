@@ -1,0 +1,127 @@
+"""router/api/proxy_admission.py: the door's exact budget in Serve's proxy, played with a
+stand-in for the proxy's inner app (``HeldProxyApp``: it holds each request until the test
+lets it go, as a router replica streaming a completion would). The budget's sum over apps
+is ``router.api.admission.admission_limit``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.types import Message, Receive, Scope, Send
+
+from router.api.admission import admission_limit
+from router.api.proxy_admission import PROXY_ADMISSION_ENV, ProxyAdmission, limit_from_env
+from router.api.proxy_middleware import proxy_middlewares
+from router.config import RouterSettings
+from router.launch import use_proxy_middleware
+
+CHAT = "/v1/chat/completions"
+
+
+class HeldProxyApp:
+    """Answers 200 to each request once ``release`` is set; counts the calls it got."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.calls += 1
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+async def call(door: ProxyAdmission, path: str = CHAT, method: str = "POST") -> list[Message]:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    await door({"type": "http", "method": method, "path": path}, receive, send)
+    return sent
+
+
+def status(sent: list[Message]) -> int:
+    return sent[0]["status"]
+
+
+def test_past_the_budget_the_door_refuses_at_once_with_an_openai_429() -> None:
+    async def run() -> tuple[list[list[Message]], list[Message], list[Message], int]:
+        inner = HeldProxyApp()
+        door = ProxyAdmission(inner, limit=2)
+        held = [asyncio.create_task(call(door)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert door.in_flight == 2
+        refused = await asyncio.wait_for(call(door), 30)  # while the two are still held
+        models = asyncio.create_task(call(door, "/v1/models", "GET"))  # not counted
+        await asyncio.sleep(0)
+        assert inner.calls == 3  # the two held and the models call: never the refused one
+        inner.release.set()
+        done = [await task for task in held]
+        after = await call(door)  # the budget is free again
+        await models
+        return done, refused, after, door.in_flight
+
+    done, refused, after, in_flight = asyncio.run(run())
+    assert [status(sent) for sent in done] == [200, 200] and status(after) == 200
+    assert status(refused) == 429 and in_flight == 0
+    headers = {bytes(k).lower(): bytes(v) for k, v in refused[0]["headers"]}
+    assert headers[b"retry-after"] == b"1"
+    assert headers[b"content-type"] == b"application/json"
+    error = json.loads(refused[1]["body"])["error"]
+    assert error["code"] == "rate_limit_exceeded" and "capacity" in error["message"]
+
+
+def test_a_request_that_raises_gives_its_place_back() -> None:
+    async def failing(scope: Scope, receive: Receive, send: Send) -> None:
+        raise RuntimeError("the inner app failed")
+
+    async def run() -> int:
+        door = ProxyAdmission(failing, limit=1)
+        for _ in range(3):
+            with pytest.raises(RuntimeError):
+                await call(door)
+        return door.in_flight
+
+    assert asyncio.run(run()) == 0
+
+
+def test_without_a_budget_the_door_counts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PROXY_ADMISSION_ENV, raising=False)
+    door = ProxyAdmission(HeldProxyApp())
+    assert door.limit is None
+
+
+def test_the_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PROXY_ADMISSION_ENV, "528")
+    assert ProxyAdmission(HeldProxyApp()).limit == 528
+    monkeypatch.setenv(PROXY_ADMISSION_ENV, "0")
+    with pytest.raises(ValueError, match="positive"):
+        limit_from_env()
+
+
+def test_the_budget_sums_every_apps_routers_and_queue() -> None:
+    one = RouterSettings(num_replicas=2, max_in_flight=256, max_queued_requests=16)
+    two = RouterSettings(num_replicas=1, max_in_flight=8, max_queued_requests=1024)
+    assert admission_limit([one]) == 528
+    assert admission_limit([one, two]) == 528 + 1032
+    unlimited = RouterSettings(max_queued_requests=-1)
+    assert admission_limit([one, unlimited]) is None
+
+
+def test_the_door_is_the_proxys_outermost_middleware() -> None:
+    assert proxy_middlewares()[0].cls is ProxyAdmission
+
+
+def test_launch_sets_and_clears_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PROXY_ADMISSION_ENV, raising=False)
+    use_proxy_middleware(528)
+    assert limit_from_env() == 528
+    use_proxy_middleware()
+    assert limit_from_env() is None
