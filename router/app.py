@@ -24,11 +24,12 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from dsv3serve.metrics import Identity, Metrics
-from router.api.admission import REFUSAL_RETRY_AFTER_S, router_max_ongoing
+from router.api.admission import REFUSAL_RETRY_AFTER_S, router_max_ongoing, serve_queue_limit
 from router.api.auth import APIKeyAuth, unauthorized_response
 from router.api.grpc_api import GenerationService
 from router.api.grpc_api import Request as GrpcRequest
 from router.api.openai_api import APIConfig, OpenAIServer, new_app
+from router.api.proxy_admission import limit_from_env
 from router.autoscale.app import (
     MembershipWatch,
     running_replicas,
@@ -329,10 +330,12 @@ def serve_admission_options(router: RouterSettings) -> dict[str, Any]:
     """The router deployment's Serve options that make the proxy enforce the admission
     budget (``router.api.admission``): at most ``max_in_flight`` requests per router
     replica, ``max_queued_requests`` held while every one is full, the rest refused at
-    once with 429 and ``Retry-After``."""
+    once with 429 and ``Retry-After``. With the proxy's door counting
+    (``router.api.proxy_admission``), Serve's queue limit is only its backstop
+    (``serve_queue_limit``)."""
     return {
         "max_ongoing_requests": router_max_ongoing(router.max_in_flight),
-        "max_queued_requests": router.max_queued_requests,
+        "max_queued_requests": serve_queue_limit(router, limit_from_env() is not None),
         "backpressure_config": BackpressureConfig(
             status_code=429, retry_after_s=REFUSAL_RETRY_AFTER_S
         ),

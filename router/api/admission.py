@@ -43,6 +43,19 @@ def admission_limit(routers: Iterable[RouterSettings]) -> int | None:
     return total
 
 
+def serve_queue_limit(router: RouterSettings, door: bool) -> int:
+    """Serve's ``max_queued_requests`` for the router deployment: the app's queue when
+    Serve's proxy decides alone; with the door counting (``door``) the app's whole budget,
+    a loose backstop the door keeps HTTP traffic under (Serve counts a burst's requests as
+    queued while it places them, so its own limit at the queue size refuses most of a
+    burst: 551 of 600 where 72 were over, docs/perf/admission_two_routers_cpu.md). gRPC,
+    which the door does not see, is refused past that backstop."""
+    queued = router.max_queued_requests
+    if not door or queued < 0:
+        return queued
+    return router.num_replicas * router.max_in_flight + queued
+
+
 class Slot:
     """One admitted request; ``release`` is idempotent so every exit path may call it."""
 

@@ -11,7 +11,7 @@ import json
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from router.api.admission import admission_limit
+from router.api.admission import admission_limit, serve_queue_limit
 from router.api.proxy_admission import PROXY_ADMISSION_ENV, ProxyAdmission, limit_from_env
 from router.api.proxy_middleware import proxy_middlewares
 from router.config import RouterSettings
@@ -125,3 +125,11 @@ def test_launch_sets_and_clears_the_budget(monkeypatch: pytest.MonkeyPatch) -> N
     assert limit_from_env() == 528
     use_proxy_middleware()
     assert limit_from_env() is None
+
+
+def test_with_the_door_counting_serves_queue_is_only_a_backstop() -> None:
+    router = RouterSettings(num_replicas=2, max_in_flight=256, max_queued_requests=16)
+    assert serve_queue_limit(router, door=False) == 16
+    assert serve_queue_limit(router, door=True) == 528  # what the door lets through at most
+    unlimited = RouterSettings(max_queued_requests=-1)
+    assert serve_queue_limit(unlimited, door=True) == -1
