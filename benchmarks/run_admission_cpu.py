@@ -5,7 +5,10 @@ decode replica) through ``bench serve``, with Serve's proxy running our middlewa
 or the second argument) while both routers are full. Prints how many requests each
 router served and how long a 429 took, by kind: Serve's proxy refusing for full routers
 (``rate_limit_exceeded``, "at capacity") or no KV room on decode within
-``router.reserve_wait_s`` (a wait by design).
+``router.reserve_wait_s``. While the burst holds the whole budget, a probe thread then
+sends ``PROBES`` more requests one at a time and times each 429: the refusal of a full
+server, apart from the burst's own arrivals (whose last 429s queue behind the admitted
+requests the proxy handles first).
 Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR [QUEUED]``."""
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 import socket
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -32,6 +37,8 @@ from router.launch import load_deploy_file, use_proxy_middleware
 APP = "dsv3serve"
 STREAMS = 600
 QUEUED = 256  # the proxy's queue of the recorded runs; the second argument overrides it
+PROBES = 50
+PROBE_AFTER_S = 3.0  # the burst holds the budget by then (its streams run for seconds)
 
 
 def free_port() -> int:
@@ -85,6 +92,33 @@ def rejection_summary(record: dict[str, object]) -> dict[str, object]:
     }
 
 
+def probe_refusals(base_url: str, times: list[float]) -> None:
+    """After ``PROBE_AFTER_S``, ``PROBES`` chat requests one at a time; the seconds each
+    429 took go to ``times`` (an answer other than 429 is not timed)."""
+    time.sleep(PROBE_AFTER_S)
+    body = {
+        "model": "deepseek-v3-tiny",
+        "messages": [{"role": "user", "content": "probe"}],
+        "max_tokens": 4,
+    }
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for _ in range(PROBES):
+            start = time.perf_counter()
+            answer = client.post("/v1/chat/completions", json=body)
+            if answer.status_code == 429:
+                times.append(time.perf_counter() - start)
+
+
+def probe_summary(times: list[float]) -> dict[str, object]:
+    return {
+        "sent": PROBES,
+        "refused": len(times),
+        "p50_s": quantile(times, 0.5),
+        "p99_s": quantile(times, 0.99),
+        "max_s": max(times) if times else None,
+    }
+
+
 def main(out: Path, queued: int = QUEUED) -> None:
     args = load_deploy_file(Path("deploy/local-pd.yaml"))["applications"][0]["args"]
     metrics_port, http_port = free_port(), free_port()
@@ -108,7 +142,11 @@ def main(out: Path, queued: int = QUEUED) -> None:
             output_file=out / "admission_two_routers_cpu_bench.json",
         )
         before = [(router_answers(u), router_answers(u, "429")) for u in urls]
+        probes: list[float] = []
+        prober = threading.Thread(target=probe_refusals, args=(config.base_url, probes))
+        prober.start()
         (record,) = run_bench_serve(config)
+        prober.join()
         after = [(router_answers(u), router_answers(u, "429")) for u in urls]
         answered = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
         refused = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
@@ -125,6 +163,7 @@ def main(out: Path, queued: int = QUEUED) -> None:
         "answered_per_router": answered,
         "429_by_router_per_router": refused,
         "rejections": rejection_summary(record),
+        "probes_while_full": probe_summary(probes),
     }
     (out / "admission_two_routers_cpu.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -23,7 +23,7 @@ stage_admission() {
       > "$RES/admission_q$q/log.txt" 2>&1
     echo "admission q$q rc=$? ($(($(date +%s) - START)) s)"
     python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-    grep -A40 '"rejections"' "$RES/admission_q$q/admission_two_routers_cpu.json" 2>/dev/null | head -30
+    grep -A40 '"rejections"' "$RES/admission_q$q/admission_two_routers_cpu.json" 2>/dev/null | head -40
   done
 }
 stage_autoscale() {
