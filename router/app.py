@@ -31,10 +31,12 @@ from router.api.grpc_api import Request as GrpcRequest
 from router.api.openai_api import APIConfig, OpenAIServer, new_app
 from router.autoscale.app import (
     MembershipWatch,
+    choosable,
     running_replicas,
     worker_autoscaling,
     worker_count,
 )
+from router.autoscale.board import read_leaving
 from router.autoscale.metrics import AutoscaleMetrics
 from router.config import RoleGroup, RouterSettings, ServingConfig
 from router.drain import listen
@@ -197,7 +199,8 @@ class Router:
 
     def _follow_members(self, sets: dict[Role, ReplicaSet]) -> None:
         """Autoscaled: start with the deployments Serve starts (the first num_replicas of
-        each role) and follow Serve's running replicas from then on."""
+        each role) and follow Serve's running replicas, less those the policy marks
+        leaving, from then on."""
         slo = self.cfg.slo
         if slo is None:
             return
@@ -212,7 +215,9 @@ class Router:
         self._watch = asyncio.get_running_loop().create_task(watch.run())
 
     def _running(self) -> dict[str, int]:
-        return running_replicas(serve.get_replica_context().app_name)
+        """The worker deployments this router may choose: running and not leaving."""
+        app = serve.get_replica_context().app_name
+        return choosable(running_replicas(app), read_leaving(app))
 
     def _count(self, response: Response) -> Response:
         self.metrics.answered("http", response.status_code)

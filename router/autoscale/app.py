@@ -4,14 +4,15 @@ With ``slo`` set, each role gets ``max_replicas`` worker deployments (``prefill-
 each of 0 or 1 replica under an ``autoscaling_config``; Serve's controller calls the
 app-level policy :class:`router.autoscale.serve.PDAutoscaler` (``autoscaling_policy``,
 set in the deploy config: Ray 2.60 takes an application-level policy only there) and
-starts or stops them. The router follows which of them run (:class:`MembershipWatch`).
+starts or stops them. The router follows which of them run and which the policy has
+marked leaving (:class:`MembershipWatch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 from router.autoscale.metrics import AutoscaleMetrics
@@ -67,8 +68,17 @@ def autoscaling_policy(cfg: ServingConfig) -> dict[str, Any] | None:
             "itl_p99_s": cfg.slo.itl_p99_s,
             "bounds": {role: list(getattr(cfg, role).bounds()) for role in cfg.roles()},
             "cooldown_s": cfg.slo.cooldown_s,
+            "leave_delay_s": leave_delay_s(cfg.slo.membership_period_s),
+            "drain_timeout_s": cfg.slo.drain_timeout_s,
         },
     }
+
+
+def leave_delay_s(membership_period_s: float) -> float:
+    """How long the policy keeps a leaving deployment before Serve may stop it: two of the
+    routers' membership periods (a reading may have just been taken, and a read takes
+    time) and a second."""
+    return 2 * membership_period_s + 1.0
 
 
 def with_autoscaling_policy(app: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,9 +104,16 @@ def running_replicas(app_name: str) -> dict[str, int]:
     }
 
 
+def choosable(running: Mapping[str, int], leaving: Set[str]) -> dict[str, int]:
+    """``running`` with the deployments the policy marked leaving at 0: the router stops
+    choosing one as soon as it leaves, while Serve still runs it for its requests."""
+    return {name: 0 if name in leaving else count for name, count in running.items()}
+
+
 class MembershipWatch:
-    """Keeps each ReplicaSet's members equal to the worker deployments that run a
-    replica: one joins once Serve reports it RUNNING, one leaves when it does not."""
+    """Keeps each ReplicaSet's members equal to the worker deployments the router may
+    choose (``read``, e.g. :func:`choosable`): one joins once Serve reports it RUNNING, one
+    leaves when it does not or when the policy marks it leaving."""
 
     def __init__(
         self,
@@ -111,7 +128,7 @@ class MembershipWatch:
         self.metrics = metrics
 
     def apply(self, running: Mapping[str, int]) -> None:
-        """One update from a ``{deployment: running replicas}`` reading."""
+        """One update from a ``{deployment: choosable replicas}`` reading."""
         for role, replica_set in self.sets.items():
             before = len(replica_set.members())
             replica_set.set_members(running)

@@ -10,7 +10,10 @@ role and 0 for the rest, and keeps the decision's reason in the policy state.
 
 ``router/autoscale/app.py`` binds the deployments and names this class in the deploy
 config's ``autoscaling_policy``. Serve calls it every control-loop tick; a role's count
-changes at most once per ``cooldown_s`` (the policy, not Serve, keeps that time).
+changes at most once per ``cooldown_s`` (the policy, not Serve, keeps that time), never
+up again while the last up's replicas start, and not down again where it just bounced
+(``decisions.settled``). A deployment the policy stops leaves first: routers are told
+(``router.autoscale.board``) and Serve gets its 0 once they let go (``leaving.Leaves``).
 """
 
 from __future__ import annotations
@@ -18,34 +21,50 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
+from typing import Protocol
 
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingContext
 from ray.util.metrics import Counter
 
+from router.autoscale.board import Publisher
 from router.autoscale.decisions import (
     Bounds,
     Decision,
     DecodeSnapshot,
+    Move,
     PolicyKnobs,
     PrefillSnapshot,
     decode_decision,
     prefill_decision,
+    settled,
 )
+from router.autoscale.leaving import Leaves, ServeView
 
 PREFILL_METRICS = ("queued_prompt_tokens", "prefill_tokens_per_s", "ttft_p99_s")
 DECODE_METRICS = ("kv_usage", "running", "itl_p99_s")
 _WORKER = re.compile(r"^(prefill|decode)-(\d+)$")
+BOUNCE_HOLD_COOLDOWNS = 10  # after a bounce a role keeps its count this many cooldowns
 
 PolicyState = dict[str, str | int]
+
+
+class LeavingSink(Protocol):
+    """Where the policy sends the leaving set (``board.Publisher``; a fake in tests)."""
+
+    def publish(self, leaving: Set[str]) -> None: ...
+
+
 logger = logging.getLogger("ray.serve")
 
 
 class PDAutoscaler:
     """Serve app-level policy: ``policy_kwargs`` are the SLO targets and each role's
     ``[min, max]`` replicas, e.g. ``{"ttft_p99_s": 2, "itl_p99_s": 0.1, "bounds":
-    {"prefill": [1, 3], "decode": [1, 2]}}``."""
+    {"prefill": [1, 3], "decode": [1, 2]}}``; ``leave_delay_s``: how long routers get to
+    stop choosing a leaving deployment (their membership period and a margin);
+    ``drain_timeout_s``: the longest a leaving one is kept for its requests."""
 
     def __init__(
         self,
@@ -53,6 +72,8 @@ class PDAutoscaler:
         itl_p99_s: float,
         bounds: Mapping[str, list[int]],
         cooldown_s: float = 0.0,
+        leave_delay_s: float = 2.0,
+        drain_timeout_s: float = 120.0,
     ) -> None:
         self.ttft_p99_s = ttft_p99_s
         self.itl_p99_s = itl_p99_s
@@ -61,8 +82,12 @@ class PDAutoscaler:
         self.cooldown_s = cooldown_s
         self.started = time.monotonic()  # the first change waits a cooldown too
         self.changed_at: dict[str, float] = {}
-        self.current: dict[str, int] = {}  # as Serve reports it
+        self.current: dict[str, int] = {}  # staying deployments Serve runs or starts
+        self.starting: dict[str, bool] = {}  # some of them have no running replica yet
         self.decided: dict[str, int] = {}  # as this policy last set it
+        self.moves: dict[str, list[Move]] = {}
+        self.leaves = Leaves(leave_delay_s, drain_timeout_s)
+        self.publisher: LeavingSink | None = None  # a Publisher for the app, on first call
         self.decisions = Counter(
             "dsv3serve_autoscale_decisions",
             description="Replica-count changes the PD autoscaling policy made, by reason.",
@@ -75,23 +100,42 @@ class PDAutoscaler:
         targets: dict[DeploymentID, int] = {}
         states: dict[DeploymentID, PolicyState] = {}
         for role, members in _by_role(contexts).items():
-            decision = self.held(role, self.decide(role, [contexts[d] for d in members]))
+            staying = [contexts[d] for d in members if d.name not in self.leaves.started]
+            decision = self.held(role, self.decide(role, staying))
             for index, dep in enumerate(members):
-                targets[dep] = 1 if index < decision.replicas else 0
+                want = 1 if index < decision.replicas else 0
+                targets[dep] = self.leave_or_stay(contexts[dep], want)
                 states[dep] = {"reason": decision.reason, "role_replicas": decision.replicas}
+        if contexts:
+            app = next(iter(contexts)).app_name
+            self.publisher = self.publisher or Publisher(app)
+            self.publisher.publish(self.leaves.leaving())
         return targets, states
+
+    def leave_or_stay(self, ctx: AutoscalingContext, want: int) -> int:
+        """What Serve gets for a worker deployment the policy ``want``s at 0 or 1: a
+        running one it wants at 0 leaves first (``leaving.Leaves``)."""
+        leaving = want < 1 and ctx.target_num_replicas >= 1
+        ongoing = ctx.total_num_requests if leaving else 0.0  # Serve computes it on read
+        view = ServeView(ctx.target_num_replicas, ctx.current_num_replicas, ongoing)
+        return self.leaves.target(ctx.deployment_name, want, view, time.monotonic())
 
     def held(self, role: str, decision: Decision) -> Decision:
         """``decision``, or the role's last decided count while it is in its cooldown (the
-        decided count, not the reported one: Serve may not have applied it yet)."""
+        decided count, not the reported one: Serve may not have applied it yet) or its
+        hysteresis holds it (``decisions.settled``)."""
         now = time.monotonic()
         last = self.decided.setdefault(role, self.current[role])
+        hold_s = BOUNCE_HOLD_COOLDOWNS * self.cooldown_s
+        moves = self.moves.setdefault(role, [])
+        decision = settled(decision, last, self.starting[role], moves, now, hold_s)
         if decision.replicas == last:
             return decision
         if now - self.changed_at.get(role, self.started) < self.cooldown_s:
             return Decision(last, "steady")
         self.changed_at[role] = now
         self.decided[role] = decision.replicas
+        moves[:] = [m for m in moves if now - m[0] <= hold_s] + [(now, decision.replicas)]
         direction = "up" if decision.replicas > last else "down"
         tags = {"role": role, "reason": decision.reason, "direction": direction}
         self.decisions.inc(1.0, tags=tags)
@@ -99,9 +143,11 @@ class PDAutoscaler:
         return decision
 
     def decide(self, role: str, members: list[AutoscalingContext]) -> Decision:
-        """The role's decision from its deployments' contexts (in index order)."""
-        replicas = sum(min(1, ctx.target_num_replicas) for ctx in members)
+        """The role's decision from its staying deployments' contexts (in index order)."""
+        started = [ctx for ctx in members if ctx.target_num_replicas >= 1]
+        replicas = len(started)
         self.current[role] = replicas
+        self.starting[role] = any(ctx.current_num_replicas < 1 for ctx in started)
         bounds = self.bounds.get(role, Bounds(replicas, replicas))
         if role == "prefill":
             snap = prefill_snapshot(replicas, members)

@@ -21,10 +21,12 @@ from serving_util import TINY_ENGINE, local_serve, serving_config
 from router.autoscale.app import (
     MembershipWatch,
     autoscaling_policy,
+    choosable,
     with_autoscaling_policy,
     worker_autoscaling,
     worker_count,
 )
+from router.autoscale.board import decode_names, encode_names, read_leaving
 from router.launch import deploy_autoscaled
 from router.routing.policy import ReplicaSet
 
@@ -91,15 +93,19 @@ def test_decode_scale_down_drains_running_streams(app_url: str) -> None:
     with ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(greedy_stream, app_url, i, started[i]) for i in range(STREAMS)]
         assert all(event.wait(300) for event in started)
-        stopped_during = False
+        left_during = left_while_running = False
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not all(f.done() for f in futures):
-            if running("decode-1") == 0 or _stopping("decode-1"):
-                stopped_during = True
+            leaving = "decode-1" in read_leaving(APP)
+            if leaving or running("decode-1") == 0 or _stopping("decode-1"):
+                left_during = True
+                left_while_running = leaving and running("decode-1") == 1
                 break
             time.sleep(0.2)
         texts = [f.result(timeout=600) for f in futures]
-    assert stopped_during, "the streams ended before decode-1 was stopped: raise TOKENS"
+    assert left_during, "the streams ended before decode-1 was stopped: raise TOKENS"
+    # the routers were told before Serve stopped it (issue 33's race)
+    assert left_while_running
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and running("decode-1") != 0:
         time.sleep(0.5)
@@ -108,6 +114,8 @@ def test_decode_scale_down_drains_running_streams(app_url: str) -> None:
     with ThreadPoolExecutor(STREAMS) as pool:
         expected = list(pool.map(lambda i: greedy_stream(app_url, i, done[i]), range(STREAMS)))
     assert texts == expected
+    states = serve.status().applications[APP].deployments["decode-1"].replica_states
+    assert not any(states.values()), f"decode-1 was started again: {states}"
 
 
 def _stopping(deployment: str) -> bool:
@@ -139,6 +147,8 @@ def test_an_autoscaled_role_binds_max_replicas_deployments_of_zero_or_one() -> N
     assert policy is not None and policy["policy_function"] == "router.autoscale.serve:PDAutoscaler"
     assert policy["policy_kwargs"]["bounds"] == {"prefill": [1, 3], "decode": [1, 2]}
     assert policy["policy_kwargs"]["cooldown_s"] == 5.0
+    assert policy["policy_kwargs"]["leave_delay_s"] == 3.0  # 2 membership periods + 1 s
+    assert policy["policy_kwargs"]["drain_timeout_s"] == 90.0
     fixed = serving_config()
     assert worker_count(fixed, "decode") == 1 and autoscaling_policy(fixed) is None
     entry = {"name": "a", "args": cfg.model_dump(mode="json")}
@@ -154,3 +164,23 @@ def test_the_router_follows_which_worker_deployments_run() -> None:
     assert replicas.members() == [0]
     watch.apply({"decode-2": 1})
     assert replicas.members() == [0, 2]
+
+
+def test_the_router_stops_choosing_a_leaving_deployment_while_serve_still_runs_it() -> None:
+    """Serve still reports decode-1 RUNNING (the policy keeps it for its requests), but the
+    policy published it leaving: it leaves the choice now, before Serve stops it; when the
+    leave is called off it joins again."""
+    replicas = ReplicaSet(["decode-0", "decode-1"], [object()] * 2)
+    watch = MembershipWatch({"decode": replicas}, lambda: {}, 1.0)
+    running = {"decode-0": 1, "decode-1": 1, "router": 1}
+    watch.apply(choosable(running, {"decode-1"}))
+    assert replicas.members() == [0]
+    watch.apply(choosable(running, set()))
+    assert replicas.members() == [0, 1]
+
+
+def test_the_leaving_names_cross_ray_as_checked_json() -> None:
+    assert encode_names({"decode-1", "prefill-2"}) == b'["decode-1","prefill-2"]'
+    assert decode_names(b'["decode-1"]') == {"decode-1"}
+    with pytest.raises(ValueError):
+        decode_names(b'{"decode-1": 1}')
