@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Set
+from dataclasses import dataclass
 from typing import Any
 
+from router.autoscale.board import read_leaving
 from router.autoscale.metrics import AutoscaleMetrics
 from router.config import ServingConfig
 from router.routing.policy import ReplicaSet
@@ -68,17 +70,10 @@ def autoscaling_policy(cfg: ServingConfig) -> dict[str, Any] | None:
             "itl_p99_s": cfg.slo.itl_p99_s,
             "bounds": {role: list(getattr(cfg, role).bounds()) for role in cfg.roles()},
             "cooldown_s": cfg.slo.cooldown_s,
-            "leave_delay_s": leave_delay_s(cfg.slo.membership_period_s),
+            "leave_delay_s": cfg.slo.metrics_interval_s + 1.0,  # Serve's view catches up
             "drain_timeout_s": cfg.slo.drain_timeout_s,
         },
     }
-
-
-def leave_delay_s(membership_period_s: float) -> float:
-    """How long the policy keeps a leaving deployment before Serve may stop it: two of the
-    routers' membership periods (a reading may have just been taken, and a read takes
-    time) and a second."""
-    return 2 * membership_period_s + 1.0
 
 
 def with_autoscaling_policy(app: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,7 +83,13 @@ def with_autoscaling_policy(app: Mapping[str, Any]) -> dict[str, Any]:
     return dict(app) if policy is None else dict(app) | {"autoscaling_policy": policy}
 
 
-RunningReader = Callable[[], Mapping[str, int]]
+@dataclass(frozen=True)
+class Reading:
+    """One membership reading: how many replicas of each deployment the router may choose,
+    and the version of the policy's leaving set it reflects (0: none published)."""
+
+    choosable: Mapping[str, int]
+    version: int = 0
 
 
 def running_replicas(app_name: str) -> dict[str, int]:
@@ -112,20 +113,23 @@ def choosable(running: Mapping[str, int], leaving: Set[str]) -> dict[str, int]:
 
 class MembershipWatch:
     """Keeps each ReplicaSet's members equal to the worker deployments the router may
-    choose (``read``, e.g. :func:`choosable`): one joins once Serve reports it RUNNING, one
-    leaves when it does not or when the policy marks it leaving."""
+    choose: one joins once Serve reports it RUNNING, one leaves when it does not or when
+    the policy marks it leaving. Once a reading is applied, ``ack`` tells the policy which
+    leaving-set version this router follows now."""
 
     def __init__(
         self,
         sets: Mapping[str, ReplicaSet],
-        read: RunningReader,
+        read: Callable[[], Reading],
         period_s: float,
         metrics: AutoscaleMetrics | None = None,
+        ack: Callable[[int], None] | None = None,
     ) -> None:
         self.sets = sets
         self.read = read
         self.period_s = period_s
         self.metrics = metrics
+        self.ack = ack
 
     def apply(self, running: Mapping[str, int]) -> None:
         """One update from a ``{deployment: choosable replicas}`` reading."""
@@ -135,11 +139,27 @@ class MembershipWatch:
             if self.metrics is not None:
                 self.metrics.observe(role, before, replica_set)
 
+    async def step(self) -> None:
+        """Read, apply and acknowledge once; a failed reading keeps the last members (and
+        acknowledges nothing)."""
+        try:
+            reading = await asyncio.to_thread(self.read)
+            self.apply(reading.choosable)
+            if self.ack is not None:
+                await asyncio.to_thread(self.ack, reading.version)
+        except Exception:  # Serve's controller busy or restarting: try next period
+            logger.warning("replica membership: status read failed", exc_info=True)
+
     async def run(self) -> None:
-        """Poll and apply until cancelled; a failed reading keeps the last members."""
+        """A step every ``period_s`` until cancelled."""
         while True:
-            try:
-                self.apply(await asyncio.to_thread(self.read))
-            except Exception:  # Serve's controller busy or restarting: try next period
-                logger.warning("replica membership: status read failed", exc_info=True)
             await asyncio.sleep(self.period_s)
+            await self.step()
+
+
+def membership(app_name: str) -> Reading:
+    """What a router of ``app_name`` may choose now: Serve's running worker deployments
+    less those the policy's latest leaving set names (read first: a set read before the
+    status never lets a stopped deployment back in)."""
+    leaving = read_leaving(app_name)
+    return Reading(choosable(running_replicas(app_name), leaving.leaving), leaving.version)

@@ -2,11 +2,12 @@
 
 Serve starts a deployment at zero replicas again as soon as a request waits in its handle
 (its cold-start path, which no custom policy overrides). So when the policy decides a
-deployment should stop, :class:`Leaves` first marks it leaving (published to the routers,
-``router.autoscale.board``) and keeps it at one replica until the routers have had
-``delay_s`` to stop choosing it and Serve counts no request on it (in flight or queued,
-over its look-back window), or until ``drain_timeout_s``; only then does it give Serve
-0. Pure: the caller passes the clock and Serve's view of the deployment.
+deployment should stop, :class:`Leaves` first marks it leaving (published to the routers
+with a new version, ``router.autoscale.board``) and keeps it at one replica until every
+router replica has acknowledged that version, ``delay_s`` has passed (Serve's view of the
+requests sent just before catches up) and Serve counts no request on it (in flight or
+queued, over its look-back window); or until ``drain_timeout_s``. Only then does Serve
+get its 0. Pure: the caller passes the clock, the versions and Serve's view.
 """
 
 from __future__ import annotations
@@ -24,15 +25,24 @@ class ServeView:
     ongoing: float
 
 
+@dataclass(frozen=True)
+class Versions:
+    """The leaving set's version a newly marked deployment is published in, and the version
+    every router replica has acknowledged."""
+
+    next: int
+    acked: int
+
+
 @dataclass
 class Leaves:
-    """The deployments on their way out, with when each was marked leaving."""
+    """The deployments on their way out: when each was marked leaving, in which version."""
 
     delay_s: float
     drain_timeout_s: float
-    started: dict[str, float] = field(default_factory=dict)
+    started: dict[str, tuple[float, int]] = field(default_factory=dict)
 
-    def target(self, name: str, want: int, serve: ServeView, now: float) -> int:
+    def target(self, name: str, want: int, serve: ServeView, now: float, seen: Versions) -> int:
         """The replicas to give Serve for deployment ``name`` that the policy ``want``s."""
         if want >= 1:
             self.started.pop(name, None)  # staying, or a leave called off
@@ -40,12 +50,13 @@ class Leaves:
         if serve.target < 1:  # Serve stops it (or never ran it)
             if serve.running < 1:
                 self.started.pop(name, None)
-            elif name not in self.started:
-                self.started[name] = now
+            else:
+                self.started.setdefault(name, (now, seen.next))
             return 0
-        since = now - self.started.setdefault(name, now)
-        quiet = since >= self.delay_s and serve.ongoing <= 0.0
-        return 0 if quiet or since >= self.drain_timeout_s else 1
+        since, version = self.started.setdefault(name, (now, seen.next))
+        waited = now - since
+        let_go = seen.acked >= version and waited >= self.delay_s
+        return 0 if (let_go and serve.ongoing <= 0.0) or waited >= self.drain_timeout_s else 1
 
     def leaving(self) -> set[str]:
         """The deployments routers must not choose."""

@@ -6,7 +6,8 @@ deployments run one. Serve's controller calls :class:`PDAutoscaler` with every
 deployment's :class:`AutoscalingContext`; the workers' ``record_autoscaling_stats``
 metrics (names in :data:`PREFILL_METRICS` / :data:`DECODE_METRICS`) reach it through
 ``ctx.aggregated_metrics``. It returns, per worker deployment, 1 for the first N of the
-role and 0 for the rest, and keeps the decision's reason in the policy state.
+role and 0 for the rest (a running one only once it has left), and keeps the decision's
+reason in the policy state.
 
 ``router/autoscale/app.py`` binds the deployments and names this class in the deploy
 config's ``autoscaling_policy``. Serve calls it every control-loop tick; a role's count
@@ -40,31 +41,35 @@ from router.autoscale.decisions import (
     prefill_decision,
     settled,
 )
-from router.autoscale.leaving import Leaves, ServeView
+from router.autoscale.leaving import Leaves, ServeView, Versions
 
 PREFILL_METRICS = ("queued_prompt_tokens", "prefill_tokens_per_s", "ttft_p99_s")
 DECODE_METRICS = ("kv_usage", "running", "itl_p99_s")
 _WORKER = re.compile(r"^(prefill|decode)-(\d+)$")
+ROUTER = "router"  # router.app.ROUTER_NAME (not imported: this runs in Serve's controller)
 BOUNCE_HOLD_COOLDOWNS = 10  # after a bounce a role keeps its count this many cooldowns
 
 PolicyState = dict[str, str | int]
+logger = logging.getLogger("ray.serve")
 
 
 class LeavingSink(Protocol):
-    """Where the policy sends the leaving set (``board.Publisher``; a fake in tests)."""
+    """Where the policy sends the leaving set and reads the routers' acknowledgements
+    (``board.Publisher``; a fake in tests)."""
+
+    version: int  # of the set last sent
 
     def publish(self, leaving: Set[str]) -> None: ...
 
-
-logger = logging.getLogger("ray.serve")
+    def acked(self, readers: Set[str]) -> int: ...
 
 
 class PDAutoscaler:
     """Serve app-level policy: ``policy_kwargs`` are the SLO targets and each role's
     ``[min, max]`` replicas, e.g. ``{"ttft_p99_s": 2, "itl_p99_s": 0.1, "bounds":
-    {"prefill": [1, 3], "decode": [1, 2]}}``; ``leave_delay_s``: how long routers get to
-    stop choosing a leaving deployment (their membership period and a margin);
-    ``drain_timeout_s``: the longest a leaving one is kept for its requests."""
+    {"prefill": [1, 3], "decode": [1, 2]}}``; ``leave_delay_s``: the least a leaving
+    deployment is kept after it is marked (Serve's view of the requests sent to it just
+    before catches up); ``drain_timeout_s``: the longest it is kept for its requests."""
 
     def __init__(
         self,
@@ -72,7 +77,7 @@ class PDAutoscaler:
         itl_p99_s: float,
         bounds: Mapping[str, list[int]],
         cooldown_s: float = 0.0,
-        leave_delay_s: float = 2.0,
+        leave_delay_s: float = 3.0,
         drain_timeout_s: float = 120.0,
     ) -> None:
         self.ttft_p99_s = ttft_p99_s
@@ -99,26 +104,27 @@ class PDAutoscaler:
     ) -> tuple[dict[DeploymentID, int], dict[DeploymentID, PolicyState]]:
         targets: dict[DeploymentID, int] = {}
         states: dict[DeploymentID, PolicyState] = {}
+        if not contexts:
+            return targets, states
+        board = self.publisher = self.publisher or Publisher(next(iter(contexts)).app_name)
+        seen = Versions(board.version + 1, board.acked(_routers(contexts)))
         for role, members in _by_role(contexts).items():
             staying = [contexts[d] for d in members if d.name not in self.leaves.started]
             decision = self.held(role, self.decide(role, staying))
             for index, dep in enumerate(members):
                 want = 1 if index < decision.replicas else 0
-                targets[dep] = self.leave_or_stay(contexts[dep], want)
+                targets[dep] = self.leave_or_stay(contexts[dep], want, seen)
                 states[dep] = {"reason": decision.reason, "role_replicas": decision.replicas}
-        if contexts:
-            app = next(iter(contexts)).app_name
-            self.publisher = self.publisher or Publisher(app)
-            self.publisher.publish(self.leaves.leaving())
+        board.publish(self.leaves.leaving())
         return targets, states
 
-    def leave_or_stay(self, ctx: AutoscalingContext, want: int) -> int:
+    def leave_or_stay(self, ctx: AutoscalingContext, want: int, seen: Versions) -> int:
         """What Serve gets for a worker deployment the policy ``want``s at 0 or 1: a
         running one it wants at 0 leaves first (``leaving.Leaves``)."""
         leaving = want < 1 and ctx.target_num_replicas >= 1
         ongoing = ctx.total_num_requests if leaving else 0.0  # Serve computes it on read
         view = ServeView(ctx.target_num_replicas, ctx.current_num_replicas, ongoing)
-        return self.leaves.target(ctx.deployment_name, want, view, time.monotonic())
+        return self.leaves.target(ctx.deployment_name, want, view, time.monotonic(), seen)
 
     def held(self, role: str, decision: Decision) -> Decision:
         """``decision``, or the role's last decided count while it is in its cooldown (the
@@ -155,6 +161,16 @@ class PDAutoscaler:
         return decode_decision(
             decode_snapshot(replicas, members), self.itl_p99_s, bounds, self.knobs
         )
+
+
+def _routers(contexts: Mapping[DeploymentID, AutoscalingContext]) -> set[str]:
+    """The running router replicas' ids: each acknowledges the leaving sets it applied."""
+    return {
+        replica.unique_id
+        for dep, ctx in contexts.items()
+        if dep.name == ROUTER
+        for replica in ctx.running_replicas
+    }
 
 
 def _by_role(contexts: Mapping[DeploymentID, AutoscalingContext]) -> dict[str, list[DeploymentID]]:

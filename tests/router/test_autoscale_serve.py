@@ -19,13 +19,21 @@ APP = "dsv3serve"
 
 
 class BoardFake:
-    """Records what the policy publishes as leaving (the real board is a Ray actor)."""
+    """Records what the policy publishes as leaving, and answers for the routers'
+    acknowledgements: every router has applied every version unless ``lagging`` (the
+    real board is a Ray actor)."""
 
     def __init__(self) -> None:
         self.leaving: set[str] = set()
+        self.version = 0
+        self.lagging = False
 
     def publish(self, leaving: Set[str]) -> None:
+        self.version += set(leaving) != self.leaving
         self.leaving = set(leaving)
+
+    def acked(self, readers: Set[str]) -> int:
+        return 0 if self.lagging else self.version
 
 
 def context(
@@ -168,17 +176,21 @@ def test_a_stopped_deployment_leaves_the_routers_before_serve_stops_it(
     """The race of issue 33: Serve stopped decode-1 the moment the policy said 0, before
     the routers' next status read, and a request sent in between made Serve start it
     again. Now decode-1 is published leaving while Serve keeps it at 1; Serve gets 0 only
-    after leave_delay_s and once it counts no request on decode-1 (its streams ended)."""
+    once every router acknowledged that leaving set, leave_delay_s passed and Serve counts
+    no request on decode-1 (its streams ended)."""
     now = [100.0]
     monkeypatch.setattr("router.autoscale.serve.time.monotonic", lambda: now[0])
     scaler = policy(leave_delay_s=3.0, drain_timeout_s=60.0)
     board = scaler.publisher
     assert isinstance(board, BoardFake)
+    board.lagging = True
     assert decode_tick(scaler, context("decode-1", 1, CALM_DECODE)) == 1  # idle: 2 -> 1
     assert board.leaving == {"decode-1"} and scaler.decided["decode"] == 1
-    now[0] = 102.0  # within the delay: routers may not have read the board yet
+    now[0] = 101.0  # within the delay
     assert decode_tick(scaler, context("decode-1", 1, CALM_DECODE)) == 1
-    now[0] = 104.0  # past the delay, but a stream still runs on it
+    now[0] = 104.0  # quiet and past the delay, but a router has not applied the set
+    assert decode_tick(scaler, context("decode-1", 1, CALM_DECODE)) == 1
+    board.lagging = False  # every router follows it now, but a stream still runs on it
     assert decode_tick(scaler, context("decode-1", 1, CALM_DECODE, ongoing=0.4)) == 1
     now[0] = 105.0  # quiet: Serve may stop it; routers still hold it out
     assert decode_tick(scaler, context("decode-1", 1, CALM_DECODE)) == 0
