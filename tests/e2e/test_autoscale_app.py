@@ -10,6 +10,7 @@ one after another, so that the router's least-outstanding choice puts some on ``
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import ray
 from ray import serve
 from serving_util import TINY_ENGINE, local_serve, serving_config
 
@@ -29,7 +31,7 @@ from router.autoscale.app import (
     worker_autoscaling,
     worker_count,
 )
-from router.autoscale.board import LeavingSet, read_leaving
+from router.autoscale.board import NAMESPACE, LeavingSet, board_name, read_leaving
 from router.launch import deploy_autoscaled
 from router.routing.policy import ReplicaSet
 
@@ -123,6 +125,11 @@ def test_decode_scale_down_drains_running_streams(app_url: str) -> None:
     assert texts == expected
     states = serve.status().applications[APP].deployments["decode-1"].replica_states
     assert not any(states.values()), f"decode-1 was started again: {states}"
+    # the one router replica acknowledged the latest leaving set (the policy waited on it)
+    board = ray.get_actor(board_name(APP), namespace=NAMESPACE)
+    acks = json.loads(ray.get(board.acked.remote(), timeout=60))
+    assert list(acks.values()) == [read_leaving(APP).version], acks  # versions 1..3 at least
+    assert read_leaving(APP).version >= 3  # empty, {decode-1}, empty
 
 
 class LeaveWatch:
