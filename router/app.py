@@ -32,10 +32,11 @@ from router.api.openai_api import APIConfig, OpenAIServer, new_app
 from router.api.proxy_admission import limit_from_env
 from router.autoscale.app import (
     MembershipWatch,
-    running_replicas,
+    membership,
     worker_autoscaling,
     worker_count,
 )
+from router.autoscale.board import ack_leaving
 from router.autoscale.metrics import AutoscaleMetrics
 from router.config import RoleGroup, RouterSettings, ServingConfig
 from router.drain import listen
@@ -161,7 +162,7 @@ class Router:
             )
             for role in roles
         }
-        self._follow_members(sets)
+        await self._follow_members(sets)
         settings = self.cfg.router
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
@@ -196,9 +197,10 @@ class Router:
         )
         return OpenAIServer(api, tokenizer, backend)
 
-    def _follow_members(self, sets: dict[Role, ReplicaSet]) -> None:
+    async def _follow_members(self, sets: dict[Role, ReplicaSet]) -> None:
         """Autoscaled: start with the deployments Serve starts (the first num_replicas of
-        each role) and follow Serve's running replicas from then on."""
+        each role) and follow Serve's running replicas, less those the policy marks
+        leaving, from then on."""
         slo = self.cfg.slo
         if slo is None:
             return
@@ -208,12 +210,18 @@ class Router:
             for i in range(len(self._workers[role]))
         }
         metrics = AutoscaleMetrics(self.metrics.registry, self.metrics.identity, slo)
-        watch = MembershipWatch(dict(sets), self._running, slo.membership_period_s, metrics)
+        context = serve.get_replica_context()
+        app, me = context.app_name, context.replica_id.unique_id
+        watch = MembershipWatch(
+            dict(sets),
+            lambda: membership(app),
+            slo.membership_period_s,
+            metrics,
+            lambda version: ack_leaving(app, me, version),
+        )
         watch.apply(initial)
+        await watch.step()  # the policy's leaving set applies before the first choice
         self._watch = asyncio.get_running_loop().create_task(watch.run())
-
-    def _running(self) -> dict[str, int]:
-        return running_replicas(serve.get_replica_context().app_name)
 
     def _count(self, response: Response) -> Response:
         self.metrics.answered("http", response.status_code)

@@ -94,11 +94,15 @@ class SLO(BaseModel):
     drain_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="a stopping worker replica waits this long for its decode streams and "
-        "prefills to finish (Serve's graceful_shutdown_timeout_s)",
+        description="a leaving worker replica is kept at most this long for its decode "
+        "streams and prefills, then its stop waits this long again for what is left "
+        "(Serve's graceful_shutdown_timeout_s)",
     )
     membership_period_s: float = Field(
-        1.0, gt=0, description="how often the router reads which worker replicas run"
+        1.0,
+        gt=0,
+        description="how often the router reads which worker replicas run and which "
+        "the policy marked leaving",
     )
 
 

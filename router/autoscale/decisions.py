@@ -9,6 +9,7 @@ for the scaling-decision metric. Nothing here reads clocks, Ray or the network.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,7 +23,11 @@ Reason = Literal[
     "steady",  # either: no change
     "no_metrics",  # either: no replica reported yet; keep the count
     "bounds",  # either: the count was outside min_replicas..max_replicas
+    "starting",  # either: an up held while the last one's replicas are not running yet
+    "bounce_hold",  # either: a down held where the role went down and back up lately
 ]
+
+Move = tuple[float, int]  # a role's count change: (when, count after)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,38 @@ def decode_decision(
     if fewer >= 1 and calm and kv_fits and running_fits:
         return _decided(fewer, "idle", snap.replicas, bounds)
     return _decided(snap.replicas, "steady", snap.replicas, bounds)
+
+
+def settled(
+    decision: Decision,
+    current: int,
+    starting: bool,
+    moves: Sequence[Move],
+    now: float,
+    hold_s: float,
+) -> Decision:
+    """``decision`` with hysteresis: no further up while replicas of the last up are
+    ``starting`` (the metrics still describe the load without them); no down from
+    ``current`` when, within ``hold_s`` before ``now``, the role went below ``current``
+    and came back up to it (the load needs ``current``: going down again would bounce)."""
+    if decision.replicas > current and starting:
+        return Decision(current, "starting")
+    if decision.replicas < current and _bounced(moves, current, now - hold_s):
+        return Decision(current, "bounce_hold")
+    return decision
+
+
+def _bounced(moves: Sequence[Move], count: int, since: float) -> bool:
+    """Whether the counts in ``moves`` after ``since`` went below ``count``, then back."""
+    below = False
+    for when, after in moves:
+        if when < since:
+            continue
+        if after < count:
+            below = True
+        elif below:
+            return True
+    return False
 
 
 def _replicas_for_queue(snap: PrefillSnapshot, budget_s: float) -> int:

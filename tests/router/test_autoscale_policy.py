@@ -1,5 +1,6 @@
 """The SLO autoscaling policies (router/autoscale/decisions.py) on a table of metric snapshots ->
-decisions, and the config fields that carry their targets and bounds (router/config.py)."""
+decisions, their hysteresis on a table of recent moves, and the config fields that carry
+their targets and bounds (router/config.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from router.autoscale.decisions import (
     PrefillSnapshot,
     decode_decision,
     prefill_decision,
+    settled,
 )
 from router.config import SLO, ConfigError, RoleGroup, ServingConfig
 from router.launch import local_pd_config
@@ -65,6 +67,29 @@ def test_prefill_policy_table(row: tuple[Any, ...], expected: Decision) -> None:
 def test_decode_policy_table(row: tuple[Any, ...], expected: Decision) -> None:
     snap = DecodeSnapshot(*row)
     assert decode_decision(snap, ITL, B14, KNOBS) == expected
+
+
+# the policy's decision, the role's current count, its replicas still starting, its moves
+# (when, count after), now -> what it settles to (hold 100 s)
+UP, DOWN, STAY = Decision(3, "queue_over_ttft"), Decision(1, "idle"), Decision(2, "steady")
+SETTLE_TABLE = [
+    ((UP, 2, False, [], 50.0), UP),
+    ((UP, 2, True, [], 50.0), Decision(2, "starting")),  # the last up still starts
+    ((DOWN, 2, True, [], 50.0), DOWN),  # starting holds ups only
+    ((DOWN, 2, False, [(10.0, 2)], 50.0), DOWN),  # up once: a down may follow
+    ((DOWN, 2, False, [(10.0, 2), (20.0, 1), (30.0, 2)], 50.0), Decision(2, "bounce_hold")),
+    ((DOWN, 2, False, [(20.0, 1), (30.0, 2)], 119.0), Decision(2, "bounce_hold")),
+    ((DOWN, 2, False, [(20.0, 1), (30.0, 2)], 121.0), DOWN),  # the bounce is 100 s old
+    ((DOWN, 2, False, [(20.0, 2), (30.0, 3)], 50.0), DOWN),  # went up twice: no bounce
+    ((DOWN, 3, False, [(20.0, 1), (30.0, 2)], 50.0), DOWN),  # bounced at 2, not at 3
+    ((STAY, 2, True, [(20.0, 1), (30.0, 2)], 50.0), STAY),
+]
+
+
+@pytest.mark.parametrize(("row", "expected"), SETTLE_TABLE)
+def test_hysteresis_table(row: tuple[Any, ...], expected: Decision) -> None:
+    decision, current, starting, moves, now = row
+    assert settled(decision, current, starting, moves, now, hold_s=100.0) == expected
 
 
 def test_decisions_always_lie_within_bounds() -> None:

@@ -76,6 +76,8 @@ applications:
           {{ $role }}: [{{ int (default $g.numReplicas $g.minReplicas) }}, {{ int (default $g.numReplicas $g.maxReplicas) }}]
           {{- end }}
         cooldown_s: {{ default 10.0 .cooldownS }}
+        leave_delay_s: 3.0  # metrics_interval_s (2.0) + 1 s, as router/autoscale/app.py writes it
+        drain_timeout_s: {{ default 120.0 .drainTimeoutS }}
     {{- end }}
     args:
       {{- include "dsv3serve.servingArgs" . | nindent 6 }}
