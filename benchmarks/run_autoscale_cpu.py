@@ -4,9 +4,11 @@
 sampling each role's running replicas every second. Writes ``autoscale_tiny_cpu.json`` and
 ``autoscale_tiny_cpu.png`` (replicas over time) to OUT_DIR and prints a table.
 Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/run_autoscale_cpu.py OUT_DIR
-[--num-cpus N]`` (the CPUs Ray's cluster offers; 8 by default, as on the 2-core VM the
-first record was made on: each worker replica asks for 0.5). The JSON records the host's
-``os.cpu_count()`` beside it."""
+[--num-cpus N] [--high-rate R --high-prompts N]`` (the CPUs Ray's cluster offers; 8 by
+default, as on the 2-core VM the first record was made on: each worker replica asks for
+0.5; the high phase's request rate and length, 10 req/s x 100 by default: a bigger host
+needs more to load one replica of each role past the targets). The JSON records the
+host's ``os.cpu_count()`` and the phases it ran."""
 
 from __future__ import annotations
 
@@ -32,7 +34,14 @@ ENGINE = {"model": "tiny", "device": "cpu", "page_size": 16, "num_kv_tokens": 16
 ENGINE |= {"fp8_act_quant": False}
 SLO = {"ttft_p99_s": 0.8, "itl_p99_s": 0.3, "cooldown_s": 5.0}
 SLO |= {"metrics_interval_s": 1.0, "look_back_period_s": 5.0, "drain_timeout_s": 120.0}
-PHASES = (("low", 0.5, 8), ("high", 10.0, 100), ("low", 0.5, 16))  # name, req/s, prompts
+Phase = tuple[str, float, int]  # name, req/s, prompts
+
+
+def phases(high_rate: float = 10.0, high_prompts: int = 100) -> tuple[Phase, ...]:
+    """Low, high, low: the ramp."""
+    return (("low", 0.5, 8), ("high", high_rate, high_prompts), ("low", 0.5, 16))
+
+
 BOUNDS = {"num_replicas": 1, "min_replicas": 1, "max_replicas": 2}
 
 
@@ -72,10 +81,11 @@ class ReplicaSampler:
             self.samples.append(count)
 
 
-def ramp(url: str, label: str) -> list[dict[str, Any]]:
-    """The three phases against ``url``; one summary per phase (with its start time)."""
-    phases = []
-    for i, (name, rate, prompts) in enumerate(PHASES):
+def ramp(url: str, label: str, plan: tuple[Phase, ...]) -> list[dict[str, Any]]:
+    """The phases of ``plan`` against ``url``; one summary per phase (with its start
+    time)."""
+    summaries = []
+    for i, (name, rate, prompts) in enumerate(plan):
         config = BenchServeConfig(
             base_url=url,
             num_prompts=prompts,
@@ -91,12 +101,12 @@ def ramp(url: str, label: str) -> list[dict[str, Any]]:
         (record,) = run_bench_serve(config)
         keep = ("completed", "failed", "duration_s", "p99_ttft_ms", "median_ttft_ms")
         keep += ("p99_itl_ms", "median_itl_ms", "request_throughput")
-        phases.append({"app": label, "phase": name, "rate": rate, "t0": started})
-        phases[-1] |= {k: record.get(k) for k in keep}
-    return phases
+        summaries.append({"app": label, "phase": name, "rate": rate, "t0": started})
+        summaries[-1] |= {k: record.get(k) for k in keep}
+    return summaries
 
 
-def run_app(base: str, name: str, autoscaled: bool) -> dict[str, Any]:
+def run_app(base: str, name: str, autoscaled: bool, plan: tuple[Phase, ...]) -> dict[str, Any]:
     args = app_args(autoscaled)
     entry = {"name": name, "route_prefix": f"/{name}", "import_path": "router.app:build_app"}
     if autoscaled:
@@ -106,14 +116,14 @@ def run_app(base: str, name: str, autoscaled: bool) -> dict[str, Any]:
     sampler = ReplicaSampler(name)
     sampler.thread.start()
     try:
-        phases = ramp(f"{base}/{name}", name)
+        summaries = ramp(f"{base}/{name}", name, plan)
     finally:
         sampler.stop.set()
         sampler.thread.join()
         serve.delete(name)
-    for phase in phases:
+    for phase in summaries:
         phase["t0"] -= sampler.start
-    return {"phases": phases, "replicas": sampler.samples}
+    return {"phases": summaries, "replicas": sampler.samples}
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
@@ -138,19 +148,22 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     fig.savefig(path)
 
 
-def main(out: Path, num_cpus: int = 8) -> None:
+def main(out: Path, num_cpus: int = 8, plan: tuple[Phase, ...] = phases()) -> None:
     use_proxy_middleware()
     port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         base = f"http://127.0.0.1:{port}"
-        runs = {"fixed": run_app(base, "fixed", False), "scaled": run_app(base, "scaled", True)}
+        runs = {
+            "fixed": run_app(base, "fixed", False, plan),
+            "scaled": run_app(base, "scaled", True, plan),
+        }
     finally:
         serve.shutdown()
         ray.shutdown()
     host = {"cpu_count": os.cpu_count(), "ray_num_cpus": num_cpus}
-    body = {"host": host, "slo": SLO, "bounds": BOUNDS, "phases": PHASES, "runs": runs}
+    body = {"host": host, "slo": SLO, "bounds": BOUNDS, "phases": plan, "runs": runs}
     (out / "autoscale_tiny_cpu.json").write_text(json.dumps(body, indent=2))
     plot(runs, out / "autoscale_tiny_cpu.png")
     print(
@@ -168,9 +181,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="SLO autoscaling ramp, tiny model, CPU")
     parser.add_argument("out", type=Path, help="folder for the JSON and the plot")
     parser.add_argument("--num-cpus", type=int, default=8, help="CPUs Ray's cluster offers")
+    parser.add_argument("--high-rate", type=float, default=10.0, help="high phase's req/s")
+    parser.add_argument("--high-prompts", type=int, default=100, help="high phase's requests")
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     args = parse_args()
-    main(args.out, args.num_cpus)
+    main(args.out, args.num_cpus, phases(args.high_rate, args.high_prompts))

@@ -29,7 +29,7 @@ stage_admission() {
 stage_autoscale() {
   mkdir -p "$RES/autoscale"
   timeout -k 10 "${AUTOSCALE_S:-330}" python3 benchmarks/run_autoscale_cpu.py "$RES/autoscale" \
-    > "$RES/autoscale/log.txt" 2>&1
+    ${AUTOSCALE_ARGS:---num-cpus 16} > "$RES/autoscale/log.txt" 2>&1
   echo "autoscale rc=$? ($(($(date +%s) - START)) s)"
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
   tail -12 "$RES/autoscale/log.txt"
