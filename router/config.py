@@ -193,7 +193,7 @@ class RouterSettings(BaseModel):
         5.0,
         ge=0,
         description="a request waiting for decode KV room gets a 429 once the decode side "
-        "made no progress for this long (no engine step or ended stream on a decode replica "
+        "made no progress for this long (no engine step on a decode replica "
         "it asked, no request ended at this router): stuck, not busy; while it steps the "
         "request waits on (router/pd/room_signal.py)",
     )

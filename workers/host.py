@@ -130,7 +130,6 @@ class EngineHost(HostReports):
         self.overlap_off = self._overlap_off()
         self.autoscale = AutoscaleStats()
         self.cancelled_prefills = 0  # prefill tries cancelled while they ran (WorkerStats)
-        self.ended_decodes = 0  # decode streams ended here, any way: the KV room they freed
         if cfg.role == "prefill" and self.overlap_off is None:
             self.engine.on_pages_dropped(self.staging.ranges.drop)
         elif cfg.role == "prefill":
@@ -321,9 +320,10 @@ class EngineHost(HostReports):
 
     @property
     def room_progress(self) -> int:
-        """Grows while this replica frees KV room or works towards it: its engine's steps
-        plus the decode streams it ended (what a refusal reports)."""
-        return self.aengine.steps_done + self.ended_decodes
+        """Grows while this replica works towards freeing KV room: its engine's steps (what
+        a refusal reports; a stream cut by its client frees its room without a step, and
+        the next ask finds that room)."""
+        return self.aengine.steps_done
 
     def cancel_reservation(self, request_id: str) -> None:
         """Give back a reservation that will not be used. Idempotent."""
@@ -339,17 +339,7 @@ class EngineHost(HostReports):
     def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Pull the KV into the reservation, then stream every output token."""
         self._require("decode")
-        return _unless_dead(msg.request.request_id, self._counted_decode(msg))
-
-    async def _counted_decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
-        """:meth:`_decode`, counted in ``ended_decodes`` when it ends (part of what a full
-        replica's refusal reports: :attr:`room_progress`)."""
-        try:
-            async with aclosing(self._decode(msg)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            self.ended_decodes += 1
+        return _unless_dead(msg.request.request_id, self._decode(msg))
 
     async def _decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
         self._start_reaper()

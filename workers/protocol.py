@@ -209,9 +209,8 @@ class ReserveResult(_Msg):
     """``num_pages`` reserved for the pull, after ``cached_pages`` prompt pages this side's
     prefix cache holds already (the prefill side stages none of them), on DP rank
     ``dp_rank`` (0 without DP attention). A refusal (``ok`` False) reports ``progress``: a
-    count that grows while this replica frees KV room or works towards it (its engine's
-    steps plus the decode streams it has ended), so a router waiting for room tells a busy
-    replica from a stuck one."""
+    count that grows while this replica works towards freeing KV room (its engine's
+    steps), so a router waiting for room tells a busy replica from a stuck one."""
 
     ok: bool
     num_pages: int = 0

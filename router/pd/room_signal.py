@@ -12,7 +12,7 @@ router's requests freed), the back-off doubling from ``RESERVE_RETRY_S`` to
 
 How long it waits is :class:`RoomDeadline`'s: a waiter is refused (429) only once the
 decode side has made no progress for ``router.reserve_wait_s`` (no decode replica it asked
-reports engine steps or ended streams since its last refusal, and no request ended at
+reports engine steps since its last refusal, and no request ended at
 this router), or past ``router.reserve_max_wait_s`` in all. A busy decode side keeps its
 waiters (its running streams are bounded by their ``max_tokens``, so room will free); a
 stuck one refuses them. Before, the wait was a fixed 5 s from the first ask, so a burst that the
@@ -77,7 +77,7 @@ class RoomDeadline:
     room being freed, and never later than ``max_s`` after it started.
 
     Signs of progress: a decode replica's refusal reports a higher ``ReserveResult.progress``
-    (its engine's steps plus its ended streams) than the last refusal from it that this
+    (its engine's steps) than the last refusal from it that this
     waiter saw, or this router ended a request (:meth:`progress`). The first refusal from
     a replica only sets its baseline.
     """
@@ -113,6 +113,6 @@ class RoomDeadline:
                 "no decode replica had KV cache room within router.reserve_max_wait_s; retry later"
             )
         return (
-            "no decode replica has KV cache room, and none made progress (ran a step or "
-            "ended a stream) within router.reserve_wait_s; retry later"
+            "no decode replica has KV cache room, and none made progress (ran an engine "
+            "step) within router.reserve_wait_s; retry later"
         )

@@ -281,12 +281,13 @@ def test_overload_is_resource_exhausted(served: Served) -> None:
     """With the router's budget held, Serve's proxy queues one more call (its queue holds
     one) and refuses the next at once, with the capacity message; the queued one runs once
     the held streams end."""
-    held = [long_stream(served.stub) for _ in range(MAX_IN_FLIGHT)]
+    held: list[grpc.Future] = []
     request = pb.GenerateRequest(text=PROMPT, sampling=greedy(2))
     with ThreadPoolExecutor(4) as pool:
         try:
-            for stream in held:
-                next(stream)  # admitted and generating
+            for _ in range(MAX_IN_FLIGHT):  # one at a time: Serve counts a burst as queued
+                held.append(long_stream(served.stub))
+                next(held[-1])  # admitted and generating
 
             def submit() -> Future[pb.GenerateResponse]:
                 return pool.submit(served.stub.Generate, request, metadata=META, timeout=120)
