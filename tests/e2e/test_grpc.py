@@ -272,6 +272,22 @@ def test_unknown_model_is_not_found(served: Served) -> None:
     assert info.value.code() == Code.NOT_FOUND
 
 
+def admitted_long_stream(stub: GenerationStub, tries: int = 10) -> grpc.Future:
+    """A long stream that is admitted and generating. Serve's proxy may still count the
+    calls of an earlier test as ongoing for a moment (its view of a router's load lags),
+    and then refuse: that refusal is not the one under test, so it is tried again."""
+    for _ in range(tries):
+        stream = long_stream(stub)
+        try:
+            next(stream)
+            return stream
+        except grpc.RpcError as exc:
+            if exc.code() != Code.RESOURCE_EXHAUSTED:
+                raise
+            time.sleep(1.0)  # Serve's view of the router's load catches up
+    raise AssertionError(f"no long stream was admitted in {tries} tries")
+
+
 def _exhausted(call: Future[pb.GenerateResponse]) -> bool:
     err = call.exception()
     return isinstance(err, grpc.RpcError) and err.code() == Code.RESOURCE_EXHAUSTED
@@ -286,8 +302,7 @@ def test_overload_is_resource_exhausted(served: Served) -> None:
     with ThreadPoolExecutor(4) as pool:
         try:
             for _ in range(MAX_IN_FLIGHT):  # one at a time: Serve counts a burst as queued
-                held.append(long_stream(served.stub))
-                next(held[-1])  # admitted and generating
+                held.append(admitted_long_stream(served.stub))
 
             def submit() -> Future[pb.GenerateResponse]:
                 return pool.submit(served.stub.Generate, request, metadata=META, timeout=120)
