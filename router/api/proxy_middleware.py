@@ -25,7 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.api.errors import INTERNAL_ERROR, error_body
 from router.api.http_middleware import HTTPMiddleware
-from router.api.proxy_admission import ProxyAdmission
+from router.api.proxy_admission import ProxyAdmission, limit_from_env
 from router.api.proxy_refusals import RefusalBody
 from router.api.sse import DONE, sse_event
 
@@ -49,10 +49,14 @@ logger = logging.getLogger(__name__)
 
 def proxy_middlewares() -> list[Middleware]:
     """The callback Serve's proxy calls (via :data:`PROXY_CALLBACK_ENV`) for its middlewares:
-    the exact admission budget at the door (:class:`~router.api.proxy_admission.ProxyAdmission`,
-    outermost: a refusal costs nothing else), cut streams end in-band, and the proxy's own
-    refusals get OpenAI bodies (:class:`~router.api.proxy_refusals.RefusalBody`)."""
-    return [Middleware(ProxyAdmission), Middleware(StreamEndGuard), Middleware(RefusalBody)]
+    with a budget set, the exact admission budget at the door
+    (:class:`~router.api.proxy_admission.ProxyAdmission`, outermost: a refusal costs
+    nothing else); cut streams end in-band, and the proxy's own refusals get OpenAI bodies
+    (:class:`~router.api.proxy_refusals.RefusalBody`). Without a budget the door is left
+    out: even passing everything through, it made a prefill replica's recovery test 1.5-2 s
+    slower (tests/e2e/test_serving_faults.py, not understood yet)."""
+    door = [Middleware(ProxyAdmission)] if limit_from_env() is not None else []
+    return [*door, Middleware(StreamEndGuard), Middleware(RefusalBody)]
 
 
 def stream_cut_events() -> bytes:

@@ -115,8 +115,13 @@ def test_the_budget_sums_every_apps_routers_and_queue() -> None:
     assert admission_limit([one, unlimited]) is None
 
 
-def test_the_door_is_the_proxys_outermost_middleware() -> None:
+def test_the_door_is_the_proxys_outermost_middleware_when_a_budget_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(PROXY_ADMISSION_ENV, "528")
     assert proxy_middlewares()[0].cls is ProxyAdmission
+    monkeypatch.delenv(PROXY_ADMISSION_ENV)
+    assert ProxyAdmission not in [m.cls for m in proxy_middlewares()]
 
 
 def test_launch_sets_and_clears_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
