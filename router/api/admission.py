@@ -30,6 +30,11 @@ def router_max_ongoing(max_in_flight: int) -> int:
     return max_in_flight
 
 
+def app_budget(router: RouterSettings) -> int:
+    """What one app admits at most: its routers' ``max_in_flight`` and its queue."""
+    return router.num_replicas * router.max_in_flight + router.max_queued_requests
+
+
 def admission_limit(routers: Iterable[RouterSettings]) -> int | None:
     """The budget of the proxy's door (:class:`~router.api.proxy_admission.ProxyAdmission`)
     for apps with these router settings: each app's routers' ``max_in_flight`` and its
@@ -39,7 +44,7 @@ def admission_limit(routers: Iterable[RouterSettings]) -> int | None:
     for router in routers:
         if router.max_queued_requests < 0:
             return None
-        total += router.num_replicas * router.max_in_flight + router.max_queued_requests
+        total += app_budget(router)
     return total
 
 
@@ -53,7 +58,7 @@ def serve_queue_limit(router: RouterSettings, door: bool) -> int:
     queued = router.max_queued_requests
     if not door or queued < 0:
         return queued
-    return router.num_replicas * router.max_in_flight + queued
+    return app_budget(router)
 
 
 class Slot:

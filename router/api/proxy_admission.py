@@ -70,14 +70,12 @@ class ProxyAdmission(HTTPMiddleware):
         super().__init__(app)
         self.limit = limit_from_env() if limit is None else limit
         self.in_flight = 0
-        self.refused = 0
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.limit is None or not is_generation(scope):
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
-            self.refused += 1
             await send_refusal(send)
             return
         self.in_flight += 1

@@ -3,8 +3,9 @@
 Per request (n=1; ``n`` > 1 fans out into n sub-requests merged by ``fan_out``):
 
 1. reserve pages on a decode (replica, DP rank) chosen by policy (``router.routing.rank_routing``);
-   no room freed anywhere for ``reserve_wait_s`` (or none found within
-   ``reserve_max_wait_s``) is a 429; every replica failing waits for
+   while none has room the request waits as long as decode makes progress (engine
+   steps): none for ``reserve_wait_s``, or no room within ``reserve_max_wait_s``, is a
+   429; every replica failing waits for
    one to come back (``decode_migration_wait_s``), then 503. The decode replica locks the
    prompt's prefix its own cache holds and reserves pages for the rest only; the prefill
    side is told to stage only those (``skip_pages``);
