@@ -14,6 +14,8 @@
 #   benchfp8: the same with an fp8 KV pool (decode attention through our Triton kernel, whose
 #           plan is lighter than flashinfer's)
 #   fp8probe: flashinfer's FP8-KV MLA decode against its bf16 decode, with its errors
+#   layoutprobe: where the FP8 tensor-core MLA kernel's time goes (QK^T only, PV only) and
+#           whether a token-major copy of V helps, beside flashinfer bf16
 #   mla   : `bench kernels --only mla` at 64 x 4K and 128 x 4K: flashinfer bf16 beside our
 #           kernels on bf16 and fp8 pools
 # .deepep/gpu-site-engine.tar.xz holds the engine's packages the image lacks (flashinfer,
@@ -56,6 +58,10 @@ stage_benchfp8() { bench_model bench_model_fp8kv --kv-cache-dtype fp8_e4m3; }
 stage_fp8probe() {
   run fp8probe "${PROBE_S:-120}" python3 benchmarks/mla_fp8_flashinfer_probe.py "$OUT/fp8probe.json"
   cat "$OUT/fp8probe.log" | tail -8
+}
+stage_layoutprobe() {
+  run layoutprobe "${PROBE_S:-240}" python3 benchmarks/mla_fp8_layout_probe.py "$OUT/layoutprobe.json"
+  tail -80 "$OUT/layoutprobe.log"
 }
 stage_mla() {
   run mla "${MLA_S:-150}" python3 -m dsv3serve.cli bench kernels --only mla --mla-batch 64 128 \
