@@ -13,12 +13,15 @@ from dsv3serve.bench.kernels.moe_tune import (
     QUICK_TOKENS,
     block_ms,
     build_parser,
+    local_experts,
     main,
+    routing_ids,
     tiles,
     tune_table,
     write_table,
 )
 from dsv3serve.moe.experts import random_experts
+from dsv3serve.moe.gate import grouped_topk
 from dsv3serve.moe.moe_config import MoEConfig, default_config
 
 
@@ -72,3 +75,32 @@ def test_merge_keeps_other_token_counts(tmp_path) -> None:
     assert list(json.loads(path.read_text())) == ["1", "4096"]
     write_table(path, {"1": one[1]}, merge=False)
     assert list(json.loads(path.read_text())) == ["1"]
+
+
+def _ep_args(*extra: str):
+    return build_parser().parse_args(
+        ["--experts", "32", "--hidden", "256", "--inter", "128", "--n-group", "8", *extra]
+    )
+
+
+def test_ep_rank_routing_keeps_its_own_experts_and_drops_the_rest() -> None:
+    """Under --ep-size 2 the stack is rank 0's 16 experts: the router still chooses over all
+    32, and a choice of experts 16-31 arrives as -1 (as the dispatchers deliver it)."""
+    args = _ep_args("--ep-size", "2")
+    ex = random_experts(local_experts(args), 256, 128, True, torch.bfloat16, "cpu")
+    torch.manual_seed(3)
+    ids = routing_ids(64, ex, args)
+    torch.manual_seed(3)
+    logits, bias = torch.randn(64, 32), torch.randn(32) * 0.1
+    _, chosen = grouped_topk(logits, bias, 8, 8, 4, 2.5)
+    assert ids.shape == (64, 8)
+    assert torch.equal(ids, torch.where(chosen < 16, chosen, -1))
+    assert 0 < int((ids >= 0).sum()) < ids.numel()  # both kinds occur
+
+
+def test_ep_size_must_divide_the_experts_and_excludes_shared_fusion() -> None:
+    assert local_experts(_ep_args("--ep-size", "4")) == 8
+    with pytest.raises(SystemExit, match="does not divide"):
+        local_experts(_ep_args("--ep-size", "3"))
+    with pytest.raises(SystemExit, match="not fused"):
+        local_experts(_ep_args("--ep-size", "2", "--shared"))

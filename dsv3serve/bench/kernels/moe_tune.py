@@ -11,10 +11,16 @@ config that does not compile or fit in shared memory is skipped. The table is wr
     python -m dsv3serve.bench.kernels.moe_tune --dtype fp8 --tokens 1 8 32 128 512 4096
 
 ``--shared`` tunes the stack with the shared expert fused (E + 1 experts, every token also
-routed to expert E: the E=257 table). ``--quick`` searches 7 token counts, the block sizes
-near the default rule's and fewer tiles (sized for a few minutes per table on an H200);
-``--budget-s`` stops timing once that many seconds have passed and writes the default rule's
-config for the token counts left, saying so.
+routed to expert E: the E=257 table). ``--ep-size N`` tunes an expert-parallel rank's stack:
+tokens are routed over all ``--experts``, the choices of experts outside rank 0's ``E / N``
+become id -1 (:func:`~dsv3serve.moe.sharded.to_local_ids`, as the dispatchers deliver them)
+and the table is the ``E / N`` one. Each token count also times the default rule's config,
+so the output says what the table gains over it.
+
+``--quick`` searches 7 token counts, the block sizes near the default rule's and fewer
+tiles (sized for a few minutes per table on an H200); ``--budget-s`` stops timing once
+that many seconds have passed and writes the default rule's config for the token counts
+left, saying so.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dsv3serve.moe.moe_config import (
     config_file_name,
     default_config,
 )
+from dsv3serve.moe.sharded import to_local_ids
 from dsv3serve.moe.shared import append_shared_expert
 from dsv3serve.moe.triton_moe import moe_down, moe_gate_up
 
@@ -60,9 +67,9 @@ def tiles(gate_up: bool, fp8: bool, block_m: int, quick: bool = False) -> list[G
     return [GemmTile(bn, block_k, w, s, sw) for bn, w, s, sw in grid]
 
 
-def block_ms(tokens: int, experts: int, top_k: int, quick: bool) -> tuple[int, ...]:
+def block_ms(tokens: int, experts: int, top_k: float, quick: bool) -> tuple[int, ...]:
     """Candidate ``block_m``: all, or (``quick``) those near the default rule's for the expected
-    rows per expert ``T * top_k / E``."""
+    rows per expert ``T * top_k / E`` (``top_k``: the choices a token makes in this stack)."""
     if not quick:
         return BLOCK_MS
     rows = tokens * top_k / experts
@@ -107,11 +114,44 @@ def _time_block_m(
 
 
 def routing_ids(t: int, ex: FusedExperts, args: argparse.Namespace) -> torch.Tensor:
-    """ids [T, k] from the real router over random logits, [T, k + 1] with the shared slot."""
-    logits = torch.randn(t, ex.num_experts, device="cuda")
-    bias = torch.randn(ex.num_experts, device="cuda") * 0.1
+    """ids [T, k] from the real router over random logits over all ``args.experts``; under
+    ``--ep-size`` those of experts beyond the stack are -1; [T, k + 1] with the shared slot."""
+    logits = torch.randn(t, args.experts, device=ex.w13.device)
+    bias = torch.randn(args.experts, device=ex.w13.device) * 0.1
     w, ids = grouped_topk(logits, bias, args.top_k, args.n_group, args.topk_group, 2.5)
+    if ex.num_experts < args.experts:
+        w, ids = to_local_ids(w, ids, range(ex.num_experts))
     return append_shared_expert(w, ids, ex.num_experts)[1] if ex.shared_slots else ids
+
+
+def local_experts(args: argparse.Namespace) -> int:
+    """Experts in the tuned stack: rank 0's share under ``--ep-size``."""
+    if args.ep_size < 1 or args.experts % args.ep_size:
+        raise SystemExit(f"--ep-size {args.ep_size} does not divide {args.experts} experts")
+    if args.ep_size > 1 and args.shared:
+        raise SystemExit("--shared: the shared expert is not fused on expert-parallel ranks")
+    return args.experts // args.ep_size
+
+
+def _time_config(
+    ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, cfg: MoEConfig, replays: int
+) -> float:
+    """Gate/up plus down of one config (the default rule's, for the comparison)."""
+    slots, top_k = ex.num_experts + ex.shared_slots, ids.shape[1]
+    blocks = moe_align_block_size(ids, slots, cfg.block_m)
+    a, a_s = quant_per_token_group_fp8(x) if ex.is_fp8 else (x, None)
+    h, h_s = moe_gate_up(a, a_s, ex.w13, ex.w13_scale_inv, blocks, top_k, cfg.gate_up, x.dtype)
+    gu = graph_us(
+        lambda i: moe_gate_up(
+            a, a_s, ex.w13, ex.w13_scale_inv, blocks, top_k, cfg.gate_up, x.dtype
+        ),
+        4,
+        replays,
+    )
+    dn = graph_us(
+        lambda i: moe_down(h, h_s, ex.w2, ex.w2_scale_inv, blocks, cfg.down, x.dtype), 4, replays
+    )
+    return gu + dn
 
 
 def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig:
@@ -120,14 +160,18 @@ def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig
     slots, top_k = ex.num_experts + ex.shared_slots, ids.shape[1]
     x = torch.randn(t, ex.hidden, device="cuda", dtype=torch.bfloat16)
     results = []
-    for bm in block_ms(t, slots, top_k, args.quick):
+    held = top_k * ex.num_experts / args.experts if ex.num_experts < args.experts else top_k
+    for bm in block_ms(t, slots, held, args.quick):
         blocks = moe_align_block_size(ids, slots, bm)
         results.append(_time_block_m(ex, x, blocks, top_k, args))
         print(json.dumps({"T": t, "block_m": bm, "us": results[-1][0]}), flush=True)
     us, cfg = min(results, key=lambda r: r[0])
     if cfg is None:
         raise RuntimeError(f"no config ran for T={t}")
-    print(json.dumps({"T": t, "best_us": us, "config": cfg.to_json()}), flush=True)
+    default = default_config(t, slots, top_k, ex.is_fp8)
+    default_us = _time_config(ex, x, ids, default, args.replays)
+    line = {"T": t, "best_us": us, "default_us": default_us, "default_over_best": default_us / us}
+    print(json.dumps(line | {"config": cfg.to_json()}), flush=True)
     return cfg
 
 
@@ -137,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--experts", type=int, default=256, help="routed experts of the model")
+    p.add_argument("--ep-size", type=int, default=1, help="tune an EP rank's E / N experts")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048, help="moe_intermediate_size (per shard)")
     p.add_argument("--top-k", type=int, default=8)
@@ -186,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tuning needs a CUDA GPU")
-    fp8, shared = args.dtype == "fp8", int(args.shared)
-    ex = random_experts(args.experts, args.hidden, args.inter, fp8, torch.bfloat16, "cuda", shared)
+    fp8, shared, local = args.dtype == "fp8", int(args.shared), local_experts(args)
+    ex = random_experts(local, args.hidden, args.inter, fp8, torch.bfloat16, "cuda", shared)
     table = tune_table(ex, args)
     name = config_file_name(
-        args.experts + shared, args.inter, args.hidden, torch.cuda.get_device_name(), fp8
+        local + shared, args.inter, args.hidden, torch.cuda.get_device_name(), fp8
     )
     write_table(args.out / name, table, args.merge)
     print(f"wrote {args.out / name}")
