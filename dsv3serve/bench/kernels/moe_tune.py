@@ -15,7 +15,8 @@ routed to expert E: the E=257 table). ``--ep-size N`` tunes an expert-parallel r
 tokens are routed over all ``--experts``, the choices of experts outside rank 0's ``E / N``
 become id -1 (:func:`~dsv3serve.moe.sharded.to_local_ids`, as the dispatchers deliver them)
 and the table is the ``E / N`` one. Each token count also times the default rule's config,
-so the output says what the table gains over it.
+so the output says what the table gains over it; where the default was as fast, the table
+holds the default.
 
 ``--quick`` searches 7 token counts, the block sizes near the default rule's and fewer
 tiles (sized for a few minutes per table on an H200); ``--budget-s`` stops timing once
@@ -171,6 +172,8 @@ def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig
     default = default_config(t, slots, top_k, ex.is_fp8)
     default_us = _time_config(ex, x, ids, default, args.replays)
     line = {"T": t, "best_us": us, "default_us": default_us, "default_over_best": default_us / us}
+    if default_us <= us:  # the search missed it: the table never holds a slower config
+        cfg = default
     print(json.dumps(line | {"config": cfg.to_json()}), flush=True)
     return cfg
 
