@@ -190,7 +190,7 @@ class FlashInferMLAAttention(PooledAttentionBackend):
         self._batch: ForwardBatch | None = None
         self._mla_run: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._mha_planned = False
-        self._planned: torch.cuda.Event | None = None
+        self._planned: torch.Event | None = None
         self._planned_owner = 0  # id() of the instance that made ``_planned``
         self._stage: PlanStage | None = None
         self._warned_unaligned = False
@@ -228,10 +228,11 @@ class FlashInferMLAAttention(PooledAttentionBackend):
             self._planned.synchronize()
 
     def _mark_planned(self) -> None:
+        """Record the plan copy's event (``torch.Event``: see ``StaticInputs._mark_copied``)."""
         if self.pool.device.type != "cuda":
             return
         if self._planned is None or self._planned_owner != id(self):  # forks own theirs
-            self._planned, self._planned_owner = torch.cuda.Event(), id(self)
+            self._planned, self._planned_owner = torch.Event(device=self.pool.device), id(self)
         self._planned.record()
 
     def _plan_stage(self) -> PlanStage:

@@ -47,7 +47,7 @@ class HostSample:
     token_ids: Tensor
     logprobs: Tensor
     top_logprobs: tuple[Tensor, Tensor] | None
-    event: torch.cuda.Event | None = None
+    event: torch.Event | None = None
 
     @classmethod
     def start(cls, out: SampleOutput) -> HostSample:
@@ -55,7 +55,8 @@ class HostSample:
         if out.token_ids.device.type != "cuda":
             return cls(out.token_ids, out.logprobs, out.top_logprobs)
         top = out.top_logprobs
-        host = cls(_to_host(out.token_ids), _to_host(out.logprobs), None, torch.cuda.Event())
+        event = torch.Event(device=out.token_ids.device)  # records in C++: see StaticInputs
+        host = cls(_to_host(out.token_ids), _to_host(out.logprobs), None, event)
         if top is not None:
             host.top_logprobs = (_to_host(top[0]), _to_host(top[1]))
         assert host.event is not None

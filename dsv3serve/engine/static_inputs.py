@@ -52,7 +52,7 @@ class StaticInputs:
         self._stages = [torch.from_numpy(template.copy()) for _ in range(_STAGES)]
         if pin:
             self._stages = [stage.pin_memory() for stage in self._stages]
-        self._copied: list[torch.cuda.Event | None] = [None] * _STAGES
+        self._copied: list[torch.Event | None] = [None] * _STAGES
         self._turn = 0
 
     def upload(self, arrays: Sequence[np.ndarray], real: int | None = None) -> list[torch.Tensor]:
@@ -89,9 +89,12 @@ class StaticInputs:
         return self._stages[self._turn]
 
     def _mark_copied(self) -> None:
+        """Record the copy's event. ``torch.Event`` records on the current stream in C++;
+        ``torch.cuda.Event.record()`` builds a Python ``Stream`` first (in run 9's cProfile of
+        the batch-1 step, ``current_stream`` was 0.098 of the two records' 0.120 ms)."""
         if self.device.type != "cuda":
             return
         event = self._copied[self._turn]
         if event is None:
-            event = self._copied[self._turn] = torch.cuda.Event()
+            event = self._copied[self._turn] = torch.Event(device=self.device)
         event.record()
