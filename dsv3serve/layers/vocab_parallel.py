@@ -5,9 +5,11 @@ Three modes, chosen once from the layout (:func:`logits_mode`):
 * ``local``: the head is whole on this rank; no collective.
 * ``vocab``: every rank has the same hidden rows (TP); one all_gather of the vocab slices.
 * ``rows_vocab``: each rank has its own rows (DP attention); collectives in this order:
-  ``all_gather_rows`` of the hidden rows (syncs the host for the counts), the local vocab
-  slice for every rank's rows, one all_gather of the slices along the vocabulary; each rank
-  keeps its own rows. Every rank must call it each step, also with zero rows.
+  ``all_gather_rows`` of the hidden rows (syncs the host for the counts, except in a uniform
+  batch), the local vocab slice for every rank's rows, one all-to-all that sends each rank
+  the slices of its own rows: a rank receives its rows' logits, not every rank's (an
+  all-gather along the vocabulary moved ``world`` times as much). Every rank must call it
+  each step, also with zero rows.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def vocab_parallel_logits(
     if mode == "vocab":
         return comm.all_gather(head(hidden), dim=-1)[:, :vocab_size].float()
     rows, counts = comm.all_gather_rows(hidden)
-    logits = comm.all_gather(head(rows), dim=-1)
-    start = comm.rank * max(counts)
-    return logits[start : start + counts[comm.rank], :vocab_size].float()
+    most = max(counts)
+    slices = comm.all_to_all_rows(head(rows))  # block r: rank r's vocab slice of my rows
+    logits = slices.view(comm.world_size, most, slices.shape[-1]).transpose(0, 1)
+    logits = logits.reshape(most, comm.world_size * slices.shape[-1])
+    return logits[: counts[comm.rank], :vocab_size].float()

@@ -63,6 +63,11 @@ class Comm(ABC):
         """Sum ``x`` [world * n, ...] over the group and keep this rank's block of ``n`` rows
         (rows ``rank * n .. (rank + 1) * n``): [n, ...]."""
 
+    @abstractmethod
+    def all_to_all_rows(self, x: Tensor) -> Tensor:
+        """Send row block ``s`` of ``x`` [world * n, ...] to rank ``s``: returns [world * n,
+        ...] whose block ``r`` is the block rank ``r`` sent here (equal blocks, no host sync)."""
+
 
 class SingleRank(Comm):
     """A group of one rank: every collective returns its input."""
@@ -87,6 +92,9 @@ class SingleRank(Comm):
         return x, [x.shape[0]]
 
     def reduce_scatter_rows(self, x: Tensor) -> Tensor:
+        return x
+
+    def all_to_all_rows(self, x: Tensor) -> Tensor:
         return x
 
 
@@ -143,6 +151,15 @@ class GroupComm(Comm):
             return summed[self.rank * n : (self.rank + 1) * n]
         out = x.new_empty((n, *x.shape[1:]))
         dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def all_to_all_rows(self, x: Tensor) -> Tensor:
+        if x.shape[0] % self.world_size:
+            raise ValueError(
+                f"expected rows divisible by the {self.world_size} ranks, got {x.shape[0]}"
+            )
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.group)
         return out
 
 

@@ -21,7 +21,8 @@ class LoopbackTimingOnlyComm(Comm):
 
     ``all_reduce`` returns ``x`` unchanged; ``all_gather`` [.., n, ..] -> [.., world * n, ..]
     (``x`` repeated); ``all_gather_rows`` [n, ...] -> ([world * n, ...], [n] * world), the
-    counts known on the host without a sync; ``reduce_scatter_rows`` keeps the first block.
+    counts known on the host without a sync; ``reduce_scatter_rows`` keeps the first block;
+    ``all_to_all_rows`` returns ``x``.
     """
 
     graph_safe: bool = True
@@ -53,3 +54,6 @@ class LoopbackTimingOnlyComm(Comm):
 
     def reduce_scatter_rows(self, x: Tensor) -> Tensor:
         return x[: x.shape[0] // self._world]
+
+    def all_to_all_rows(self, x: Tensor) -> Tensor:
+        return x
