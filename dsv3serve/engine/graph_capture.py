@@ -7,6 +7,9 @@ on the host, then replays the graph captured for ``B`` (:class:`GraphCache`). Wi
 capture (CPU, tests, a size not captured) the same forward runs eagerly on the same
 static buffers, so the padding path is testable anywhere.
 
+A capture first runs its forward twice uncaptured (:func:`warm_up`); those forwards are
+not traffic, so the MoE dispatch meters do not record them.
+
 Several layouts planned at once (the chained draft steps of a round, or verify beside
 decode) each plan on their own attention *fork* (:func:`fork_attention`): a shallow copy
 of the backend that keeps its own planned batch, and with flashinfer its own CUDA-graph

@@ -18,6 +18,8 @@ from ep_step_util import HostSyncGuard, run_step_ranks
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsv3serve.cli import build_parser
+from dsv3serve.engine.config import EngineConfig
 from dsv3serve.metrics import DISPATCH_LATENCY_BUCKETS, DispatchStatsCollector, Identity
 from dsv3serve.parallel.dispatch_meter import DispatchMeter, PhaseTotals
 from dsv3serve.parallel.dispatch_pack import WireFormat
@@ -111,6 +113,15 @@ def test_metering_off_records_nothing_and_lists_no_meter(ranks) -> None:
         assert off["listed"] == []
         assert off["counts_ops"] == {"dispatch": [], "combine": []}
         assert off["engine_switch"] == {True: False, False: True}
+
+
+def test_every_engine_command_takes_the_switch() -> None:
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["warmup"], ["bench", "one-batch"],
+                    ["bench", "group"]):  # fmt: skip
+        off = parser.parse_args([*command, "--disable-moe-dispatch-metrics"])
+        assert EngineConfig.from_args(off).disable_moe_dispatch_metrics, command
+        assert not EngineConfig.from_args(parser.parse_args(command)).disable_moe_dispatch_metrics
 
 
 def test_low_latency_counts_are_summed_once_per_pair(ranks) -> None:
