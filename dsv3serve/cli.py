@@ -81,6 +81,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _cache_arg(p)
     add_layout_args(p)
     p.add_argument(
+        "--disable-moe-dispatch-metrics",
+        action="store_true",
+        help="no dsv3serve:moe_dispatch_* metrics: EP dispatch / combine record no CUDA events",
+    )
+    p.add_argument(
         "--hf-overrides",
         type=json.loads,
         default=None,

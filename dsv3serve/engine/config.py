@@ -74,6 +74,9 @@ class EngineConfig(BaseModel):
     ep_num_redundant_experts: int = Field(0, ge=0)
     init_expert_location: str | None = None
     eplb_rebalance_num_iterations: int = Field(1000, ge=1)
+    # the expert-parallel dispatch / combine metrics (dsv3serve:moe_dispatch_*; on by default,
+    # docs/metrics.md): two CUDA events per dispatch and per combine on eager steps
+    disable_moe_dispatch_metrics: bool = False
     # speculative decoding with the checkpoint's NextN (MTP) layer as the draft
     speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None  # EAGLE: alias of NEXTN
     speculative_num_steps: int | None = Field(None, ge=1, description="draft steps per round")
@@ -239,5 +242,6 @@ FLAG_FIELDS = (  # engine flags (dsv3serve.cli) named exactly as their EngineCon
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
     "speculative_draft_model_quantization",
+    "disable_moe_dispatch_metrics",
     *PARALLEL_FIELDS,
 )

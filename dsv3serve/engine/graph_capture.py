@@ -7,6 +7,9 @@ on the host, then replays the graph captured for ``B`` (:class:`GraphCache`). Wi
 capture (CPU, tests, a size not captured) the same forward runs eagerly on the same
 static buffers, so the padding path is testable anywhere.
 
+A capture first runs its forward twice uncaptured (:func:`warm_up`); those forwards are
+not traffic, so the MoE dispatch meters do not record them.
+
 Several layouts planned at once (the chained draft steps of a round, or verify beside
 decode) each plan on their own attention *fork* (:func:`fork_attention`): a shallow copy
 of the backend that keeps its own planned batch, and with flashinfer its own CUDA-graph
@@ -28,6 +31,7 @@ import torch
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.engine.static_inputs import StaticInputs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
+from dsv3serve.parallel.dispatch_meter import unmetered
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,14 @@ def fork_attention(attn: AttentionBackend, slot: str) -> AttentionBackend:
     return fork
 
 
+def warm_up(forward: Callable[[], object], runs: int = 2) -> None:
+    """Run ``forward`` ``runs`` times before its capture (compiles, first-call set-up), on
+    the current stream. Not traffic: no dispatch meter records these forwards."""
+    with unmetered():
+        for _ in range(runs):
+            forward()
+
+
 class GraphCache(Generic[T]):
     """CUDA graphs by batch size over caller-owned static buffers, in one memory pool.
 
@@ -121,8 +133,7 @@ class GraphCache(Generic[T]):
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
+            warm_up(forward)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):

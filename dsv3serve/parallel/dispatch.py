@@ -20,6 +20,7 @@ from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
 from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher, DeepEPShape
 from dsv3serve.parallel.dispatch_loopback import LoopbackTimingOnlyDispatcher, NoDispatch
+from dsv3serve.parallel.dispatch_meter import unmetered
 from dsv3serve.parallel.shard import RankLayout
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def create_dispatcher(
     group: dist.ProcessGroup | None = None,
     loopback: bool = False,
     deepep: DeepEPOptions | None = None,
+    metered: bool = True,
 ) -> Dispatcher:
     """The dispatcher for global rank ``rank`` of ``parallel``'s group.
 
@@ -56,6 +58,8 @@ def create_dispatcher(
     timing only; no process group needed). ``"deepep"``: :class:`DeepEPDispatcher` in
     ``parallel.deepep_mode`` over ``group``, sized by ``deepep`` (required), after
     ``deep_ep`` imported and passed its self-check (else :class:`DispatchBackendUnavailable`).
+    ``metered``: whether the dispatcher's meter records its calls (the engine's
+    ``disable_moe_dispatch_metrics`` turns it off).
     """
     if parallel.ep_size == 1:
         return NoDispatch(num_experts)
@@ -65,8 +69,8 @@ def create_dispatcher(
         return LoopbackTimingOnlyDispatcher(num_experts, parallel.ep_size, ep_rank)
     _check_group(parallel, ep_rank, group)
     if deep_ep is not None:
-        return _deepep(deep_ep, parallel, num_experts, group, deepep)
-    return AllToAllDispatcher(num_experts, group)
+        return _deepep(deep_ep, parallel, num_experts, group, deepep, metered)
+    return AllToAllDispatcher(num_experts, group, metered=metered)
 
 
 def _deep_ep_module(
@@ -91,12 +95,13 @@ def _deepep(
     num_experts: int,
     group: dist.ProcessGroup | None,
     options: DeepEPOptions,
+    metered: bool,
 ) -> DeepEPDispatcher:
     shape = DeepEPShape(num_experts, options.hidden, options.max_tokens_per_rank)
     payload = FP8_DTYPE if options.fp8_dispatch else None
-    d = DeepEPDispatcher(module, shape, parallel.deepep_mode, group, payload)
-    self_check(d, options.device)
-    d.meter.reset()  # the self-check's round trips are not traffic
+    d = DeepEPDispatcher(module, shape, parallel.deepep_mode, group, payload, metered)
+    with unmetered():  # the self-check's round trips are not traffic
+        self_check(d, options.device)
     logger.info("DeepEP (%s mode) passed its self-check; %s", d.mode, DEEPEP_FUSION_NOTE)
     return d
 

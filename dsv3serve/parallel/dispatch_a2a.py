@@ -59,7 +59,7 @@ class AllToAllDispatcher(Dispatcher):
 
     ``meter`` (mode ``a2a``): per call, the received rows times the wire row (hidden payload,
     FP8 scales, top-k weights and ids, padded) for dispatch, the rows sent back times ``y``'s
-    row for combine; all host ints (the split sizes).
+    row for combine; all host ints (the split sizes). ``metered=False``: the meter is off.
     """
 
     def __init__(
@@ -67,6 +67,7 @@ class AllToAllDispatcher(Dispatcher):
         num_experts: int,
         group: dist.ProcessGroup | None = None,
         payload_dtype: torch.dtype | None = None,
+        metered: bool = True,
     ) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
@@ -78,7 +79,7 @@ class AllToAllDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.payload_dtype = check_payload_dtype(payload_dtype)
-        self.meter = DispatchMeter(self.rank)
+        self.meter = DispatchMeter(self.rank, enabled=metered)
 
     def _exchange_counts(self, send_counts: Tensor) -> tuple[list[int], list[int]]:
         recv_counts = torch.empty_like(send_counts)

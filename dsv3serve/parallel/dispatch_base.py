@@ -76,7 +76,7 @@ class Dispatcher(ABC):
 
     meter: DispatchMeter | None = None
     """This rank's dispatch / combine latency and bytes (None: the backend moves nothing
-    between ranks, or only pretends to)."""
+    between ranks, or only pretends to; a meter with ``enabled`` False: metering is off)."""
 
     @abstractmethod
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:

@@ -43,7 +43,7 @@ from dsv3serve.parallel.dispatch_base import (
     MaskedDispatcher,
     dequant_rows,
 )
-from dsv3serve.parallel.dispatch_meter import DispatchMeter
+from dsv3serve.parallel.dispatch_meter import Counted, DispatchMeter
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class _MaskedState:
     handle: tuple
     topk_ids: Tensor
     topk_weights: Tensor
+    metered_rows: Counted | None  # the dispatch's recorded row count (None: not metered)
 
 
 def _check_bf16(x: Tensor) -> None:
@@ -102,6 +103,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         mode: DeepEPMode,
         group: dist.ProcessGroup | None = None,
         payload_dtype: torch.dtype | None = None,
+        metered: bool = True,
     ) -> None:
         self.ep, self.shape, self.mode, self.group = deep_ep, shape, mode, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -116,7 +118,7 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         self.fp8 = payload_dtype == FP8_DTYPE
         # v2 exports the id dtype it was built with; v1.2 takes int64
         self.idx_dtype: torch.dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
-        self.meter = DispatchMeter(self.rank)
+        self.meter = DispatchMeter(self.rank, enabled=metered)
         self.buffer = self._make_buffer()
         self._ll_dirty = False  # a normal-mode call used the buffer since the last clean
         self._check_qp_depth()
@@ -277,8 +279,8 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
             x, ids, self.max_tokens_per_rank, self.shape.num_experts, use_fp8=self.fp8
         )
         rows, scales = recv if self.fp8 else (recv, None)
-        state = _MaskedState(handle, ids, topk_weights.float())
-        self.meter.stop(mark, "dispatch", "low_latency", counts, self._row_bytes())
+        metered = self.meter.stop(mark, "dispatch", "low_latency", counts, self._row_bytes())
+        state = _MaskedState(handle, ids, topk_weights.float(), metered)
         return MaskedDispatched(rows, counts, state=state, x_scale=scales)
 
     def _clean_if_dirty(self) -> None:
@@ -295,8 +297,8 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
         combined, _, _ = self.buffer.low_latency_combine(
             y.to(torch.bfloat16).contiguous(), s.topk_ids, s.topk_weights, s.handle
         )
-        row = 2 * self.shape.hidden
-        self.meter.stop(mark, "combine", "low_latency", dispatched.counts, row)
+        rows = s.metered_rows or dispatched.counts  # the dispatch's count, summed and copied once
+        self.meter.stop(mark, "combine", "low_latency", rows, 2 * self.shape.hidden)
         return combined
 
 

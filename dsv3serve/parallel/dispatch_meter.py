@@ -14,7 +14,16 @@ and ``combine`` call with :meth:`DispatchMeter.start` / :meth:`DispatchMeter.sto
   copied to pinned host memory without blocking and read, like the events, once done.
 
 Nothing is recorded while the current CUDA stream is capturing a graph: a graph's replays
-run no Python, so steps replayed from CUDA graphs are not metered (docs/deepep.md).
+run no Python, so steps replayed from CUDA graphs are not metered (docs/deepep.md). Nor is
+what runs inside :func:`unmetered` (calls that are not traffic: the warm-up forwards before
+a capture, DeepEP's start-up self-check), nor anything of a meter made with
+``enabled=False`` (the engine's ``disable_moe_dispatch_metrics``): its ``start`` returns at
+once, so the call records no event and copies no count, and it is not listed by
+:func:`process_snapshots`, so no series is exported for it.
+
+A low-latency combine moves the rows its dispatch received: the dispatch's :meth:`stop`
+returns the count it recorded (:class:`Counted`) and the combine passes that back, so the
+per-expert counts are summed and copied once per pair.
 
 :meth:`DispatchMeter.snapshot` returns plain numbers (cumulative bytes and histogram bucket
 counts per (phase, mode)), so another process can read them: every meter of a process is
@@ -29,6 +38,9 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +52,19 @@ from dsv3serve.metrics import DISPATCH_LATENCY_BUCKETS
 PHASES = ("dispatch", "combine")
 MAX_PENDING = 1 << 16  # unread CUDA measurements kept at most (oldest dropped beyond)
 DRAIN_AT = 256  # a stop() with this many pending reads the completed ones
+# set by unmetered(): per thread (and task), like torch's grad mode
+_NOT_TRAFFIC: ContextVar[bool] = ContextVar("dispatch_not_traffic", default=False)
+
+
+@contextmanager
+def unmetered() -> Iterator[None]:
+    """Dispatch / combine calls made inside are not traffic (a graph's warm-up forwards,
+    DeepEP's self-check): no meter records them (on this thread)."""
+    token = _NOT_TRAFFIC.set(True)
+    try:
+        yield
+    finally:
+        _NOT_TRAFFIC.reset(token)
 
 
 @dataclass
@@ -47,6 +72,17 @@ class _Mark:
     """Where one metered call began: a perf_counter time or a recorded CUDA event."""
 
     start: float | torch.cuda.Event
+
+
+@dataclass(frozen=True)
+class Counted:
+    """The row count one metered call recorded: a host int, or a host int64 scalar (pinned,
+    filled by a copy queued on the call's stream; on CPU the sum itself) that holds the
+    count once that call is done. A later call on the same stream that moves as many rows
+    (a low-latency combine, after its dispatch) passes it back to :meth:`DispatchMeter.stop`
+    instead of summing and copying the counts again."""
+
+    rows: int | Tensor
 
 
 @dataclass
@@ -89,18 +125,24 @@ _METERS: weakref.WeakSet[DispatchMeter] = weakref.WeakSet()
 
 
 class DispatchMeter:
-    """One dispatcher's latency and bytes per (phase, mode), rank ``rank`` of its group."""
+    """One dispatcher's latency and bytes per (phase, mode), rank ``rank`` of its group;
+    ``enabled=False``: records nothing and is not listed by :func:`process_snapshots`."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, enabled: bool = True) -> None:
         self.rank = rank
+        self.enabled = enabled
         self.totals: dict[tuple[str, str], PhaseTotals] = {}
         self.dropped = 0
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()
-        _METERS.add(self)
+        if enabled:
+            _METERS.add(self)
 
     def start(self, ref: Tensor) -> _Mark | None:
-        """Mark the start of a call on ``ref``'s device (None while a graph is captured)."""
+        """Mark the start of a call on ``ref``'s device (None: the call is not recorded --
+        the meter is off, the call is :func:`unmetered`, or a graph is being captured)."""
+        if not self.enabled or _NOT_TRAFFIC.get():
+            return None
         if ref.device.type != "cuda":
             return _Mark(time.perf_counter())
         if torch.cuda.is_current_stream_capturing():
@@ -110,24 +152,41 @@ class DispatchMeter:
         return _Mark(event)
 
     def stop(
-        self, mark: _Mark | None, phase: str, mode: str, rows: int | Tensor, row_bytes: int
-    ) -> None:
+        self,
+        mark: _Mark | None,
+        phase: str,
+        mode: str,
+        rows: int | Tensor | Counted,
+        row_bytes: int,
+    ) -> Counted | None:
         """End the call begun at ``mark``: it moved ``rows`` rows of ``row_bytes`` bytes
-        (``rows`` a host int, or a tensor of row counts on the call's device, summed there
-        and read later)."""
+        (``rows`` a host int, a tensor of row counts on the call's device -- summed there and
+        read later --, or what an earlier call's ``stop`` returned). Returns the count as
+        recorded, None when ``mark`` is (nothing recorded, no work done on ``rows``)."""
         if mark is None:
-            return
-        if isinstance(rows, Tensor):
-            rows = rows.sum()
+            return None
+        counted = rows if isinstance(rows, Counted) else Counted(self._host_rows(rows, mark))
         if isinstance(mark.start, float):
-            entry = _Pending(phase, mode, mark.start, time.perf_counter(), rows, row_bytes)
+            end: float | torch.cuda.Event = time.perf_counter()
         else:
-            if isinstance(rows, Tensor):
-                host = torch.empty((), dtype=torch.int64, pin_memory=True)
-                rows = host.copy_(rows, non_blocking=True)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            entry = _Pending(phase, mode, mark.start, end, rows, row_bytes)
+        self._record(_Pending(phase, mode, mark.start, end, counted.rows, row_bytes))
+        return counted
+
+    @staticmethod
+    def _host_rows(rows: int | Tensor, mark: _Mark) -> int | Tensor:
+        """``rows`` as a host int, or summed on its device and (CUDA) copied without
+        blocking into a pinned scalar, read once the call is done."""
+        if not isinstance(rows, Tensor):
+            return rows
+        total = rows.sum()
+        if isinstance(mark.start, float):
+            return total
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        return host.copy_(total, non_blocking=True)
+
+    def _record(self, entry: _Pending) -> None:
         with self._lock:
             if entry.ready() and isinstance(entry.rows, int):
                 self._add(entry)
@@ -138,13 +197,6 @@ class DispatchMeter:
             while len(self._pending) > MAX_PENDING:
                 self._pending.popleft()
                 self.dropped += 1
-
-    def reset(self) -> None:
-        """Forget everything recorded so far (e.g. a start-up self-check's round trips)."""
-        with self._lock:
-            self.totals.clear()
-            self._pending.clear()
-            self.dropped = 0
 
     def _add(self, entry: _Pending) -> None:
         totals = self.totals.setdefault((entry.phase, entry.mode), PhaseTotals())

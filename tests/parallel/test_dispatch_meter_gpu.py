@@ -55,3 +55,24 @@ def test_nothing_is_recorded_while_a_graph_is_captured() -> None:
     torch.testing.assert_close(y, x @ x)
     (phase,) = meter.snapshot()["phases"]
     assert phase["count"] == 1 and phase["bytes"] == 400
+
+
+def test_a_pair_shares_one_count_copy_and_an_off_meter_records_nothing() -> None:
+    """The combine meters the count its dispatch copied (one sum, one pinned copy per pair);
+    a meter made off records no event and touches no count."""
+    meter, off = DispatchMeter(rank=0), DispatchMeter(rank=0, enabled=False)
+    x = torch.randn(256, 256, device="cuda")
+    counts = torch.tensor([3, 0, 2], dtype=torch.int32, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counted = meter.stop(meter.start(x), "dispatch", "low_latency", counts, 100)
+        assert counted is not None
+        meter.stop(meter.start(x), "combine", "low_latency", counted, 10)
+        assert off.start(x) is None
+        assert off.stop(None, "dispatch", "low_latency", counts, 100) is None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    got = {p["phase"]: p["bytes"] for p in meter.snapshot()["phases"]}
+    assert got == {"dispatch": 500, "combine": 50}
+    assert off.snapshot()["phases"] == []

@@ -18,6 +18,8 @@ from ep_step_util import HostSyncGuard, run_step_ranks
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsv3serve.cli import build_parser
+from dsv3serve.engine.config import EngineConfig
 from dsv3serve.metrics import DISPATCH_LATENCY_BUCKETS, DispatchStatsCollector, Identity
 from dsv3serve.parallel.dispatch_meter import DispatchMeter, PhaseTotals
 from dsv3serve.parallel.dispatch_pack import WireFormat
@@ -92,12 +94,56 @@ def test_bytes_are_exact_per_rank_phase_and_backend(ranks, name: str) -> None:
 
 
 def test_self_check_traffic_is_not_counted(ranks) -> None:
-    """The factory resets the meter after DeepEP's self-check: an all-empty case counts
-    zero bytes although the self-check moved real rows."""
+    """The factory runs DeepEP's self-check unmetered: an all-empty case counts zero bytes
+    although the self-check moved real rows."""
     _, results = ranks
     for rank in range(WORLD):
         for backend in ("normal", "low_latency"):
             assert all(p["bytes"] == 0 for p in results[rank]["all_empty"][backend]["phases"])
+
+
+def test_metering_off_records_nothing_and_lists_no_meter(ranks) -> None:
+    """``metered=False`` (the engine's ``disable_moe_dispatch_metrics``): no phase is
+    recorded, no meter is listed for export (no series, rather than zeros), and the
+    low-latency pair does no work on its counts; ``rank_parts`` follows the engine flag."""
+    _, results = ranks
+    for rank in range(WORLD):
+        off = results[rank]["_off"]
+        assert all(s["phases"] == [] for s in off["snapshots"].values()), off["snapshots"]
+        assert off["listed"] == []
+        assert off["counts_ops"] == {"dispatch": [], "combine": []}
+        assert off["engine_switch"] == {True: False, False: True}
+
+
+def test_every_engine_command_takes_the_switch() -> None:
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["warmup"], ["bench", "one-batch"],
+                    ["bench", "group"]):  # fmt: skip
+        off = parser.parse_args([*command, "--disable-moe-dispatch-metrics"])
+        assert EngineConfig.from_args(off).disable_moe_dispatch_metrics, command
+        assert not EngineConfig.from_args(parser.parse_args(command)).disable_moe_dispatch_metrics
+
+
+def test_low_latency_counts_are_summed_once_per_pair(ranks) -> None:
+    """The dispatch sums its per-expert counts once (to meter them); the combine reuses
+    that count and touches the counts not at all, yet meters the same bytes."""
+    cases, results = ranks
+    uniform = next(c for c in cases if c.name == "uniform")
+    for rank in range(WORLD):
+        got = results[rank]["_warm_up"]
+        assert got["counts_ops"] == {"dispatch": ["aten.sum.default"], "combine": []}
+        phases = _by_phase(got["snapshots"]["low_latency"])
+        assert phases["combine"]["bytes"] == expert_pairs(uniform, rank) * BF16_ROW
+
+
+def test_graph_warm_up_forwards_are_not_metered(ranks) -> None:
+    """Two warm-up rounds (``graph_capture.warm_up``, what a capture runs first) and one
+    real round per backend: the meters count the real round only."""
+    _, results = ranks
+    for rank in range(WORLD):
+        for backend, snap in results[rank]["_warm_up"]["snapshots"].items():
+            counts = {p["phase"]: p["count"] for p in snap["phases"]}
+            assert counts == {"dispatch": 1, "combine": 1}, (rank, backend)
 
 
 def test_exposition_carries_every_rank(ranks) -> None:

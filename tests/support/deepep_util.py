@@ -50,10 +50,12 @@ def make_deepep(
     fp8: bool = False,
     corrupt: bool = False,
     max_tokens: int = MAX_TOKENS,
+    metered: bool = True,
 ) -> DeepEPDispatcher:
     """The factory's DeepEP dispatcher over the fake (runs the self-check)."""
     opts = DeepEPOptions(hidden, max_tokens, fp8, module=fake_deep_ep.make_module(corrupt))
-    return create_dispatcher(deepep_config(world, mode), NUM_EXPERTS, rank, deepep=opts)
+    config = deepep_config(world, mode)
+    return create_dispatcher(config, NUM_EXPERTS, rank, deepep=opts, metered=metered)
 
 
 def _flat(d, case: Case, rank: int) -> torch.Tensor:  # noqa: ANN001

@@ -8,7 +8,9 @@ Every rank runs, on the same cases of :mod:`dispatch_util`:
   each step a different real token count padded to ``MAX_TOKENS`` with NaN rows routed to
   real experts (they must not be sent), under :class:`HostSyncGuard` -- any host read of a
   tensor in the glue or the meter raises; the fake DeepEP (a stand-in for GPU kernels, which
-  syncs over gloo) runs unguarded.
+  syncs over gloo) runs unguarded;
+* before those, the meter's switches (:mod:`meter_switch_util`): metering off, a graph
+  capture's warm-up, the low-latency pair's work on its counts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dispatch_util import (
     save_rank_results,
     spawn_for_results,
 )
+from meter_switch_util import metering_off, warm_up_then_round
 
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher
@@ -144,7 +147,10 @@ def _graph_style(case: Case, world: int, rank: int, steps: list[int]) -> dict[st
 def _rank_main(rank: int, world: int, workdir: str, steps: list[int]) -> None:
     with gloo_rank(rank, world, workdir) as root:
         cases: list[Case] = torch.load(root / "cases.pt", weights_only=False)
-        results = {c.name: _metered(c, world, rank) for c in cases}
+        both_have_tokens = next(c for c in cases if c.name == "uniform")
+        results = {"_off": metering_off(both_have_tokens, world, rank)}  # the first meters
+        results["_warm_up"] = warm_up_then_round(both_have_tokens, world, rank)
+        results |= {c.name: _metered(c, world, rank) for c in cases}
         results["_graph_style"] = _graph_style(cases[0], world, rank, steps)
         modes = ("normal", "low_latency", "auto")
         results["_graph_safe"] = {m: make_deepep(world, rank, m, 128).graph_safe for m in modes}

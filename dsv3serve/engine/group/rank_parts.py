@@ -82,7 +82,8 @@ def rank_parts(cfg: EngineConfig, model_cfg: ModelConfig) -> RankParts:
         # EPLB: the dispatchers see physical expert slots (logical ids are mapped before)
         slots = model_cfg.n_routed_experts if eplb is None else eplb.num_physical
         options = _deepep_options(cfg, model_cfg)
-        dispatcher = create_dispatcher(cfg.parallel, slots, rank, deepep=options)
+        metered = not cfg.disable_moe_dispatch_metrics
+        dispatcher = create_dispatcher(cfg.parallel, slots, rank, deepep=options, metered=metered)
         if isinstance(dispatcher, AllToAllDispatcher):  # graphed decode steps gather instead
             dispatcher = UniformGatherDispatcher(dispatcher, comm)
     return RankParts(layout, comm, dispatcher, eplb)
