@@ -107,7 +107,15 @@ def decomposition(full: list[Record]) -> dict[str, object]:
         "last_sent_s": last("sent"),
         "last_arrived_s": last("arrived"),
         "stamped_in_proxy": sum(1 for r in full if r.get("arrived") is not None),
+        "refused_were_the_last_arrivals": refused_last(full),
     }
+
+
+def refused_last(full: list[Record]) -> bool:
+    """Whether the refusals at capacity were exactly the last requests into the proxy."""
+    stamped = sorted((r for r in full if r.get("arrived") is not None), key=lambda r: r["arrived"])  # type: ignore[arg-type, return-value]
+    refused = [kind_of(r) == "capacity" for r in stamped]
+    return refused == sorted(refused)
 
 
 def loop_lateness(door: dict[str, object], start: float, until_s: float) -> dict[str, object]:
@@ -124,3 +132,39 @@ def loop_lateness(door: dict[str, object], start: float, until_s: float) -> dict
         "max_late_s": max(late) if late else 0.0,
         "sum_late_s": sum(late),
     }
+
+
+def ms(value: object) -> str:
+    return "-" if value is None else f"{float(value) * 1000:.1f}"  # type: ignore[arg-type]
+
+
+def format_summary(report: dict[str, object]) -> str:
+    """A run's summary (``admission_two_routers_cpu.json``) as a short table, in ms."""
+    lines = [
+        f"streams {report['streams']} from {report['client_processes']} client process(es),"
+        f" budget {report['admission_budget']}: {report['succeeded']} answered 200,"
+        f" per router {report['answered_per_router']}"
+    ]
+    for kind, s in report["rejections"].items():  # type: ignore[attr-defined]
+        lines.append(f"429 {kind}: {s['count']}, p50 {ms(s['p50_s'])} / p99 {ms(s['p99_s'])} ms")
+    lines.append(
+        f"{'part':18s} {'refused: p50 / p99 / max ms':>30s} {'admitted: p50 / p99 ms':>24s}"
+    )
+    parts = report["decomposition"]  # type: ignore[index]
+    for name, _, _ in STEPS:
+        r, a = parts["refused_at_capacity"][name], parts["admitted"][name]  # type: ignore[index]
+        refused = f"{ms(r['p50_s'])} / {ms(r['p99_s'])} / {ms(r['max_s'])}"
+        lines.append(f"{name:18s} {refused:>30s} {ms(a['p50_s']) + ' / ' + ms(a['p99_s']):>24s}")
+    spreads = {k: ms(v) for k, v in parts.items() if k.startswith("last_")}  # type: ignore[attr-defined]
+    lines.append(f"ms after the start: {spreads}")
+    lines.append(f"proxy loop: {report['proxy_loop_while_sending']}")
+    lines.append(f"probes while full: {report['probes_while_full']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    print(format_summary(json.loads(Path(sys.argv[1]).read_text())))

@@ -76,8 +76,17 @@ def free_port() -> int:
 
 
 def router_answers(url: str, status: str | None = None) -> float:
-    """One router's HTTP answers (``dsv3serve:requests_total``), of ``status`` or all."""
-    families = text_string_to_metric_families(httpx.get(url, timeout=30).text)
+    """One router's HTTP answers (``dsv3serve:requests_total``), of ``status`` or all
+    (its metrics server may still be starting: asked again for up to a minute)."""
+    for _ in range(60):
+        try:
+            text = httpx.get(url, timeout=30).text
+            break
+        except httpx.ConnectError:
+            time.sleep(1)
+    else:
+        raise RuntimeError(f"no router metrics at {url} within a minute")
+    families = text_string_to_metric_families(text)
     return sum(
         s.value
         for family in families
