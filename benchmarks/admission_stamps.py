@@ -5,12 +5,13 @@ door in Serve's proxy, and how late the proxy's event loop ran while it did.
 IMPORT_PATH``) at :func:`stamped_proxy_middlewares`: the project's middlewares
 (``router.api.proxy_middleware.proxy_middlewares``) with :class:`DoorStamps` around them
 all. Serve wraps the proxy in its callback's list in order, so the list's last entry is
-the outermost; nothing runs between a request's entry into :class:`DoorStamps` and the
-middlewares it wraps. For each request carrying :data:`BENCH_ID_HEADER` it keeps the wall
-time (``time.time()``, one clock for every process on the host) at which the request
-entered, and at which its response head was handed back to uvicorn, with the status. A
-watcher task samples the event loop's lateness every :data:`LOOP_TICK_S`. ``GET``
-:data:`STAMPS_PATH` answers both as JSON. Production code never loads this module.
+the outermost, and the next one in is the door (``ProxyAdmission``): nothing runs
+between a request's entry into :class:`DoorStamps` and the door's check. For each
+request carrying :data:`BENCH_ID_HEADER` it keeps the wall time (``time.time()``, one
+clock for every process on the host) at which the request entered, and at which its
+response head was handed back to uvicorn, with the status. A watcher task samples the
+event loop's lateness every :data:`LOOP_TICK_S`. ``GET`` :data:`STAMPS_PATH` answers
+both as JSON. Production code never loads this module.
 """
 
 from __future__ import annotations
