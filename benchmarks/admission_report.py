@@ -157,7 +157,7 @@ def format_summary(report: dict[str, object]) -> str:
         lines.append(f"{name:18s} {refused:>30s} {ms(a['p50_s']) + ' / ' + ms(a['p99_s']):>24s}")
     spreads = {k: ms(v) for k, v in parts.items() if k.startswith("last_")}  # type: ignore[attr-defined]
     lines.append(f"ms after the start: {spreads}")
-    lines.append(f"proxy loop: {report['proxy_loop_while_sending']}")
+    lines.append(f"proxy loop: {report.get('proxy_loop_during_arrivals')}")
     lines.append(f"probes while full: {report['probes_while_full']}")
     return "\n".join(lines)
 

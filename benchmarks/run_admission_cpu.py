@@ -209,7 +209,7 @@ def main(args: argparse.Namespace) -> None:
         serve.shutdown()
         ray.shutdown()
     full = merged(records, door["requests"], start)
-    last_sent = max((float(r["sent"]) for r in full if r.get("sent")), default=start)
+    last_in = max((float(r["arrived"]) for r in full if r.get("arrived")), default=start)
     report = {
         "host_cpus": os.cpu_count(),
         "streams": args.streams,
@@ -223,7 +223,7 @@ def main(args: argparse.Namespace) -> None:
         "429_by_router_per_router": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
         "rejections": rejection_summary(records),
         "decomposition": decomposition(full),
-        "proxy_loop_while_sending": loop_lateness(door, start, last_sent - start + 0.5),
+        "proxy_loop_during_arrivals": loop_lateness(door, start, last_in - start + 0.1),
         "probes_while_full": {"sent": args.probes} | stats(probes),
     }
     (args.out / "admission_requests.json").write_text(json.dumps(full))
