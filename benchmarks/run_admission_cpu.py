@@ -1,22 +1,34 @@
-"""Admission across two routers (issue 29 item 5): 600 concurrent streams against the local
-PD app (tiny model, CPU, two router replicas of ``max_in_flight`` 256, one prefill and one
-decode replica) through ``bench serve``, with Serve's proxy running our middlewares (as
-``dsv3serve serve`` starts it) and holding ``router.max_queued_requests`` (``QUEUED``,
-or the second argument) while both routers are full. Prints how many requests each
-router served and how long a 429 took, by kind: Serve's proxy refusing for full routers
-(``rate_limit_exceeded``, "at capacity") or no KV room on decode within
-``router.reserve_wait_s``. While the burst holds the whole budget, a probe thread then
-sends ``PROBES`` more requests one at a time and times each 429: the refusal of a full
-server, apart from the burst's own arrivals (whose last 429s queue behind the admitted
-requests the proxy handles first).
-Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR [QUEUED]``."""
+"""Admission across two routers (issue 29 item 5): a burst of concurrent streams (600 by
+default) against the local PD app (tiny model, CPU, two router replicas of
+``max_in_flight`` 256 unless ``--max-in-flight``, one prefill and one decode replica),
+with Serve's proxy running our middlewares (as ``dsv3serve serve`` starts it, the door's
+budget included) and holding ``router.max_queued_requests`` (``QUEUED``, the second
+argument) behind them.
+
+The burst comes from ``--clients`` processes (``admission_clients.py``: ``bench serve``'s
+own loop, one asyncio loop and one httpx client each), released at one wall-clock
+instant, each with every ``clients``-th request; 1 (the default) is one client process
+sending the whole burst, as the earlier records did. The proxy stamps each request of the
+burst as it enters its middlewares (``admission_stamps.py``, bench-only), so the record
+splits each request's time into the client's send lag, the proxy's arrival lag (sent ->
+door) and door -> client (``admission_report.py``).
+
+Prints and writes (``OUT_DIR/admission_two_routers_cpu.json``) how many requests each
+router answered, the 429s by kind (at capacity: the door's or Serve's proxy's; no KV room
+on decode within ``router.reserve_wait_s``), that decomposition and how late the proxy's
+event loop ran. While the burst holds the whole budget, a probe thread then sends
+``--probes`` requests one at a time and times each 429: the refusal of a full server.
+``OUT_DIR/admission_requests.json`` holds every request's stamps.
+Usage: ``.venv/bin/python benchmarks/run_admission_cpu.py OUT_DIR [QUEUED] [--clients N]
+[--streams N] [--max-in-flight N] [--probes N]``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
-import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -24,21 +36,37 @@ from pathlib import Path
 
 import httpx
 import ray
+from admission_report import decomposition, loop_lateness, merged, rejection_summary, stats
+from admission_stamps import CALLBACK, STAMPS_PATH
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from dsv3serve.bench.serve.config import BenchServeConfig
-from dsv3serve.bench.serve.run import run_bench_serve
 from router.api.admission import admission_limit
+from router.api.proxy_middleware import PROXY_CALLBACK_ENV
 from router.app import bind_app
 from router.config import ServingConfig
 from router.launch import load_deploy_file, use_proxy_middleware
 
 APP = "dsv3serve"
-STREAMS = 600
-QUEUED = 256  # the proxy's queue of the recorded runs; the second argument overrides it
-PROBES = 50
-PROBE_AFTER_S = 3.0  # the burst holds the budget by then (its streams run for seconds)
+HERE = Path(__file__).resolve().parent
+CLIENT_SCRIPT = HERE / "admission_clients.py"
+RELEASE_AFTER_S = 0.5  # from the last client's "ready" to the shared start instant
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("queued", type=int, nargs="?", default=256, help="max_queued_requests")
+    p.add_argument("--streams", type=int, default=600)
+    p.add_argument("--clients", type=int, default=1, help="client processes")
+    p.add_argument("--max-in-flight", type=int, default=None, help="per router")
+    p.add_argument("--probes", type=int, default=50)
+    p.add_argument("--probe-after", type=float, default=3.0, help="s after the start")
+    p.add_argument("--num-cpus", type=int, default=8, help="Ray's logical CPUs")
+    args = p.parse_args(argv)
+    if not 1 <= args.clients <= args.streams:
+        p.error(f"--clients: expected 1..{args.streams}, got {args.clients}")
+    return args
 
 
 def free_port() -> int:
@@ -48,8 +76,17 @@ def free_port() -> int:
 
 
 def router_answers(url: str, status: str | None = None) -> float:
-    """One router's HTTP answers (``dsv3serve:requests_total``), of ``status`` or all."""
-    families = text_string_to_metric_families(httpx.get(url, timeout=30).text)
+    """One router's HTTP answers (``dsv3serve:requests_total``), of ``status`` or all
+    (its metrics server may still be starting: asked again for up to a minute)."""
+    for _ in range(60):
+        try:
+            text = httpx.get(url, timeout=30).text
+            break
+        except httpx.ConnectError:
+            time.sleep(1)
+    else:
+        raise RuntimeError(f"no router metrics at {url} within a minute")
+    families = text_string_to_metric_families(text)
     return sum(
         s.value
         for family in families
@@ -60,114 +97,139 @@ def router_answers(url: str, status: str | None = None) -> float:
     )
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def rejection_summary(record: dict[str, object]) -> dict[str, object]:
-    """Count and time-to-answer (p50, p99, max, seconds) of each kind of 429."""
-    errors, e2e = record["errors"], record["e2e_latencies_s"]
-    kinds: dict[str, list[float]] = {"capacity": [], "kv_room": [], "other_error": []}
-    for error, took in zip(errors, e2e, strict=True):  # type: ignore[call-overload]
-        if not error:
-            continue
-        if "HTTP 429" in error and "capacity" in error:
-            kinds["capacity"].append(took)
-        elif "HTTP 429" in error:
-            kinds["kv_room"].append(took)
-        else:
-            kinds["other_error"].append(took)
+def chat_body(content: str, max_tokens: int) -> dict[str, object]:
     return {
-        kind: {
-            "count": len(times),
-            "p50_s": quantile(times, 0.5),
-            "p99_s": quantile(times, 0.99),
-            "max_s": max(times) if times else None,
-            "mean_s": statistics.fmean(times) if times else None,
-        }
-        for kind, times in kinds.items()
-    }
-
-
-def probe_refusals(base_url: str, times: list[float]) -> None:
-    """After ``PROBE_AFTER_S``, ``PROBES`` chat requests one at a time; the seconds each
-    429 took go to ``times`` (an answer other than 429 is not timed)."""
-    time.sleep(PROBE_AFTER_S)
-    body = {
         "model": "deepseek-v3-tiny",
-        "messages": [{"role": "user", "content": "probe"}],
-        "max_tokens": 4,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
     }
+
+
+def probe_refusals(base_url: str, at: float, count: int, times: list[float]) -> None:
+    """At wall time ``at``, ``count`` chat requests one at a time; the seconds each 429
+    took go to ``times`` (an answer other than 429 is not timed)."""
+    time.sleep(max(0.0, at - time.time()))
     with httpx.Client(base_url=base_url, timeout=60) as client:
-        for _ in range(PROBES):
-            start = time.perf_counter()
-            answer = client.post("/v1/chat/completions", json=body)
+        for _ in range(count):
+            begun = time.perf_counter()
+            answer = client.post("/v1/chat/completions", json=chat_body("probe", 4))
             if answer.status_code == 429:
-                times.append(time.perf_counter() - start)
+                times.append(time.perf_counter() - begun)
 
 
-def probe_summary(times: list[float]) -> dict[str, object]:
-    return {
-        "sent": PROBES,
-        "refused": len(times),
-        "p50_s": quantile(times, 0.5),
-        "p99_s": quantile(times, 0.99),
-        "max_s": max(times) if times else None,
-    }
+def start_clients(args: argparse.Namespace, base_url: str) -> list[subprocess.Popen[str]]:
+    """One ``admission_clients.py`` process per client, each loading its share."""
+    procs = []
+    for k in range(args.clients):
+        spec = {
+            "base_url": base_url,
+            "model": "deepseek-v3-tiny",
+            "streams": args.streams,
+            "clients": args.clients,
+            "client": k,
+            "input_len": 32,
+            "output_len": 32,
+            "seed": 1,
+            "out": str(args.out / f"client_{k}.json"),
+        }
+        command = [sys.executable, str(CLIENT_SCRIPT), json.dumps(spec)]
+        procs.append(
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    return procs
 
 
-def main(out: Path, queued: int = QUEUED) -> None:
-    args = load_deploy_file(Path("deploy/local-pd.yaml"))["applications"][0]["args"]
+def release(procs: list[subprocess.Popen[str]]) -> float:
+    """Wait until every client is ready; give them all one start instant, returned."""
+    for proc in procs:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if line.strip() != "ready":
+            raise RuntimeError(f"an admission client did not start (said {line!r})")
+    start = time.time() + RELEASE_AFTER_S
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start!r}\n")
+        proc.stdin.close()
+    print(f"the burst starts at {start:.3f} (wall clock)", flush=True)
+    return start
+
+
+def collect(procs: list[subprocess.Popen[str]], out: Path) -> list[dict[str, object]]:
+    records: list[dict[str, object]] = []
+    for k, proc in enumerate(procs):
+        if proc.wait() != 0:
+            raise RuntimeError(f"admission client {k} failed (exit {proc.returncode})")
+        path = out / f"client_{k}.json"
+        records += json.loads(path.read_text())
+        path.unlink()
+    return sorted(records, key=lambda r: r["index"])  # type: ignore[arg-type, return-value]
+
+
+def stamped_proxy() -> None:
+    """Serve's proxy runs our middlewares inside ``admission_stamps``'s stamps; call after
+    ``use_proxy_middleware`` and before ``ray.init`` (the proxy inherits the environment)."""
+    os.environ[PROXY_CALLBACK_ENV] = CALLBACK
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(HERE), os.environ.get("PYTHONPATH")])
+    )
+
+
+def main(args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    deploy = load_deploy_file(HERE.parent / "deploy/local-pd.yaml")["applications"][0]["args"]
     metrics_port, http_port = free_port(), free_port()
-    args["router"] |= {"metrics_port": metrics_port, "max_queued_requests": queued}
-    cfg = ServingConfig.parse(args)
+    overrides = {"metrics_port": metrics_port, "max_queued_requests": args.queued}
+    if args.max_in_flight is not None:
+        overrides["max_in_flight"] = args.max_in_flight
+    deploy["router"] |= overrides
+    cfg = ServingConfig.parse(deploy)
     urls = [f"http://127.0.0.1:{metrics_port + k}/metrics" for k in range(cfg.router.num_replicas)]
     use_proxy_middleware(admission_limit([cfg.router]))  # as `dsv3serve serve` does
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    stamped_proxy()
+    base_url = f"http://127.0.0.1:{http_port}"
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(bind_app(cfg), name=APP, route_prefix="/")
-        config = BenchServeConfig(
-            base_url=f"http://127.0.0.1:{http_port}",
-            num_prompts=STREAMS,
-            random_input_len=32,
-            random_output_len=32,
-            max_concurrency=STREAMS,
-            ignore_eos=True,
-            seed=1,
-            disable_tqdm=True,
-            output_file=out / "admission_two_routers_cpu_bench.json",
-        )
+        httpx.post(f"{base_url}/v1/chat/completions", json=chat_body("warm up", 4), timeout=300)
         before = [(router_answers(u), router_answers(u, "429")) for u in urls]
+        procs = start_clients(args, base_url)
+        start = release(procs)
         probes: list[float] = []
-        prober = threading.Thread(target=probe_refusals, args=(config.base_url, probes))
+        probe_at = start + args.probe_after
+        prober = threading.Thread(
+            target=probe_refusals, args=(base_url, probe_at, args.probes, probes)
+        )
         prober.start()
-        (record,) = run_bench_serve(config)
+        records = collect(procs, args.out)
         prober.join()
         after = [(router_answers(u), router_answers(u, "429")) for u in urls]
-        answered = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-        refused = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+        door = httpx.get(base_url + STAMPS_PATH, timeout=60).json()
     finally:
         serve.shutdown()
         ray.shutdown()
+    full = merged(records, door["requests"], start)
+    last_in = max((float(r["arrived"]) for r in full if r.get("arrived")), default=start)
     report = {
         "host_cpus": os.cpu_count(),
-        "streams": STREAMS,
+        "streams": args.streams,
+        "client_processes": args.clients,
         "routers": cfg.router.num_replicas,
         "max_in_flight_per_router": cfg.router.max_in_flight,
         "max_queued_requests": cfg.router.max_queued_requests,
-        "succeeded": sum(1 for ok in record["success"] if ok),
-        "answered_per_router": answered,
-        "429_by_router_per_router": refused,
-        "rejections": rejection_summary(record),
-        "probes_while_full": probe_summary(probes),
+        "admission_budget": admission_limit([cfg.router]),
+        "succeeded": sum(1 for r in records if r["success"]),
+        "answered_per_router": [a[0] - b[0] for a, b in zip(after, before, strict=True)],
+        "429_by_router_per_router": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
+        "rejections": rejection_summary(records),
+        "decomposition": decomposition(full),
+        "proxy_loop_during_arrivals": loop_lateness(door, start, last_in - start + 0.1),
+        "probes_while_full": {"sent": args.probes} | stats(probes),
     }
-    (out / "admission_two_routers_cpu.json").write_text(json.dumps(report, indent=2))
+    (args.out / "admission_requests.json").write_text(json.dumps(full))
+    (args.out / "admission_two_routers_cpu.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:3]))
+    main(parse_args(sys.argv[1:]))

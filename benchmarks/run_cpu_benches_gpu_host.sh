@@ -16,14 +16,23 @@ RES=/tmp/cpu_benches; mkdir -p "$RES"
 { nproc; free -g | head -2; python3 -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)'
   date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"; echo "site ready after $(($(date +%s) - START)) s"
+# admission: one run per proxy queue in QUEUES and client-process count in CLIENTS (the
+# burst split over that many processes; 1: one process, as the earlier records), each
+# within ADMISSION_S seconds; ADMISSION_ARGS go to every run (e.g. "--streams 300").
+# Each run's directory admission_q<Q>_c<C> holds admission_two_routers_cpu.json (the
+# summary and the time-to-429 decomposition), admission_requests.json (every request's
+# stamps) and log.txt.
 stage_admission() {
   for q in ${QUEUES:-16 1024}; do
-    mkdir -p "$RES/admission_q$q"
-    timeout -k 10 "${ADMISSION_S:-150}" python3 benchmarks/run_admission_cpu.py "$RES/admission_q$q" "$q" \
-      > "$RES/admission_q$q/log.txt" 2>&1
-    echo "admission q$q rc=$? ($(($(date +%s) - START)) s)"
-    python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-    grep -A40 '"rejections"' "$RES/admission_q$q/admission_two_routers_cpu.json" 2>/dev/null | head -40
+    for c in ${CLIENTS:-1}; do
+      dir="$RES/admission_q${q}_c$c"; mkdir -p "$dir"
+      # shellcheck disable=SC2086  # ADMISSION_ARGS is a list of arguments
+      timeout -k 10 "${ADMISSION_S:-240}" python3 benchmarks/run_admission_cpu.py "$dir" "$q" \
+        --clients "$c" ${ADMISSION_ARGS:-} > "$dir/log.txt" 2>&1
+      echo "admission q$q c$c rc=$? ($(($(date +%s) - START)) s)"
+      python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+      python3 benchmarks/admission_report.py "$dir/admission_two_routers_cpu.json" 2>&1 | tail -30
+    done
   done
 }
 stage_autoscale() {

@@ -49,14 +49,15 @@ logger = logging.getLogger(__name__)
 
 def proxy_middlewares() -> list[Middleware]:
     """The callback Serve's proxy calls (via :data:`PROXY_CALLBACK_ENV`) for its middlewares:
-    with a budget set, the exact admission budget at the door
-    (:class:`~router.api.proxy_admission.ProxyAdmission`, outermost: a refusal costs
-    nothing else); cut streams end in-band, and the proxy's own refusals get OpenAI bodies
-    (:class:`~router.api.proxy_refusals.RefusalBody`). Without a budget the door is left
-    out: even passing everything through, it made a prefill replica's recovery test 1.5-2 s
-    slower (tests/e2e/test_serving_faults.py, not understood yet)."""
+    cut streams end in-band, the proxy's own refusals get OpenAI bodies
+    (:class:`~router.api.proxy_refusals.RefusalBody`) and, with a budget set, the exact
+    admission budget at the door (:class:`~router.api.proxy_admission.ProxyAdmission`).
+    Serve wraps its proxy in this list in order, so the last entry is the outermost: the
+    door comes last, and a refusal runs through nothing else. Without a budget the door is
+    left out: even passing everything through, it made a prefill replica's recovery test
+    1.5-2 s slower (tests/e2e/test_serving_faults.py, not understood yet)."""
     door = [Middleware(ProxyAdmission)] if limit_from_env() is not None else []
-    return [*door, Middleware(StreamEndGuard), Middleware(RefusalBody)]
+    return [Middleware(StreamEndGuard), Middleware(RefusalBody), *door]
 
 
 def stream_cut_events() -> bytes:
