@@ -13,7 +13,12 @@ from ray.serve._private.http_util import _apply_middlewares as apply_middlewares
 from starlette.types import Message, Receive, Scope, Send
 
 from router.api.admission import admission_limit, serve_queue_limit
-from router.api.proxy_admission import PROXY_ADMISSION_ENV, ProxyAdmission, limit_from_env
+from router.api.proxy_admission import (
+    PROXY_ADMISSION_ENV,
+    ArrivalsFirst,
+    ProxyAdmission,
+    limit_from_env,
+)
 from router.api.proxy_middleware import proxy_middlewares
 from router.config import RouterSettings
 from router.launch import use_proxy_middleware
@@ -142,3 +147,76 @@ def test_with_the_door_counting_serves_queue_is_only_a_backstop() -> None:
     assert serve_queue_limit(router, door=True) == 528  # what the door lets through at most
     unlimited = RouterSettings(max_queued_requests=-1)
     assert serve_queue_limit(unlimited, door=True) == -1
+
+
+class LoggingProxyApp(HeldProxyApp):
+    """Logs each request's entry (its ``id`` from the scope), then holds it as HeldProxyApp."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.log.append(f"enter {scope['id']}")
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+def test_in_a_burst_the_refusals_go_out_before_the_admitted_go_on() -> None:
+    """20 arrivals at once against a budget of 16 (a burst from the 16th arrival on): the 15
+    before the burst go on at once; the 16th waits until the 4 refused have their 429 (in
+    Serve's proxy the admitted are routed, about a millisecond each, in the same loop that
+    has to reach the refused ones)."""
+    log: list[str] = []
+
+    async def one(door: ProxyAdmission, i: int) -> None:
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 429:
+                log.append(f"429 {i}")
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        await door({"type": "http", "method": "POST", "path": CHAT, "id": i}, receive, send)
+
+    async def run() -> None:
+        inner = LoggingProxyApp(log)
+        door = ProxyAdmission(inner, limit=16)
+        tasks = [asyncio.create_task(one(door, i)) for i in range(1, 21)]
+        for _ in range(3000):  # until every request entered or was refused (30 s at most)
+            if len(log) == 20:
+                break
+            await asyncio.sleep(0.01)
+        inner.release.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    refused = [log.index(f"429 {i}") for i in range(17, 21)]
+    assert len(log) == 20 and log[:15] == [f"enter {i}" for i in range(1, 16)]
+    assert log.index("enter 16") > max(refused)
+
+
+def test_an_admitted_request_waits_for_quiet_at_most_max_defer_s() -> None:
+    """Arrivals that never stop hold an admitted request back for ``max_defer_s``, no longer."""
+    gate = ArrivalsFirst(max_defer_s=0.05)
+
+    async def run() -> tuple[float, int]:
+        stop = asyncio.Event()
+
+        async def arrive_forever() -> None:
+            while not stop.is_set():
+                gate.arrive(asyncio.get_running_loop().time())
+                await asyncio.sleep(0)
+
+        feeder = asyncio.create_task(arrive_forever())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.wait_for(gate.wait_for_quiet(), 30)
+        waited, seen = loop.time() - start, gate.arrivals
+        stop.set()
+        await feeder
+        return waited, seen
+
+    waited, seen = asyncio.run(run())
+    assert waited >= 0.05 and seen > 3  # it did wait, through arrivals, and then went on
