@@ -12,10 +12,11 @@ routes it: an OpenAI error body and ``Retry-After``. Under the budget it adds no
 Under a burst, the requests the door admits do not go on at once: Serve routes each in the
 proxy's one event loop (about a millisecond), and the last arrivals, the ones refused,
 reached the door only after every admitted one ahead of them had been routed (0.5 s into a
-burst of 600 from 8 client processes on 16 cores). While arrivals come faster than
-:data:`BURST_ARRIVALS` per :data:`BURST_WINDOW_S`, an admitted request waits until the loop has
-gone :data:`QUIET_TICKS` iterations without a new arrival, at most :data:`MAX_DEFER_S`
-(:class:`ArrivalsFirst`), so the refusals go out first. Outside bursts nothing waits.
+burst of 600 from 8 client processes on 16 cores). Once :data:`BURST_ARRIVALS` arrive within
+:data:`BURST_WINDOW_S`, the requests admitted wait until arrivals pause for :data:`QUIET_S`, at
+most until the burst has lasted :data:`MAX_BURST_S` (:class:`ArrivalsFirst`): the loop then
+reaches every arrival of the burst, and answers the refused ones, before Serve routes the
+admitted. Outside bursts nothing waits.
 
 The budget is ``router.num_replicas x router.max_in_flight + router.max_queued_requests``
 summed over the apps this proxy serves (:func:`router.api.admission.admission_limit`), read from
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -39,43 +39,65 @@ from router.api.proxy_refusals import RETRY_AFTER_S, refusal_json
 
 PROXY_ADMISSION_ENV = "DSV3SERVE_PROXY_ADMISSION_LIMIT"
 GENERATION_PATHS = ("/chat/completions", "/completions")  # under any route prefix
-BURST_ARRIVALS = 16  # arrivals within BURST_WINDOW_S that make a burst (1,600 a second)
+BURST_ARRIVALS = 16  # arrivals within BURST_WINDOW_S that start a burst (1,600 a second)
 BURST_WINDOW_S = 0.01
-QUIET_TICKS = 3  # loop iterations from a connection's accept to its request at the door
-MAX_DEFER_S = 0.05  # the longest an admitted request waits for the arrivals behind it
+QUIET_S = 0.005  # a burst ends when no request reached the door for this long
+MAX_BURST_S = 0.5  # ... or when it has lasted this long
 
 
-@dataclass
 class ArrivalsFirst:
-    """Counts arrivals at the door and, in a burst, holds admitted requests back until the
-    arrivals behind them have reached the door (see the module docstring)."""
+    """Counts arrivals at the door; from the moment they come as a burst until they pause
+    (:data:`QUIET_S`) or the burst has lasted :data:`MAX_BURST_S`, admitted requests wait in
+    :meth:`wait`, so that the door reaches the arrivals behind them first (module docstring).
+    One watcher task per burst; the waiting requests cost nothing while they wait."""
 
-    burst_arrivals: int = BURST_ARRIVALS
-    window_s: float = BURST_WINDOW_S
-    quiet_ticks: int = QUIET_TICKS
-    max_defer_s: float = MAX_DEFER_S
-    arrivals: int = 0
-    _window: tuple[float, int] = field(default=(float("-inf"), 0))
+    def __init__(
+        self,
+        burst_arrivals: int = BURST_ARRIVALS,
+        window_s: float = BURST_WINDOW_S,
+        quiet_s: float = QUIET_S,
+        max_burst_s: float = MAX_BURST_S,
+    ) -> None:
+        self.burst_arrivals, self.window_s = burst_arrivals, window_s
+        self.quiet_s, self.max_burst_s = quiet_s, max_burst_s
+        self.arrivals = 0
+        self._window = (float("-inf"), 0)  # (start, arrivals since)
+        self._last = float("-inf")
+        self._quiet: asyncio.Event | None = None  # set when the burst ends
+        self._watcher: asyncio.Task[None] | None = None
 
-    def arrive(self, now: float) -> bool:
-        """Count one arrival at ``now``; whether it came in a burst."""
+    @property
+    def in_burst(self) -> bool:
+        return self._quiet is not None
+
+    def arrive(self, now: float) -> None:
+        """Count one arrival at loop time ``now``; a burst starts at the
+        ``burst_arrivals``-th arrival within ``window_s``."""
         self.arrivals += 1
+        self._last = now
         start, count = self._window
         if now - start > self.window_s:
             start, count = now, 0
         self._window = (start, count + 1)
-        return count + 1 >= self.burst_arrivals
+        if count + 1 >= self.burst_arrivals and self._quiet is None:
+            self._quiet = asyncio.Event()
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(now))
 
-    async def wait_for_quiet(self) -> None:
-        """Yield to the loop until ``quiet_ticks`` iterations pass with no new arrival, or
-        ``max_defer_s`` passed."""
+    async def wait(self) -> None:
+        """Return when no burst is on (at once outside bursts)."""
+        if self._quiet is not None:
+            await self._quiet.wait()
+
+    async def _watch(self, started: float) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_defer_s
-        seen, quiet = self.arrivals, 0
-        while quiet < self.quiet_ticks and loop.time() < deadline:
-            await asyncio.sleep(0)
-            quiet = quiet + 1 if self.arrivals == seen else 0
-            seen = self.arrivals
+        while True:
+            await asyncio.sleep(self.quiet_s / 2)
+            now = loop.time()
+            if now - self._last >= self.quiet_s or now - started >= self.max_burst_s:
+                break
+        quiet, self._quiet = self._quiet, None
+        assert quiet is not None
+        quiet.set()
 
 
 def limit_from_env() -> int | None:
@@ -126,14 +148,13 @@ class ProxyAdmission(HTTPMiddleware):
         if self.limit is None or not is_generation(scope):
             await self.app(scope, receive, send)
             return
-        burst = self.arrivals.arrive(asyncio.get_running_loop().time())
+        self.arrivals.arrive(asyncio.get_running_loop().time())
         if self.in_flight >= self.limit:
             await send_refusal(send)
             return
         self.in_flight += 1
         try:
-            if burst:
-                await self.arrivals.wait_for_quiet()
+            await self.arrivals.wait()
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1

@@ -14,6 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.api.admission import admission_limit, serve_queue_limit
 from router.api.proxy_admission import (
+    BURST_ARRIVALS,
     PROXY_ADMISSION_ENV,
     ArrivalsFirst,
     ProxyAdmission,
@@ -197,26 +198,36 @@ def test_in_a_burst_the_refusals_go_out_before_the_admitted_go_on() -> None:
     assert log.index("enter 16") > max(refused)
 
 
-def test_an_admitted_request_waits_for_quiet_at_most_max_defer_s() -> None:
-    """Arrivals that never stop hold an admitted request back for ``max_defer_s``, no longer."""
-    gate = ArrivalsFirst(max_defer_s=0.05)
+def test_a_burst_ends_when_arrivals_pause_or_at_max_burst_s() -> None:
+    """Arrivals that pause end the burst; arrivals that never stop end it at ``max_burst_s``.
+    Outside a burst ``wait`` returns at once."""
 
-    async def run() -> tuple[float, int]:
+    async def run() -> tuple[bool, bool, float, bool]:
+        loop = asyncio.get_running_loop()
+        gate = ArrivalsFirst(max_burst_s=0.2)
+        await asyncio.wait_for(gate.wait(), 1)  # no burst: no wait
+        for _ in range(BURST_ARRIVALS):
+            gate.arrive(loop.time())
+        started = gate.in_burst
+        await asyncio.wait_for(gate.wait(), 30)  # ends once nothing arrives for QUIET_S
+        paused_ends = not gate.in_burst
         stop = asyncio.Event()
 
         async def arrive_forever() -> None:
             while not stop.is_set():
-                gate.arrive(asyncio.get_running_loop().time())
-                await asyncio.sleep(0)
+                gate.arrive(loop.time())
+                await asyncio.sleep(0.001)
 
         feeder = asyncio.create_task(arrive_forever())
-        loop = asyncio.get_running_loop()
+        while not gate.in_burst:
+            await asyncio.sleep(0.001)
         start = loop.time()
-        await asyncio.wait_for(gate.wait_for_quiet(), 30)
-        waited, seen = loop.time() - start, gate.arrivals
+        await asyncio.wait_for(gate.wait(), 30)
+        waited, still_arriving = loop.time() - start, not feeder.done()
         stop.set()
         await feeder
-        return waited, seen
+        return started, paused_ends, waited, still_arriving
 
-    waited, seen = asyncio.run(run())
-    assert waited >= 0.05 and seen > 3  # it did wait, through arrivals, and then went on
+    started, paused_ends, waited, still_arriving = asyncio.run(run())
+    assert started and paused_ends
+    assert still_arriving and waited >= 0.15  # the cap ended it, arrivals went on
