@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from mla_fp8_flashinfer_probe import _rel, _time  # the same event timing (run from benchmarks/)
 
 from dsv3serve.kernels.mla_decode import LOG2E, MLADecodeMeta
 from dsv3serve.kernels.mla_decode_fp8 import (
@@ -136,24 +137,6 @@ def probe_call(
         RANK=R, ROPE=P, PAGE_SIZE=PAGE, BLOCK_H=64, BLOCK_N=cfg.block_n,
         DV_SPLIT=cfg.dv_split, MODE=MODES[mode], num_warps=cfg.num_warps, num_stages=2,
     )  # fmt: skip
-
-
-def _time(fn: Any, iters: int = 20) -> float:
-    """Microseconds per call over back-to-back calls (CUDA events)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _inputs(bs: int, ctx: int) -> dict[str, Any]:
