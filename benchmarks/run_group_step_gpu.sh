@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 35's must-holds on two H200s of one host, one device call (kind nvidia-h200-x2), carry
+# [".deepep"] (the engine's packages: ENGINE_ONLY=1 bash benchmarks/gpu_site.sh):
+#   bash benchmarks/run_group_step_gpu.sh [one] [group] [check]   (default: all three)
+# Stages (each under what is left of BUDGET_S, default 560 s):
+#   one   : `dsv3serve bench group` on one GPU (tp 1): decode at 64 and 256 sequences, 1K
+#           context, graphs on, and the prefill of 4K prompts: the per-GPU baseline
+#   group : the same through a DP2 + DP attention + EP2 group (gather dispatcher): decode
+#           at 64 and 256 per rank against the rank's roofline (copy bandwidth measured in
+#           the run), prefill tok/s per GPU, 61-layer / EP8 projections
+#   check : benchmarks/two_gpu_groups.py: DP2 + EP2 greedy tokens against one GPU (bf16 graphed,
+#           full-width graphed, float32 eager): the vocab-parallel logits all-to-all over NCCL
+# Full width (hidden 7168, 256 experts, top-8), dummy FP8 weights, LAYERS layers (default 12:
+# 3 dense + 9 MoE), flashinfer attention, Triton MoE. JSON and logs go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+START=$(date +%s); BUDGET_S=${BUDGET_S:-560}
+mkdir -p /tmp/site && tar -xJf .deepep/gpu-site-engine.tar.xz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
+export DSV3SERVE_CACHE=/tmp/dsv3serve_cache; mkdir -p "$DSV3SERVE_CACHE"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
+LAYERS=${LAYERS:-12}
+MODEL="--model deepseek-v3 --load-format dummy --device cuda --attention-backend flashinfer
+  --moe-backend triton --hf-overrides {\"num_hidden_layers\":$LAYERS} --ctx 1024 --steps 20
+  --prefill-len 4096"
+left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+run() {  # run NAME MAX_S CMD...: under min(MAX_S, what is left); skipped below 20 s left
+  local name=$1 max=$2; shift 2
+  local t; t=$(left); [ "$t" -gt "$max" ] && t=$max
+  if [ "$t" -lt 20 ]; then echo "$name: skipped ($(left) s left)"; return 1; fi
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc ($(($(date +%s) - START)) s elapsed)"; return $rc
+}
+# shellcheck disable=SC2086  # MODEL is a list of arguments
+stage_one() {
+  run one "${ONE_S:-200}" python3 -m dsv3serve.cli bench group $MODEL --per-rank 64 256 \
+    --prefill-per-rank 4 --json "$OUT/group_one_gpu.json"
+  grep -v "^{" "$OUT/one.log" | tail -15
+}
+# shellcheck disable=SC2086
+stage_group() {
+  run group "${GROUP_S:-260}" python3 -m dsv3serve.cli bench group $MODEL --tp-size 2 \
+    --dp-size 2 --enable-dp-attention --ep-size 2 --per-rank 64 256 --prefill-per-rank 4 \
+    --json "$OUT/group_dp2ep2.json"
+  grep -v "^{" "$OUT/group.log" | tail -20
+}
+stage_check() {
+  run check "${CHECK_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/check" --layouts \
+    dp2-ep2-graphs full-width-dp2-ep2-graphs dp2-ep2-fp32
+  tail -8 "$OUT/check.log"
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  date -u; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(one group check)
+for s in "${stages[@]}"; do "stage_$s"; done
+ls -la "$OUT"; echo "total $(($(date +%s) - START)) s"
