@@ -23,14 +23,7 @@ LAYERS=${LAYERS:-12}
 MODEL="--model deepseek-v3 --load-format dummy --device cuda --attention-backend flashinfer
   --moe-backend triton --hf-overrides {\"num_hidden_layers\":$LAYERS} --ctx 1024 --steps 20
   --prefill-len 4096"
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
-run() {  # run NAME MAX_S CMD...: under min(MAX_S, what is left); skipped below 20 s left
-  local name=$1 max=$2; shift 2
-  local t; t=$(left); [ "$t" -gt "$max" ] && t=$max
-  if [ "$t" -lt 20 ]; then echo "$name: skipped ($(left) s left)"; return 1; fi
-  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc ($(($(date +%s) - START)) s elapsed)"; return $rc
-}
+. benchmarks/stage_budget.sh  # left, run
 # shellcheck disable=SC2086  # MODEL is a list of arguments
 stage_one() {
   run one "${ONE_S:-200}" python3 -m dsv3serve.cli bench group $MODEL --per-rank 64 256 \

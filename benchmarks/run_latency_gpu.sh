@@ -30,14 +30,7 @@ export DSV3SERVE_CACHE=/tmp/dsv3serve_cache
 mkdir -p "$DSV3SERVE_CACHE"
 FAST="--device cuda --attention-backend flashinfer --moe-backend triton"
 
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
-run() {  # run NAME MAX_S CMD...: under min(MAX_S, what is left); skipped below 20 s left
-  local name=$1 max=$2; shift 2
-  local t; t=$(left); [ "$t" -gt "$max" ] && t=$max
-  if [ "$t" -lt 20 ]; then echo "$name: skipped ($(left) s left)"; return 1; fi
-  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc ($(($(date +%s) - START)) s elapsed)"; return $rc
-}
+. benchmarks/stage_budget.sh  # left, run
 
 stage_tests() {
   run gpu_tests "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \

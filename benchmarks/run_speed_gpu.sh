@@ -31,15 +31,7 @@ WARM_CACHE=/tmp/dsv3serve_ttft_cache  # cold: emptied first; the other stages us
 export DSV3SERVE_CACHE=/tmp/dsv3serve_cache
 FAST="--device cuda --attention-backend flashinfer --moe-backend triton"
 
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
-# run NAME MAX_S CMD...: under min(MAX_S, what is left); skipped below 20 s left
-run() {
-  local name=$1 max=$2; shift 2
-  local t; t=$(left); [ "$t" -gt "$max" ] && t=$max
-  if [ "$t" -lt 20 ]; then echo "$name: skipped ($(left) s left)"; return 1; fi
-  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc ($(($(date +%s) - START)) s elapsed)"; return $rc
-}
+. benchmarks/stage_budget.sh  # left, run
 
 ttft_one() {  # ttft_one cold|warm: process start to first token, from the warmup's JSON
   local kind=$1 t0; t0=$(date +%s.%N)

@@ -7,7 +7,8 @@ routers of ``max_in_flight`` 256 and a queue of 16 (a budget of 528) got 532 ref
 72, each after 0.7-1.8 s (docs/perf/admission_two_routers_cpu.md). :class:`ProxyAdmission`
 counts the generation requests in flight through this proxy, from arrival to the end of
 their response, and answers the first one over the budget with 429 at once, before Serve
-routes it: an OpenAI error body and ``Retry-After``. Under the budget it adds nothing.
+routes it: an OpenAI error body and ``Retry-After``. Under the budget, outside bursts, it
+adds nothing.
 
 Under a burst, the requests the door admits do not go on at once: Serve routes each in the
 proxy's one event loop (about a millisecond), and the last arrivals, the ones refused,
@@ -60,11 +61,10 @@ class ArrivalsFirst:
     ) -> None:
         self.burst_arrivals, self.window_s = burst_arrivals, window_s
         self.quiet_s, self.max_burst_s = quiet_s, max_burst_s
-        self.arrivals = 0
         self._window = (float("-inf"), 0)  # (start, arrivals since)
         self._last = float("-inf")
         self._quiet: asyncio.Event | None = None  # set when the burst ends
-        self._watcher: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
 
     @property
     def in_burst(self) -> bool:
@@ -73,7 +73,6 @@ class ArrivalsFirst:
     def arrive(self, now: float) -> None:
         """Count one arrival at loop time ``now``; a burst starts at the
         ``burst_arrivals``-th arrival within ``window_s``."""
-        self.arrivals += 1
         self._last = now
         start, count = self._window
         if now - start > self.window_s:

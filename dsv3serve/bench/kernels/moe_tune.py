@@ -92,14 +92,32 @@ def _best(time_one, candidates: list[GemmTile]) -> tuple[float, GemmTile | None]
 def _time_block_m(
     ex: FusedExperts, x: torch.Tensor, blocks: ExpertBlocks, top_k: int, args: argparse.Namespace
 ) -> tuple[float, MoEConfig | None]:
-    fp8, replays, quick = ex.is_fp8, args.replays, args.quick
-    a, a_s = quant_per_token_group_fp8(x) if fp8 else (x, None)
+    """The fastest gate/up tile on ``blocks``, then the fastest down tile on its output."""
+    fp8, quick = ex.is_fp8, args.quick
+    gate_ups, downs = (
+        tiles(True, fp8, blocks.block_m, quick),
+        tiles(False, fp8, blocks.block_m, quick),
+    )
+    return _time_tiles(ex, x, blocks, top_k, gate_ups, downs, args.replays)
+
+
+def _time_tiles(
+    ex: FusedExperts,
+    x: torch.Tensor,
+    blocks: ExpertBlocks,
+    top_k: int,
+    gate_ups: list[GemmTile],
+    downs: list[GemmTile],
+    replays: int,
+) -> tuple[float, MoEConfig | None]:
+    """Gate/up plus down time of the best of each candidate list (one each: that config)."""
+    a, a_s = quant_per_token_group_fp8(x) if ex.is_fp8 else (x, None)
 
     def gate_up_us(tile: GemmTile) -> float:
         run = lambda i: moe_gate_up(a, a_s, ex.w13, ex.w13_scale_inv, blocks, top_k, tile, x.dtype)  # noqa: E731
         return graph_us(run, 4, replays)
 
-    gu_us, gu = _best(gate_up_us, tiles(True, fp8, blocks.block_m, quick))
+    gu_us, gu = _best(gate_up_us, gate_ups)
     if gu is None:
         return float("inf"), None
     h, h_s = moe_gate_up(a, a_s, ex.w13, ex.w13_scale_inv, blocks, top_k, gu, x.dtype)
@@ -108,7 +126,7 @@ def _time_block_m(
         run = lambda i: moe_down(h, h_s, ex.w2, ex.w2_scale_inv, blocks, tile, x.dtype)  # noqa: E731
         return graph_us(run, 4, replays)
 
-    dn_us, dn = _best(down_us, tiles(False, fp8, blocks.block_m, quick))
+    dn_us, dn = _best(down_us, downs)
     if dn is None:
         return float("inf"), None
     return gu_us + dn_us, MoEConfig(blocks.block_m, gu, dn)
@@ -134,27 +152,6 @@ def local_experts(args: argparse.Namespace) -> int:
     return args.experts // args.ep_size
 
 
-def _time_config(
-    ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, cfg: MoEConfig, replays: int
-) -> float:
-    """Gate/up plus down of one config (the default rule's, for the comparison)."""
-    slots, top_k = ex.num_experts + ex.shared_slots, ids.shape[1]
-    blocks = moe_align_block_size(ids, slots, cfg.block_m)
-    a, a_s = quant_per_token_group_fp8(x) if ex.is_fp8 else (x, None)
-    h, h_s = moe_gate_up(a, a_s, ex.w13, ex.w13_scale_inv, blocks, top_k, cfg.gate_up, x.dtype)
-    gu = graph_us(
-        lambda i: moe_gate_up(
-            a, a_s, ex.w13, ex.w13_scale_inv, blocks, top_k, cfg.gate_up, x.dtype
-        ),
-        4,
-        replays,
-    )
-    dn = graph_us(
-        lambda i: moe_down(h, h_s, ex.w2, ex.w2_scale_inv, blocks, cfg.down, x.dtype), 4, replays
-    )
-    return gu + dn
-
-
 def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig:
     """The fastest config for T = ``t`` tokens."""
     ids = routing_ids(t, ex, args)
@@ -170,7 +167,10 @@ def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig
     if cfg is None:
         raise RuntimeError(f"no config ran for T={t}")
     default = default_config(t, slots, top_k, ex.is_fp8)
-    default_us = _time_config(ex, x, ids, default, args.replays)
+    blocks = moe_align_block_size(ids, slots, default.block_m)
+    default_us = _time_tiles(ex, x, blocks, top_k, [default.gate_up], [default.down], args.replays)[
+        0
+    ]
     line = {"T": t, "best_us": us, "default_us": default_us, "default_over_best": default_us / us}
     if default_us <= us:  # the search missed it: the table never holds a slower config
         cfg = default
