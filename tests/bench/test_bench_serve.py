@@ -11,6 +11,7 @@ import json
 import os
 import random
 import subprocess
+import tempfile
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,7 +252,11 @@ def run_aiperf(url: str, out: Path) -> dict[str, float]:
     argv += ["--tokenizer", str(tokenizer_dir("tiny")), "--artifact-dir", str(out)]
     offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     env = {k: v for k, v in os.environ.items() if k not in offline}
-    subprocess.run(argv, check=True, capture_output=True, timeout=180, env=env, cwd=out.parent)
+    # aiperf leaves its mmap files in TMPDIR: a short one of our own (its IPC socket paths
+    # must stay short), removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="aip") as scratch:
+        env["TMPDIR"] = scratch
+        subprocess.run(argv, check=True, capture_output=True, timeout=180, env=env, cwd=out.parent)
     rec = json.loads((out / "profile_export_aiperf.json").read_text())
     assert rec["request_count"]["avg"] == 16 and rec["total_usage_completion_tokens"]["avg"] == 128
     return {
