@@ -11,8 +11,8 @@ import json
 import os
 import random
 import subprocess
-import tempfile
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
