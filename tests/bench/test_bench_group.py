@@ -32,7 +32,8 @@ def test_cli_runs_a_dp2_ep2_group_and_writes_every_batch(tmp_path: Path) -> None
            "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2",
            "--per-rank", "1", "3", "--ctx", "16", "--steps", "3", "--prefill-per-rank", "1",
            "--prefill-len", "32", "--chunked-prefill-size", "64",
-           "--max-num-batched-tokens", "64", "--json", str(out)]  # fmt: skip
+           "--max-num-batched-tokens", "64", "--profile-steps", "12",
+           "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -40,6 +41,12 @@ def test_cli_runs_a_dp2_ep2_group_and_writes_every_batch(tmp_path: Path) -> None
     assert [r["sequences"] for r in result["decode"]] == [2, 6]  # dp_size x per rank
     assert all(r["median_step_ms"] > 0 and r["tok_s_per_gpu"] > 0 for r in result["decode"])
     assert result["prefill"]["prompts"] == 2 and "per rank" in done.stdout
+    # the profiled steps (more than the timed steps' slack of 8) run with the whole batch
+    # still decoding: one token per sequence per step (device ops need CUDA)
+    for r in result["decode"]:
+        assert r["profile"]["tokens_per_step"] == [r["sequences"]] * 12
+        assert r["profile"]["skipped"].startswith("CUDA only")
+    assert done.stdout.count("profile (rank 0, ms per step, 12 steps)") == 2
 
 
 def test_rank_bytes_agree_with_the_planner(tiny_fp8_dir: Path) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dsv3serve.bench.engine.group_profile import profile_line, profile_steps
 from dsv3serve.bench.engine.group_roofline import (
     rank_bytes,
     roofline_ms,
@@ -44,10 +45,13 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
 
-def decode_batch(engine: Any, total: int, ctx: int, steps: int) -> dict[str, Any]:
-    """``total`` prompts of ``ctx`` tokens, then ``steps`` timed decode steps."""
+def decode_batch(
+    engine: Any, total: int, ctx: int, steps: int, profiled: int = 0
+) -> dict[str, Any]:
+    """``total`` prompts of ``ctx`` tokens, then ``steps`` timed decode steps, then
+    ``profiled`` profiled ones (:mod:`~dsv3serve.bench.engine.group_profile`)."""
     rng = random.Random(total)
-    params = SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 8 + profiled, ignore_eos=True)
     for i in range(total):
         engine.add_request(Request(f"d{total}-{i}", params, prompt_ids=prompt(rng, ctx)))
     started: set[str] = set()
@@ -61,12 +65,13 @@ def decode_batch(engine: Any, total: int, ctx: int, steps: int) -> dict[str, Any
     emitted, times = 0, []
     for _ in range(steps):
         s = time.perf_counter()
-        emitted += sum(len(o.token_ids) for o in engine.step())
+        emitted += _decode_step(engine)
         times.append(time.perf_counter() - s)
+    profile = profile_steps(lambda: _decode_step(engine), profiled) if profiled else None
     while engine.has_unfinished():
         engine.step()
     times.sort()
-    return {
+    row = {
         "sequences": total,
         "ctx": ctx,
         "prefill_s": round(prefill_s, 3),
@@ -76,6 +81,12 @@ def decode_batch(engine: Any, total: int, ctx: int, steps: int) -> dict[str, Any
         "tok_s_total": round(emitted / sum(times), 1),
         "decode_s": round(sum(times), 3),
     }
+    return row | ({"profile": profile} if profile else {})
+
+
+def _decode_step(engine: Any) -> int:
+    """One engine step; the tokens it emitted."""
+    return sum(len(o.token_ids) for o in engine.step())
 
 
 def prefill_rate(engine: Any, total: int, length: int) -> dict[str, Any]:
@@ -152,7 +163,7 @@ def run_group(args: argparse.Namespace) -> dict[str, Any]:
         bw = copy_bandwidth(cfg.device)
         result["copy_bytes_per_s"] = bw
         for per_rank in args.per_rank:
-            r = decode_batch(llm.engine, ranks * per_rank, args.ctx, args.steps)
+            r = decode_batch(llm.engine, ranks * per_rank, args.ctx, args.steps, args.profile_steps)
             r |= {"per_rank": per_rank, "tok_s_per_gpu": round(r["tok_s_total"] / cfg.tp_size, 1)}
             _ratio_row(r, model, cfg, bw)
             result["decode"].append(r)
@@ -175,6 +186,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r.get('x_roofline', '-')!s:>10} {r.get('projected_61_layers_ms', '-')!s:>21} "
             f"{r.get('projected_61_layers_ep8_ms', '-')!s:>25}"
         )
+        if "profile" in r:
+            print(profile_line(r["profile"]))
     if "prefill" in result:
         p = result["prefill"]
         print(f"prefill {p['prompts']} x {p['length']}: {p['tok_s_per_gpu']:.0f} tok/s per GPU")
@@ -187,4 +200,11 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prefill-per-rank", type=int, default=8)
     p.add_argument("--prefill-len", type=int, default=4096)
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each batch's timed steps, profile this many on rank 0 (CUDA): device "
+        "time by kind of op, device span and host time per step",
+    )
     p.add_argument("--json", default="bench_group.json", help="where to write results")
