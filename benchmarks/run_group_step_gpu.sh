@@ -12,6 +12,9 @@
 #           full-width graphed, float32 eager): the vocab-parallel logits all-to-all over NCCL
 # Full width (hidden 7168, 256 experts, top-8), dummy FP8 weights, LAYERS layers (default 12:
 # 3 dense + 9 MoE), flashinfer attention, Triton MoE. JSON and logs go to $OUT.
+# Each decode batch ends with PROFILE (default 3) profiled steps on rank 0: device time by
+# kind of op, device span and host time (bench group --profile-steps). PER_RANK (default
+# "64 256"), STEPS (20) and PREFILL_PER_RANK (4) size a shorter run.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s); BUDGET_S=${BUDGET_S:-560}
@@ -21,20 +24,20 @@ export DSV3SERVE_CACHE=/tmp/dsv3serve_cache; mkdir -p "$DSV3SERVE_CACHE"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
 LAYERS=${LAYERS:-12}
 MODEL="--model deepseek-v3 --load-format dummy --device cuda --attention-backend flashinfer
-  --moe-backend triton --hf-overrides {\"num_hidden_layers\":$LAYERS} --ctx 1024 --steps 20
-  --prefill-len 4096"
+  --moe-backend triton --hf-overrides {\"num_hidden_layers\":$LAYERS} --ctx 1024
+  --steps ${STEPS:-20} --prefill-len 4096 --profile-steps ${PROFILE:-3}
+  --per-rank ${PER_RANK:-64 256} --prefill-per-rank ${PREFILL_PER_RANK:-4}"
 . benchmarks/stage_budget.sh  # left, run
 # shellcheck disable=SC2086  # MODEL is a list of arguments
 stage_one() {
-  run one "${ONE_S:-200}" python3 -m dsv3serve.cli bench group $MODEL --per-rank 64 256 \
-    --prefill-per-rank 4 --json "$OUT/group_one_gpu.json"
+  run one "${ONE_S:-200}" python3 -m dsv3serve.cli bench group $MODEL \
+    --json "$OUT/group_one_gpu.json"
   grep -v "^{" "$OUT/one.log" | tail -15
 }
 # shellcheck disable=SC2086
 stage_group() {
   run group "${GROUP_S:-260}" python3 -m dsv3serve.cli bench group $MODEL --tp-size 2 \
-    --dp-size 2 --enable-dp-attention --ep-size 2 --per-rank 64 256 --prefill-per-rank 4 \
-    --json "$OUT/group_dp2ep2.json"
+    --dp-size 2 --enable-dp-attention --ep-size 2 --json "$OUT/group_dp2ep2.json"
   grep -v "^{" "$OUT/group.log" | tail -20
 }
 stage_check() {
