@@ -147,7 +147,8 @@ def _ratio_row(r: dict[str, Any], model: Any, cfg: EngineConfig, bw: float | Non
 
 
 def run_group(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the group, measure every batch and the prefill, print the table, write JSON."""
+    """Build the group, measure every batch and the prefill, print the table, write JSON
+    (rewritten after each batch)."""
     most = max(args.per_rank)
     tokens = most * (args.ctx + args.steps + 64) + args.prefill_per_rank * args.prefill_len
     cfg = EngineConfig.from_args(
@@ -167,12 +168,19 @@ def run_group(args: argparse.Namespace) -> dict[str, Any]:
             r |= {"per_rank": per_rank, "tok_s_per_gpu": round(r["tok_s_total"] / cfg.tp_size, 1)}
             _ratio_row(r, model, cfg, bw)
             result["decode"].append(r)
+            _save(result, args.json, f"per rank {per_rank}: {_row_line(r)}")
         if args.prefill_per_rank:
             p = prefill_rate(llm.engine, ranks * args.prefill_per_rank, args.prefill_len)
             result["prefill"] = p | {"tok_s_per_gpu": round(p["tok_s_total"] / cfg.tp_size, 1)}
+            _save(result, args.json, "prefill done")
     print_table(result)
-    Path(args.json).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _save(result: dict[str, Any], path: str, done: str) -> None:
+    """Write what is measured so far (a run cut short keeps it) and say what was added."""
+    Path(path).write_text(json.dumps(result, indent=1))
+    print(done, flush=True)
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -181,16 +189,21 @@ def print_table(result: dict[str, Any]) -> None:
         f"{'61 layers ms (proj.)':>21} {'61 layers EP8 ms (proj.)':>25}"
     )
     for r in result["decode"]:
-        print(
-            f"{r['per_rank']:>8} {r['median_step_ms']:>9.2f} {r['tok_s_per_gpu']:>10.1f} "
-            f"{r.get('x_roofline', '-')!s:>10} {r.get('projected_61_layers_ms', '-')!s:>21} "
-            f"{r.get('projected_61_layers_ep8_ms', '-')!s:>25}"
-        )
+        print(f"{r['per_rank']:>8} {_row_line(r)}")
         if "profile" in r:
             print(profile_line(r["profile"]))
     if "prefill" in result:
         p = result["prefill"]
         print(f"prefill {p['prompts']} x {p['length']}: {p['tok_s_per_gpu']:.0f} tok/s per GPU")
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    """A decode row's columns after ``per rank``."""
+    return (
+        f"{r['median_step_ms']:>9.2f} {r['tok_s_per_gpu']:>10.1f} "
+        f"{r.get('x_roofline', '-')!s:>10} {r.get('projected_61_layers_ms', '-')!s:>21} "
+        f"{r.get('projected_61_layers_ep8_ms', '-')!s:>25}"
+    )
 
 
 def add_group_arguments(p: argparse.ArgumentParser) -> None:
