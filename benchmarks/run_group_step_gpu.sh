@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 35's must-holds on two H200s of one host, one device call (kind nvidia-h200-x2), carry
 # [".deepep"] (the engine's packages: ENGINE_ONLY=1 bash benchmarks/gpu_site.sh):
-#   bash benchmarks/run_group_step_gpu.sh [one] [group] [check]   (default: all three)
+#   bash benchmarks/run_group_step_gpu.sh [one] [group] [check] [mtp]
+#   (default: one group check)
 # Stages (each under what is left of BUDGET_S, default 560 s):
 #   one   : `dsv3serve bench group` on one GPU (tp 1): decode at 64 and 256 sequences, 1K
 #           context, graphs on, and the prefill of 4K prompts: the per-GPU baseline
@@ -10,6 +11,8 @@
 #           the run), prefill tok/s per GPU, 61-layer / EP8 projections
 #   check : benchmarks/two_gpu_groups.py: DP2 + EP2 greedy tokens against one GPU (bf16 graphed,
 #           full-width graphed, float32 eager): the vocab-parallel logits all-to-all over NCCL
+#   mtp   : benchmarks/two_gpu_groups.py tp2-mtp-graphs (issue 34): a TP2 group with MTP
+#           (NextN, 2 draft steps) and graphs against the one-GPU engine with the same MTP
 # Full width (hidden 7168, 256 experts, top-8), dummy FP8 weights, LAYERS layers (default 12:
 # 3 dense + 9 MoE), flashinfer attention, Triton MoE. JSON and logs go to $OUT.
 # Each decode batch ends with PROFILE (default 3) profiled steps on rank 0: device time by
@@ -44,6 +47,10 @@ stage_check() {
   run check "${CHECK_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/check" --layouts \
     dp2-ep2-graphs full-width-dp2-ep2-graphs dp2-ep2-fp32
   tail -8 "$OUT/check.log"
+}
+stage_mtp() {
+  run mtp "${MTP_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/mtp" --layouts tp2-mtp-graphs
+  tail -8 "$OUT/mtp.log"
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"

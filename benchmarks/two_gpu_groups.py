@@ -47,6 +47,11 @@ from dsv3serve.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 DP2 = LAYOUTS["dp2-ep2"]
 DEEPEP = {**DP2, "moe_a2a_backend": "deepep"}
+# MTP (the checkpoint's NextN layer drafting 2 tokens a round): a layout's engine-wide
+# settings, so its reference is the one-GPU engine with the same speculation (draft, verify
+# and extend forwards of the same shapes; greedy MTP is lossless either way)
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+REFERENCE_KEYS = tuple(SPEC)
 # name -> (dtype, attention backend, layout args), run in this order. flashinfer: CUDA graphs
 # (bf16 only); torch: eager, float32 possible (exact comparisons).
 RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -62,6 +67,7 @@ RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "dp2-ep2-deepep-auto": ("bfloat16", "torch", DEEPEP),
     "dp2-ep2-deepep-low-latency": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "low_latency"}),
     "dp2-ep2-deepep-normal": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "normal"}),
+    "tp2-mtp-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2"] | SPEC),  # issue 34
 }
 # The bench model's layers at DeepSeek-V3's full widths (hidden 7168, 128 heads, q_lora 1536,
 # dense MLP 18432, expert MLP 2048, top-8 of 8 groups, FP8 128x128 block weights): one dense
@@ -121,12 +127,13 @@ def one_gpu(ckpt: Path, dtype: str, backend: str, **extra: Any) -> dict[str, Any
     return {"tokens": tokens, "top": top, "graph_steps": 0 if graphs is None else graphs.replays}
 
 
-def reference(ckpt: Path, dtype: str, backend: str) -> dict[str, Any]:
-    """The one-GPU run, and its spread: the largest same-input log-probability gap between
-    it and the same engine under :data:`SPREAD_RUNS`' batchings."""
-    ref = one_gpu(ckpt, dtype, backend)
+def reference(ckpt: Path, dtype: str, backend: str, **same: Any) -> dict[str, Any]:
+    """The one-GPU run (with the layout's engine-wide settings ``same``), and its spread: the
+    largest same-input log-probability gap between it and the same engine under
+    :data:`SPREAD_RUNS`' batchings."""
+    ref = one_gpu(ckpt, dtype, backend, **same)
     gaps = [
-        compare(one_gpu(ckpt, dtype, backend, **extra), ref)["same_input_logprob_gap"]
+        compare(one_gpu(ckpt, dtype, backend, **same, **extra), ref)["same_input_logprob_gap"]
         for extra in SPREAD_RUNS
     ]
     return ref | {"spread": max(gaps)}
@@ -152,9 +159,22 @@ def run_layout(
             "graphs": graphs is not None,
             "graph_replays_rank0": 0 if graphs is None else graphs.replays,
             "graph_steps_rank0": 0 if graphs is None else graphs.steps,
-        }
+        } | spec_graph_runs(llm.engine)
         on_tokens(row)
     return row
+
+
+def spec_graph_runs(engine: Engine) -> dict[str, Any]:
+    """Rank 0's speculative graph runs (verify, draft chain, extend), where MTP is on."""
+    spec = engine.spec
+    if spec is None:
+        return {}
+    graphs = spec.graphs
+    if graphs is None:
+        return {"spec_graphs": False}
+    parts = {"verify": graphs.verify, "chain": graphs.chain, "extend": graphs.extend}
+    runs = {name: None if part is None else part.runs for name, part in parts.items()}
+    return {"spec_graphs": True, "spec_graph_runs_rank0": runs}
 
 
 # Greedy tokens of bf16 runs may part where the model is nearly tied: the random tiny models
@@ -249,7 +269,8 @@ def run_one(
     """One layout's row: its tokens against the one-GPU reference of its dtype/backend
     (recorded once before the group's teardown, as ``teardown: pending``)."""
     dtype, backend, layout = RUNS[name]
-    key = f"{dtype}/{backend}"
+    same = {k: v for k, v in layout.items() if k in REFERENCE_KEYS}
+    key = "/".join([dtype, backend, *(f"{k}={v}" for k, v in same.items())])
     meta = {"dtype": dtype, "attention_backend": backend, "layout": layout}
 
     def early(row: dict[str, Any]) -> None:
@@ -260,7 +281,7 @@ def run_one(
     try:
         ckpt = checkpoint_for(dtype, root)
         if key not in refs:
-            refs[key] = reference(ckpt, dtype, backend)
+            refs[key] = reference(ckpt, dtype, backend, **same)
             ref = refs[key]
             result["references"][key] = {k: ref[k] for k in ("graph_steps", "spread")}
         row = run_layout(ckpt, dtype, backend, layout, early)
