@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 35's must-holds on two H200s of one host, one device call (kind nvidia-h200-x2), carry
+# Issues 35, 34 (TP2 MTP) and 32 (EPLB): their two-H200 must-holds, one host, one device call (kind nvidia-h200-x2), carry
 # [".deepep"] (the engine's packages: ENGINE_ONLY=1 bash benchmarks/gpu_site.sh):
-#   bash benchmarks/run_group_step_gpu.sh [one] [group] [check] [mtp]
+#   bash benchmarks/run_group_step_gpu.sh [one] [group] [check] [mtp] [eplb]
 #   (default: one group check)
 # Stages (each under what is left of BUDGET_S, default 560 s):
 #   one   : `dsv3serve bench group` on one GPU (tp 1): decode at 64 and 256 sequences, 1K
@@ -13,6 +13,9 @@
 #           full-width graphed, float32 eager): the vocab-parallel logits all-to-all over NCCL
 #   mtp   : benchmarks/two_gpu_groups.py tp2-mtp-graphs (issue 34): a TP2 group with MTP
 #           (NextN, 2 draft steps) and graphs against the one-GPU engine with the same MTP
+#   eplb  : benchmarks/bench_eplb.py on both GPUs (issue 32): a full-width FP8 MoE layer's
+#           step with EPLB (32 redundant slots) vs without under a router bias that makes 8
+#           experts hot, and the pause of a live rebalance
 # Full width (hidden 7168, 256 experts, top-8), dummy FP8 weights, LAYERS layers (default 12:
 # 3 dense + 9 MoE), flashinfer attention, Triton MoE. JSON and logs go to $OUT.
 # Each decode batch ends with PROFILE (default 3) profiled steps on rank 0: device time by
@@ -51,6 +54,11 @@ stage_check() {
 stage_mtp() {
   run mtp "${MTP_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/mtp" --layouts tp2-mtp-graphs
   tail -8 "$OUT/mtp.log"
+}
+stage_eplb() {
+  run eplb "${EPLB_S:-150}" python3 benchmarks/bench_eplb.py --device cuda --ranks 2 \
+    --redundant 32 --fp8 --out "$OUT/eplb_2xh200.json"
+  tail -12 "$OUT/eplb.log"
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
