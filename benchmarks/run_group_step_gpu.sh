@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issues 35, 34 (TP2 MTP) and 32 (EPLB): their two-H200 must-holds, one host, one device call (kind nvidia-h200-x2), carry
-# [".deepep"] (the engine's packages: ENGINE_ONLY=1 bash benchmarks/gpu_site.sh):
+# The two-H200 must-holds of issues 35, 34 (TP2 + MTP) and 32 (EPLB), on one host (kind
+# nvidia-h200-x2), carry [".deepep"] (the engine's packages: ENGINE_ONLY=1 bash
+# benchmarks/gpu_site.sh); one call for the default stages, a second for mtp and eplb:
 #   bash benchmarks/run_group_step_gpu.sh [one] [group] [check] [mtp] [eplb]
 #   (default: one group check)
 # Stages (each under what is left of BUDGET_S, default 560 s):
