@@ -46,7 +46,10 @@ def test_cli_runs_a_dp2_ep2_group_and_writes_every_batch(tmp_path: Path) -> None
     for r in result["decode"]:
         assert r["profile"]["tokens_per_step"] == [r["sequences"]] * 12
         assert r["profile"]["skipped"].startswith("CUDA only")
-    assert done.stdout.count("profile (rank 0, ms per step, 12 steps)") == 2
+    # the profiled prefill steps are as full as the timed ones: 64 prompt tokens per rank
+    # a step, two 32-token prompts finishing on each of the 2 ranks
+    assert result["prefill"]["profile"]["tokens_per_step"] == [2 * 2] * 12
+    assert done.stdout.count("profile (rank 0, ms per step, 12 steps)") == 3
 
 
 def test_rank_bytes_agree_with_the_planner(tiny_fp8_dir: Path) -> None:

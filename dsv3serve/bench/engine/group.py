@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -65,9 +66,9 @@ def decode_batch(
     emitted, times = 0, []
     for _ in range(steps):
         s = time.perf_counter()
-        emitted += _decode_step(engine)
+        emitted += _step_tokens(engine)
         times.append(time.perf_counter() - s)
-    profile = profile_steps(lambda: _decode_step(engine), profiled) if profiled else None
+    profile = profile_steps(lambda: _step_tokens(engine), profiled) if profiled else None
     while engine.has_unfinished():
         engine.step()
     times.sort()
@@ -84,7 +85,7 @@ def decode_batch(
     return row | ({"profile": profile} if profile else {})
 
 
-def _decode_step(engine: Any) -> int:
+def _step_tokens(engine: Any) -> int:
     """One engine step; the tokens it emitted."""
     return sum(len(o.token_ids) for o in engine.step())
 
@@ -105,6 +106,27 @@ def prefill_rate(engine: Any, total: int, length: int) -> dict[str, Any]:
         "seconds": round(seconds, 3),
         "tok_s_total": round(total * length / seconds, 1),
     }
+
+
+def prefill_profile(
+    engine: Any, ranks: int, cfg: EngineConfig, length: int, profiled: int
+) -> dict[str, Any]:
+    """``profiled`` profiled prefill steps, each as full as the timed prefill's (a step's
+    prompt tokens per rank: ``prefill_step_tokens``), of fresh prompts of ``length``."""
+    per_rank = max(1, math.ceil(profiled * prefill_step_tokens(cfg) / length))
+    rng = random.Random(length + 1)
+    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    for i in range(ranks * per_rank):
+        engine.add_request(Request(f"pp{i}", params, prompt_ids=prompt(rng, length)))
+    profile = profile_steps(lambda: _step_tokens(engine), profiled)
+    while engine.has_unfinished():
+        engine.step()
+    return profile | {"prompts_per_rank": per_rank}
+
+
+def prefill_step_tokens(cfg: EngineConfig) -> int:
+    """The most prompt tokens one rank's prefill step takes."""
+    return min(n for n in (cfg.chunked_prefill_size, cfg.max_num_batched_tokens) if n > 0)
 
 
 def copy_bandwidth(device: str) -> float | None:
@@ -150,12 +172,13 @@ def run_group(args: argparse.Namespace) -> dict[str, Any]:
     """Build the group, measure every batch and the prefill, print the table, write JSON
     (rewritten after each batch)."""
     most = max(args.per_rank)
-    tokens = most * (args.ctx + args.steps + 64) + args.prefill_per_rank * args.prefill_len
+    decode_tokens = most * (args.ctx + args.steps + args.profile_steps + 64)
+    prefill_tokens = args.prefill_per_rank * args.prefill_len
     cfg = EngineConfig.from_args(
         args,
         max_running_requests=most,
         cuda_graph_max_bs=most,
-        num_kv_tokens=args.num_kv_tokens or tokens + 8192,
+        num_kv_tokens=args.num_kv_tokens or decode_tokens + prefill_tokens + 8192,
     )
     ranks = max(cfg.dp_size, 1)
     result: dict[str, Any] = {"engine": cfg.model_dump(mode="json"), "decode": []}
@@ -173,6 +196,11 @@ def run_group(args: argparse.Namespace) -> dict[str, Any]:
             p = prefill_rate(llm.engine, ranks * args.prefill_per_rank, args.prefill_len)
             result["prefill"] = p | {"tok_s_per_gpu": round(p["tok_s_total"] / cfg.tp_size, 1)}
             _save(result, args.json, "prefill done")
+            if args.profile_steps:
+                result["prefill"]["profile"] = prefill_profile(
+                    llm.engine, ranks, cfg, args.prefill_len, args.profile_steps
+                )
+                _save(result, args.json, "prefill profiled")
     print_table(result)
     return result
 
@@ -195,6 +223,8 @@ def print_table(result: dict[str, Any]) -> None:
     if "prefill" in result:
         p = result["prefill"]
         print(f"prefill {p['prompts']} x {p['length']}: {p['tok_s_per_gpu']:.0f} tok/s per GPU")
+        if "profile" in p:
+            print(profile_line(p["profile"]))
 
 
 def _row_line(r: dict[str, Any]) -> str:

@@ -1,8 +1,10 @@
-"""``bench group --profile-steps N``: where a group's decode step goes on rank 0 (issue 35).
+"""``bench group --profile-steps N``: where a group's decode and prefill steps go on rank 0
+(issue 35).
 
 Rank 0 runs in the bench's own process, so ``torch.profiler`` there sees rank 0's device ops:
-its kernels, copies and the collectives it waits in. ``N`` engine steps of a running batch
-are profiled, each from an idle device; per step this gives
+its kernels, copies and the collectives it waits in. ``N`` engine steps of each decode batch,
+and ``N`` prefill steps as full as the timed prefill's, are profiled, each from an idle
+device; per step this gives
 
 - ``wall_ms``: the step as the engine makes it (host planning, launches or graph replay, the
   collectives, the sampled tokens' copy back), profiled, so a little slower than unprofiled;
