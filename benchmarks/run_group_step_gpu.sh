@@ -19,8 +19,8 @@
 #           experts hot, and the pause of a live rebalance
 # Full width (hidden 7168, 256 experts, top-8), dummy FP8 weights, LAYERS layers (default 12:
 # 3 dense + 9 MoE), flashinfer attention, Triton MoE. JSON and logs go to $OUT.
-# Each decode batch ends with PROFILE (default 3) profiled steps on rank 0: device time by
-# kind of op, device span and host time (bench group --profile-steps). PER_RANK (default
+# Each decode batch and the prefill end with PROFILE (default 3) profiled steps on rank 0:
+# device time by kind of op, device span and host time (bench group --profile-steps). PER_RANK (default
 # "64 256"), STEPS (20) and PREFILL_PER_RANK (4) size a shorter run.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -247,7 +247,8 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
         "--profile-steps",
         type=int,
         default=0,
-        help="after each batch's timed steps, profile this many on rank 0 (CUDA): device "
-        "time by kind of op, device span and host time per step",
+        help="after each decode batch's timed steps and after the timed prefill, profile "
+        "this many steps on rank 0 (CUDA): device time by kind of op, device span and host "
+        "time per step",
     )
     p.add_argument("--json", default="bench_group.json", help="where to write results")
