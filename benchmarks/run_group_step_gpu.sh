@@ -46,6 +46,9 @@ stage_group() {
   run group "${GROUP_S:-260}" python3 -m dsv3serve.cli bench group $MODEL --tp-size 2 \
     --dp-size 2 --enable-dp-attention --ep-size 2 --json "$OUT/group_dp2ep2.json"
   grep -v "^{" "$OUT/group.log" | tail -20
+  [ -f "$OUT/group_one_gpu.json" ] && [ -f "$OUT/group_dp2ep2.json" ] &&
+    python3 benchmarks/group_step_report.py "$OUT/group_one_gpu.json" \
+      "$OUT/group_dp2ep2.json" | tee "$OUT/group_step_tables.md"
 }
 stage_check() {
   run check "${CHECK_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/check" --layouts \
