@@ -22,11 +22,13 @@
 # Each decode batch and the prefill end with PROFILE (default 3) profiled steps on rank 0:
 # device time by kind of op, device span and host time (bench group --profile-steps). PER_RANK (default
 # "64 256"), STEPS (20) and PREFILL_PER_RANK (4) size a shorter run.
+# SMOKE_CPU=1 PY=.venv/bin/python: every stage's plumbing on the CPU (tiny model, gloo, small
+# sizes), no result.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s); BUDGET_S=${BUDGET_S:-560}
-mkdir -p /tmp/site && tar -xJf .deepep/gpu-site-engine.tar.xz -C /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
 export DSV3SERVE_CACHE=/tmp/dsv3serve_cache; mkdir -p "$DSV3SERVE_CACHE"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
 LAYERS=${LAYERS:-12}
@@ -34,38 +36,50 @@ MODEL="--model deepseek-v3 --load-format dummy --device cuda --attention-backend
   --moe-backend triton --hf-overrides {\"num_hidden_layers\":$LAYERS} --ctx 1024
   --steps ${STEPS:-20} --prefill-len 4096 --profile-steps ${PROFILE:-3}
   --per-rank ${PER_RANK:-64 256} --prefill-per-rank ${PREFILL_PER_RANK:-4}"
+DEV=cuda; EPLB_SIZES=""; CHECKS="dp2-ep2-graphs full-width-dp2-ep2-graphs dp2-ep2-fp32"
+if [ "${SMOKE_CPU:-0}" = 1 ]; then
+  export PYTHONPATH=.
+  MODEL="--model tiny --ctx 16 --steps 3 --prefill-len 32 --profile-steps 3 --per-rank 1 3
+    --prefill-per-rank 1 --chunked-prefill-size 64 --max-num-batched-tokens 64"
+  DEV=cpu; EPLB_SIZES="--experts 16 --groups 4 --topk-groups 2 --topk 4 --hidden 128
+    --inter 128 --redundant 4 --tokens 32 --iters 3 --hot 2"
+  CHECKS="dp2-ep2-graphs dp2-ep2-fp32"  # full width: a 6 GB checkpoint, too big for the CPU
+else
+  mkdir -p /tmp/site && tar -xJf .deepep/gpu-site-engine.tar.xz -C /tmp/site || exit 1
+  export PYTHONPATH=/tmp/site:.
+fi
 . benchmarks/stage_budget.sh  # left, run
-# shellcheck disable=SC2086  # MODEL is a list of arguments
+# shellcheck disable=SC2086  # MODEL, CHECKS and EPLB_SIZES are lists of arguments
 stage_one() {
-  run one "${ONE_S:-200}" python3 -m dsv3serve.cli bench group $MODEL \
+  run one "${ONE_S:-200}" $PY -m dsv3serve.cli bench group $MODEL \
     --json "$OUT/group_one_gpu.json"
   grep -v "^{" "$OUT/one.log" | tail -15
 }
-# shellcheck disable=SC2086
 stage_group() {
-  run group "${GROUP_S:-260}" python3 -m dsv3serve.cli bench group $MODEL --tp-size 2 \
+  run group "${GROUP_S:-260}" $PY -m dsv3serve.cli bench group $MODEL --tp-size 2 \
     --dp-size 2 --enable-dp-attention --ep-size 2 --json "$OUT/group_dp2ep2.json"
   grep -v "^{" "$OUT/group.log" | tail -20
   [ -f "$OUT/group_one_gpu.json" ] && [ -f "$OUT/group_dp2ep2.json" ] &&
-    python3 benchmarks/group_step_report.py "$OUT/group_one_gpu.json" \
+    $PY benchmarks/group_step_report.py "$OUT/group_one_gpu.json" \
       "$OUT/group_dp2ep2.json" | tee "$OUT/group_step_tables.md"
 }
 stage_check() {
-  run check "${CHECK_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/check" --layouts \
-    dp2-ep2-graphs full-width-dp2-ep2-graphs dp2-ep2-fp32
+  run check "${CHECK_S:-150}" $PY benchmarks/two_gpu_groups.py "$OUT/check" --device $DEV \
+    --layouts $CHECKS
   tail -8 "$OUT/check.log"
 }
 stage_mtp() {
-  run mtp "${MTP_S:-150}" python3 benchmarks/two_gpu_groups.py "$OUT/mtp" --layouts tp2-mtp-graphs
+  run mtp "${MTP_S:-150}" $PY benchmarks/two_gpu_groups.py "$OUT/mtp" --device $DEV \
+    --layouts tp2-mtp-graphs
   tail -8 "$OUT/mtp.log"
 }
 stage_eplb() {
-  run eplb "${EPLB_S:-150}" python3 benchmarks/bench_eplb.py --device cuda --ranks 2 \
-    --redundant 32 --fp8 --out "$OUT/eplb_2xh200.json"
+  run eplb "${EPLB_S:-150}" $PY benchmarks/bench_eplb.py --device $DEV --ranks 2 \
+    --redundant 32 --fp8 $EPLB_SIZES --out "$OUT/eplb_2xh200.json"
   tail -12 "$OUT/eplb.log"
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  $PY -c "import torch, triton; print(torch.__version__, triton.__version__)"
   date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(one group check)
