@@ -46,15 +46,21 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
 
+def submit(engine: Any, tag: str, total: int, length: int, max_new: int, seed: int) -> None:
+    """``total`` greedy requests ``{tag}{i}`` of ``length`` random prompt tokens (``seed``),
+    each generating ``max_new`` tokens whatever it samples."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
+    for i in range(total):
+        engine.add_request(Request(f"{tag}{i}", params, prompt_ids=prompt(rng, length)))
+
+
 def decode_batch(
     engine: Any, total: int, ctx: int, steps: int, profiled: int = 0
 ) -> dict[str, Any]:
     """``total`` prompts of ``ctx`` tokens, then ``steps`` timed decode steps, then
     ``profiled`` profiled ones (:mod:`~dsv3serve.bench.engine.group_profile`)."""
-    rng = random.Random(total)
-    params = SamplingParams(temperature=0, max_new_tokens=steps + 8 + profiled, ignore_eos=True)
-    for i in range(total):
-        engine.add_request(Request(f"d{total}-{i}", params, prompt_ids=prompt(rng, ctx)))
+    submit(engine, f"d{total}-", total, ctx, steps + 8 + profiled, seed=total)
     started: set[str] = set()
     t0 = time.perf_counter()
     prefill_steps = []
@@ -92,10 +98,7 @@ def _step_tokens(engine: Any) -> int:
 
 def prefill_rate(engine: Any, total: int, length: int) -> dict[str, Any]:
     """``total`` prompts of ``length`` tokens, timed from submission to every first token."""
-    rng = random.Random(length)
-    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-    for i in range(total):
-        engine.add_request(Request(f"p{i}", params, prompt_ids=prompt(rng, length)))
+    submit(engine, "p", total, length, 1, seed=length)
     t0 = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -114,10 +117,7 @@ def prefill_profile(
     """``profiled`` profiled prefill steps, each as full as the timed prefill's (a step's
     prompt tokens per rank: ``prefill_step_tokens``), of fresh prompts of ``length``."""
     per_rank = max(1, math.ceil(profiled * prefill_step_tokens(cfg) / length))
-    rng = random.Random(length + 1)
-    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-    for i in range(ranks * per_rank):
-        engine.add_request(Request(f"pp{i}", params, prompt_ids=prompt(rng, length)))
+    submit(engine, "pp", ranks * per_rank, length, 1, seed=length + 1)
     profile = profile_steps(lambda: _step_tokens(engine), profiled)
     while engine.has_unfinished():
         engine.step()

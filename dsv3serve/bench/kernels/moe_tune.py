@@ -168,9 +168,9 @@ def tune_tokens(ex: FusedExperts, t: int, args: argparse.Namespace) -> MoEConfig
         raise RuntimeError(f"no config ran for T={t}")
     default = default_config(t, slots, top_k, ex.is_fp8)
     blocks = moe_align_block_size(ids, slots, default.block_m)
-    default_us = _time_tiles(ex, x, blocks, top_k, [default.gate_up], [default.down], args.replays)[
-        0
-    ]
+    default_us, _ = _time_tiles(
+        ex, x, blocks, top_k, [default.gate_up], [default.down], args.replays
+    )
     line = {"T": t, "best_us": us, "default_us": default_us, "default_over_best": default_us / us}
     if default_us <= us:  # the search missed it: the table never holds a slower config
         cfg = default
