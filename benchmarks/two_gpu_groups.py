@@ -7,12 +7,12 @@ Each layout runs the scripted workload of ``tests/support/group_scenario.py`` (c
 prefill, prefix hits, preemption, an abort) on the tiny checkpoint with DeepSeek-V3's
 attention shapes and 16 routed experts, through ``LLM`` (which spawns one process per GPU
 and joins them over NCCL). The reference is the one-GPU engine with the same settings
-(dtype, backends, graphs, overlap). float32 layouts use the all-to-all dispatcher; DeepEP
-needs bf16 rows and a hidden size its kernels are built for (2048, ..., 7168), so its layouts
-run (as every bf16 run) a checkpoint of hidden size 2048 and compare with a bf16 one-GPU
-reference on it. flashinfer runs capture CUDA graphs (bf16 only); torch-attention runs are
-eager (float32 possible). Prints a table and writes ``two_gpu_groups.json``; a layout that
-raises is recorded with its error.
+(dtype, backends, graphs, overlap, and MTP where the layout has it). float32 layouts use the
+all-to-all dispatcher; DeepEP needs bf16 rows and a hidden size its kernels are built for
+(2048, ..., 7168), so its layouts run (as every bf16 run) a checkpoint of hidden size 2048
+and compare with a bf16 one-GPU reference on it. flashinfer runs capture CUDA graphs (bf16
+only); torch-attention runs are eager (float32 possible). Prints a table and writes
+``two_gpu_groups.json``; a layout that raises is recorded with its error.
 """
 
 from __future__ import annotations
@@ -266,8 +266,9 @@ def run_one(
     result: dict[str, Any],
     record: Callable[[str, dict[str, Any]], None],
 ) -> dict:
-    """One layout's row: its tokens against the one-GPU reference of its dtype/backend
-    (recorded once before the group's teardown, as ``teardown: pending``)."""
+    """One layout's row: its tokens against the one-GPU reference of its dtype/backend and
+    :data:`REFERENCE_KEYS` settings (recorded once before the group's teardown, as
+    ``teardown: pending``)."""
     dtype, backend, layout = RUNS[name]
     same = {k: v for k, v in layout.items() if k in REFERENCE_KEYS}
     key = "/".join([dtype, backend, *(f"{k}={v}" for k, v in same.items())])
