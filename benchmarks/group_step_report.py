@@ -37,6 +37,8 @@ def decode_table(one: dict[str, Any], group: dict[str, Any]) -> list[str]:
         bound = DECODE_BOUND.get(g["per_rank"])
         ratio = g.get("x_roofline")
         holds = "-" if bound is None or ratio is None else ("yes" if ratio <= bound else "no")
+        holds = _partial(g, "group") or holds
+        holds += f" ({_partial(o, 'one GPU')})" if _partial(o, "one GPU") else ""
         lines.append(
             f"| {g['per_rank']} | {_fmt(o.get('median_step_ms'))}, {_fmt(o.get('x_roofline'))} "
             f"| {_fmt(g['median_step_ms'])}, {_fmt(ratio)} "
@@ -44,6 +46,14 @@ def decode_table(one: dict[str, Any], group: dict[str, Any]) -> list[str]:
             f"| {_fmt(bound, 1)} | {holds} |"
         )
     return lines
+
+
+def _partial(row: dict[str, Any], who: str) -> str:
+    """Why a row is no measure of its batch: a timed step ran fewer sequences than it has
+    (``bench group``'s ``full_batch``; absent in older JSONs: not judged)."""
+    if row.get("full_batch", True):
+        return ""
+    return f"{who}: batch not full, {row['min_tokens_per_step']} of {row['sequences']}"
 
 
 def prefill_line(one: dict[str, Any], group: dict[str, Any]) -> str:

@@ -51,7 +51,7 @@ fi
 . benchmarks/stage_budget.sh  # left, run
 # shellcheck disable=SC2086  # MODEL, CHECKS and EPLB_SIZES are lists of arguments
 stage_one() {
-  run one "${ONE_S:-200}" $PY -m dsv3serve.cli bench group $MODEL \
+  run one "${ONE_S:-240}" $PY -m dsv3serve.cli bench group $MODEL \
     --json "$OUT/group_one_gpu.json"
   grep -v "^{" "$OUT/one.log" | tail -15
 }

@@ -30,20 +30,23 @@ def test_cli_runs_a_dp2_ep2_group_and_writes_every_batch(tmp_path: Path) -> None
     out = tmp_path / "group.json"
     cmd = [sys.executable, "-m", "dsv3serve.cli", "bench", "group", "--model", "tiny",
            "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2",
-           "--per-rank", "1", "3", "--ctx", "16", "--steps", "3", "--prefill-per-rank", "1",
+           "--per-rank", "1", "40", "--ctx", "16", "--steps", "3", "--prefill-per-rank", "1",
            "--prefill-len", "32", "--chunked-prefill-size", "64",
            "--max-num-batched-tokens", "64", "--profile-steps", "12",
            "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["per_rank"] for r in result["decode"]] == [1, 3]
-    assert [r["sequences"] for r in result["decode"]] == [2, 6]  # dp_size x per rank
+    assert [r["per_rank"] for r in result["decode"]] == [1, 40]
+    assert [r["sequences"] for r in result["decode"]] == [2, 80]  # dp_size x per rank
     assert all(r["median_step_ms"] > 0 and r["tok_s_per_gpu"] > 0 for r in result["decode"])
     assert result["prefill"]["prompts"] == 2 and "per rank" in done.stdout
-    # the profiled steps (more than the timed steps' slack of 8) run with the whole batch
-    # still decoding: one token per sequence per step (device ops need CUDA)
+    # 40 prompts of 16 tokens take 10 prefill steps of 64 tokens a rank, and the first ones
+    # decode meanwhile: every timed and profiled step (more than the old budget's slack of
+    # 8 tokens) still runs the whole batch, one token per sequence (device ops need CUDA)
+    assert result["decode"][1]["prefill_steps"] >= 10
     for r in result["decode"]:
+        assert r["full_batch"] and r["min_tokens_per_step"] == r["sequences"]
         assert r["profile"]["tokens_per_step"] == [r["sequences"]] * 12
         assert r["profile"]["skipped"].startswith("CUDA only")
     # the profiled prefill steps are as full as the timed ones: 64 prompt tokens per rank

@@ -61,6 +61,21 @@ def test_decode_rows_judge_each_batch_by_its_bound(tmp_path: Path) -> None:
     assert "| 256 | 20.00, 1.30 | 43.40, 3.02 | 12800, 5898 | 1.6 | no |" in out
 
 
+def test_a_row_whose_batch_was_not_full_is_not_judged(tmp_path: Path) -> None:
+    # as on two H200s on 2026-11-29 before the fix: sequences ran out of budget and a
+    # "256 per rank" step decoded 165 of 256 (one GPU) and 321 of 512 (the group)
+    def partial(row: dict[str, Any], seqs: int, least: int) -> dict[str, Any]:
+        return {**row, "sequences": seqs, "full_batch": False, "min_tokens_per_step": least}
+
+    one = {**ONE, "decode": [ONE["decode"][0], partial(ONE["decode"][1], 256, 165)]}
+    group = {**GROUP, "decode": [GROUP["decode"][0], partial(GROUP["decode"][1], 512, 321)]}
+    out = run(tmp_path, one, group)
+    assert (
+        "| 1.6 | group: batch not full, 321 of 512 (one GPU: batch not full, 165 of 256) |" in out
+    )
+    assert "| 6400, 4571 | 1.5 | yes |" in out  # full rows, and rows of older JSONs, are judged
+
+
 def test_prefill_share_of_one_gpu(tmp_path: Path) -> None:
     out = run(tmp_path, ONE, GROUP)
     assert "7500 tok/s per GPU = 75.0% of one GPU (bound 80%: does not hold)" in out

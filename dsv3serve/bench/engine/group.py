@@ -56,11 +56,15 @@ def submit(engine: Any, tag: str, total: int, length: int, max_new: int, seed: i
 
 
 def decode_batch(
-    engine: Any, total: int, ctx: int, steps: int, profiled: int = 0
+    engine: Any, total: int, ctx: int, steps: int, profiled: int = 0, warm: int = 0
 ) -> dict[str, Any]:
     """``total`` prompts of ``ctx`` tokens, then ``steps`` timed decode steps, then
-    ``profiled`` profiled ones (:mod:`~dsv3serve.bench.engine.group_profile`)."""
-    submit(engine, f"d{total}-", total, ctx, steps + 8 + profiled, seed=total)
+    ``profiled`` profiled ones (:mod:`~dsv3serve.bench.engine.group_profile`), every one
+    with the whole batch decoding: a sequence may decode up to ``warm`` tokens (a bound on
+    the prefill's steps) while later prompts still prefill, and its budget covers them.
+    ``full_batch`` says whether every timed step emitted ``total`` tokens."""
+    tag = f"d{total}-"
+    submit(engine, tag, total, ctx, warm + steps + profiled + 8, seed=total)
     started: set[str] = set()
     t0 = time.perf_counter()
     prefill_steps = []
@@ -69,12 +73,14 @@ def decode_batch(
         started.update(o.request_id for o in engine.step() if o.token_ids)
         prefill_steps.append(time.perf_counter() - s)
     prefill_s = time.perf_counter() - t0
-    emitted, times = 0, []
+    per_step, times = [], []
     for _ in range(steps):
         s = time.perf_counter()
-        emitted += _step_tokens(engine)
+        per_step.append(_step_tokens(engine))
         times.append(time.perf_counter() - s)
     profile = profile_steps(lambda: _step_tokens(engine), profiled) if profiled else None
+    for i in range(total):  # measured: the rest of each budget is not needed
+        engine.abort(f"{tag}{i}")
     while engine.has_unfinished():
         engine.step()
     times.sort()
@@ -85,10 +91,17 @@ def decode_batch(
         "prefill_steps": len(prefill_steps),
         "prefill_slowest_steps_s": [round(v, 3) for v in sorted(prefill_steps)[-3:]],
         "median_step_ms": round(1000 * times[len(times) // 2], 3),
-        "tok_s_total": round(emitted / sum(times), 1),
+        "tok_s_total": round(sum(per_step) / sum(times), 1),
         "decode_s": round(sum(times), 3),
+        "min_tokens_per_step": min(per_step),
+        "full_batch": min(per_step) == total,
     }
     return row | ({"profile": profile} if profile else {})
+
+
+def prefill_steps_bound(per_rank: int, ctx: int, cfg: EngineConfig) -> int:
+    """The most prefill steps ``per_rank`` prompts of ``ctx`` tokens take on one rank."""
+    return math.ceil(per_rank * ctx / prefill_step_tokens(cfg)) + 2
 
 
 def _step_tokens(engine: Any) -> int:
@@ -172,14 +185,12 @@ def run_group(args: argparse.Namespace) -> dict[str, Any]:
     """Build the group, measure every batch and the prefill, print the table, write JSON
     (rewritten after each batch)."""
     most = max(args.per_rank)
-    decode_tokens = most * (args.ctx + args.steps + args.profile_steps + 64)
-    prefill_tokens = args.prefill_per_rank * args.prefill_len
-    cfg = EngineConfig.from_args(
-        args,
-        max_running_requests=most,
-        cuda_graph_max_bs=most,
-        num_kv_tokens=args.num_kv_tokens or decode_tokens + prefill_tokens + 8192,
-    )
+    cfg = EngineConfig.from_args(args, max_running_requests=most, cuda_graph_max_bs=most)
+    if not args.num_kv_tokens:  # every batch's sequences at their whole budget, and the prefill
+        seq = args.ctx + prefill_steps_bound(most, args.ctx, cfg) + args.steps
+        decode_tokens = most * (seq + args.profile_steps + 16)
+        prefill_tokens = args.prefill_per_rank * args.prefill_len
+        cfg = cfg.model_copy(update={"num_kv_tokens": decode_tokens + prefill_tokens + 8192})
     ranks = max(cfg.dp_size, 1)
     result: dict[str, Any] = {"engine": cfg.model_dump(mode="json"), "decode": []}
     with LLM.from_config(cfg) as llm:
@@ -187,7 +198,10 @@ def run_group(args: argparse.Namespace) -> dict[str, Any]:
         bw = copy_bandwidth(cfg.device)
         result["copy_bytes_per_s"] = bw
         for per_rank in args.per_rank:
-            r = decode_batch(llm.engine, ranks * per_rank, args.ctx, args.steps, args.profile_steps)
+            warm = prefill_steps_bound(per_rank, args.ctx, cfg)
+            r = decode_batch(
+                llm.engine, ranks * per_rank, args.ctx, args.steps, args.profile_steps, warm
+            )
             r |= {"per_rank": per_rank, "tok_s_per_gpu": round(r["tok_s_total"] / cfg.tp_size, 1)}
             _ratio_row(r, model, cfg, bw)
             result["decode"].append(r)

@@ -215,7 +215,7 @@ def dp_follower_loop(runner: ModelRunner, extra: Mapping[int, OpHandler] | None 
 
     def step(wire: Wire, n: int) -> None:
         nonlocal steps
-        spans, sizes, shape = decode_part(wire.recv(n).cpu(), rank)
+        spans, sizes, shape = decode_part(wire.recv(n), rank)
         gather_rows(forward_local(runner, spans, shape), sizes, wire.device)
         steps += 1
 

@@ -1,13 +1,20 @@
 """One engine over N ranks: rank 0 schedules, every rank runs the same forward in lockstep.
 
 Rank 0 (the leader) owns the scheduler. Each step it broadcasts the step's spans over
-``torch.distributed`` (NCCL on GPU, gloo on CPU) and every rank runs the forward on its
+``torch.distributed`` and every rank runs the forward on its
 own device and KV pool. KV pages that arrive from outside (PD import) are broadcast from
 rank 0 to the other ranks' pools the same way, so every pool holds the same pages.
 
 Each rank holds its shard of the model (:mod:`dsv3serve.engine.group.rank_parts`). Only tensors
 and fixed-layout int64 headers cross the wire (no pickle). A rank that dies makes rank 0's
 next collective raise (connection closed, or the group timeout): the engine's step fails.
+
+The commands (headers, spans) travel on a second, gloo group of the same ranks
+(:func:`control_group`), and only device tensors on the default group (NCCL on GPUs). A
+command sent over NCCL cost a host sync on both sides: rank 0 copied it to the device from
+pageable memory (which waits for every queued kernel) and a follower read it back (which
+waits for its own queue), so neither host could prepare step n+1 while step n ran
+(measured on two H200s, 2026-11-29: docs/perf/group_step.md).
 """
 
 from __future__ import annotations
@@ -64,18 +71,33 @@ def rank_timeout_s(rank: int, group_timeout_s: float) -> float:
     return group_timeout_s if rank == 0 else FOLLOWER_WAIT_S
 
 
+_control: dist.ProcessGroup | None = None
+
+
 def init_group(spec: GroupSpec) -> None:
-    """Join the group's default process group (blocks until every rank has joined)."""
+    """Join the group's default process group (blocks until every rank has joined), and
+    under NCCL its gloo control group (:func:`control_group`)."""
+    global _control
     if spec.backend == "nccl":
         for name, value in NCCL_FAULT_ENV.items():
             os.environ.setdefault(name, value)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
     dist.init_process_group(
         spec.backend,
         init_method=spec.init_method or f"tcp://{spec.master_addr}:{spec.master_port}",
         world_size=spec.world_size,
         rank=spec.rank,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
+        timeout=timeout,
     )
+    # on gloo too, so the CPU tests run the same two-group order as NCCL ranks do
+    _control = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group rank 0's commands travel on: host tensors over gloo, beside the default
+    group (NCCL on GPUs), so sending or reading one never waits for a device queue. None
+    before :func:`init_group` (the default group is used)."""
+    return _control
 
 
 def encode_spans(spans: Sequence[SeqSpan]) -> torch.Tensor:
@@ -126,27 +148,44 @@ def pool_digest(pool: MLAKVPool) -> torch.Tensor:
 
 
 class Wire:
-    """Header + payload broadcasts from rank 0 on the group's communication device."""
+    """Rank 0's commands to the other ranks: an int64 header ``[op, payload length]`` and an
+    int64 host payload, broadcast on the control group (:func:`control_group`, host memory:
+    no device sync on either side), and device tensors broadcast on the default group from
+    ``device`` (the group's communication device: :func:`comm_device`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.control = control_group()
 
     def send(self, op: int, payload: torch.Tensor | None = None) -> None:
+        """Rank 0: command ``op`` with host int64 ``payload``."""
         n = 0 if payload is None else payload.numel()
-        dist.broadcast(torch.tensor([op, n], dtype=torch.int64, device=self.device), src=0)
+        dist.broadcast(torch.tensor([op, n], dtype=torch.int64), src=0, group=self.control)
         if payload is not None and n:
-            dist.broadcast(payload.to(self.device), src=0)
+            dist.broadcast(payload.to("cpu", torch.int64), src=0, group=self.control)
 
     def recv_header(self) -> tuple[int, int]:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
+        """The other ranks: the next command's op and payload length."""
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.control)
         op, n = header.tolist()
         return op, n
 
-    def recv(self, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        payload = torch.empty(n, dtype=dtype, device=self.device)
-        dist.broadcast(payload, src=0)
+    def recv(self, n: int) -> torch.Tensor:
+        """The other ranks: the command's host payload (int64, ``n`` values)."""
+        payload = torch.empty(n, dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=self.control)
         return payload
+
+    def send_device(self, data: torch.Tensor) -> None:
+        """Rank 0: a device tensor to every rank (queued on the device, no host sync)."""
+        dist.broadcast(data.to(self.device).contiguous(), src=0)
+
+    def recv_device(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The other ranks: :meth:`send_device`'s ``n`` values of ``dtype``, on ``device``."""
+        data = torch.empty(n, dtype=dtype, device=self.device)
+        dist.broadcast(data, src=0)
+        return data
 
 
 def comm_device(runner: ModelRunner) -> torch.device:
@@ -239,16 +278,19 @@ class GroupLeader(LeaderBase):
 def send_sampled(wire: Wire, start: int, token_ids: torch.Tensor) -> None:
     """Overlap scheduling: rank 0 just wrote ``token_ids`` [n] into its future-token ring at
     ``start``; every rank writes them into its own ring, where its next step's placeholders
-    resolve (on the device: no host sync on rank 0)."""
-    wire.send(OP_SAMPLED, torch.cat([token_ids.new_tensor([start]), token_ids]))
+    resolve. ``start`` and ``n`` travel as the command, the ids on the device: no host sync
+    on any rank."""
+    wire.send(OP_SAMPLED, torch.tensor([start, token_ids.numel()], dtype=torch.int64))
+    wire.send_device(token_ids.to(torch.int64))
 
 
 def store_sampled(runner: ModelRunner, wire: Wire, n: int) -> None:
     """A follower's side of :func:`send_sampled`."""
-    data = wire.recv(n)
+    start, count = wire.recv(n).tolist()
+    ids = wire.recv_device(count, torch.int64)
     if runner.future is None:
         raise RuntimeError("sampled ids for the overlap ring: expected overlap on every rank")
-    runner.future.store(int(data[0]), data[1:].to(runner.future.buffer.device))
+    runner.future.store(start, ids.to(runner.future.buffer.device))
 
 
 def gather_digest(runner: ModelRunner, world_size: int) -> list[torch.Tensor]:
@@ -289,11 +331,11 @@ def follower_loop(runner: ModelRunner, extra: Mapping[int, OpHandler] | None = N
 
     def step(wire: Wire, n: int) -> None:
         nonlocal steps
-        runner.run_spans(decode_spans(wire.recv(n).cpu()), None)
+        runner.run_spans(decode_spans(wire.recv(n)), None)
         steps += 1
 
     def write_pages(wire: Wire, n: int) -> None:
-        broadcast_pages(runner, wire.recv(n).cpu(), wire, send=False)
+        broadcast_pages(runner, wire.recv(n), wire, send=False)
 
     ops = {**(extra or {}), OP_STEP: step, OP_WRITE_PAGES: write_pages}
     serve_ops(runner, Wire(comm_device(runner)), ops, "group")

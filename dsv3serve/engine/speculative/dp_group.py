@@ -251,11 +251,11 @@ class DPSpecFollower:
         return {OP_DP_SPEC_TARGET: self.on_target, OP_DP_SPEC_DRAFT: self.on_draft}
 
     def on_target(self, wire: Wire, n: int) -> None:
-        decode_form, rows, spans, sizes = decode(wire.recv(n).cpu(), dist.get_rank())
+        decode_form, rows, spans, sizes = decode(wire.recv(n), dist.get_rank())
         gather_rows(self.local.target(spans, bool(decode_form), rows), sizes, wire.device)
 
     def on_draft(self, wire: Wire, n: int) -> None:
-        source, rows, spans, counts = decode(wire.recv(n).cpu(), dist.get_rank())
+        source, rows, spans, counts = decode(wire.recv(n), dist.get_rank())
         if source == SRC_WIRE:
             out = self.local.draft(spans, self._recv_hidden(wire, spans))
         else:

@@ -133,7 +133,7 @@ class SpecFollower:
 
     def on_graph(self, wire: Wire, n: int) -> None:
         """Replay the speculative graph rank 0 replays, with the same inputs."""
-        kind, rows, spans = unpack(wire.recv(n).cpu())
+        kind, rows, spans = unpack(wire.recv(n))
         graphs, forwards = self.graphs, self.forwards
         if graphs is None:
             raise RuntimeError("spec graph op: this follower built no speculative graphs")
@@ -149,11 +149,11 @@ class SpecFollower:
             forwards.extend_graphed(graphs, spans, self._target_hidden, rows)
 
     def on_target(self, wire: Wire, n: int) -> None:
-        decode, rows, spans = unpack(wire.recv(n).cpu())
+        decode, rows, spans = unpack(wire.recv(n))
         self._target_hidden = self.forwards.target(spans, bool(decode), rows)[0]
 
     def on_draft(self, wire: Wire, n: int) -> None:
-        source, rows, spans = unpack(wire.recv(n).cpu())
+        source, rows, spans = unpack(wire.recv(n))
         if source == SRC_WIRE:
             self.forwards.draft_step(spans, self._recv_hidden(wire, spans))
             return
@@ -165,5 +165,5 @@ class SpecFollower:
         """The chain step's input hidden states [T, H] that rank 0 broadcast."""
         tokens = sum(len(s.token_ids) for s in spans)
         width = self.runner.model_cfg.hidden_size
-        flat = wire.recv(tokens * width, self.runner.dtype)
+        flat = wire.recv_device(tokens * width, self.runner.dtype)
         return flat.view(tokens, width).to(self.runner.device)
