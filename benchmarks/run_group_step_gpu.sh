@@ -2,9 +2,11 @@
 # The two-H200 must-holds of issues 35, 34 (TP2 + MTP) and 32 (EPLB), on one host (kind
 # nvidia-h200-x2), carry [".deepep"] (the engine's packages: ENGINE_ONLY=1 bash
 # benchmarks/gpu_site.sh); one call for the default stages, a second for mtp and eplb:
-#   bash benchmarks/run_group_step_gpu.sh [one] [group] [check] [mtp] [eplb]
-#   (default: one group check)
+#   bash benchmarks/run_group_step_gpu.sh [wire] [one] [group] [check] [mtp] [eplb]
+#   (default: wire one group check)
 # Stages (each under what is left of BUDGET_S, default 560 s):
+#   wire  : benchmarks/control_group_check.py: two ranks' command wire (gloo control group
+#           beside NCCL) carries commands and device tensors, and one command's round trip
 #   one   : `dsv3serve bench group` on one GPU (tp 1): decode at 64 and 256 sequences, 1K
 #           context, graphs on, and the prefill of 4K prompts: the per-GPU baseline
 #   group : the same through a DP2 + DP attention + EP2 group (gather dispatcher): decode
@@ -50,6 +52,10 @@ else
 fi
 . benchmarks/stage_budget.sh  # left, run
 # shellcheck disable=SC2086  # MODEL, CHECKS and EPLB_SIZES are lists of arguments
+stage_wire() {
+  run wire 60 $PY benchmarks/control_group_check.py --device $DEV
+  tail -3 "$OUT/wire.log"
+}
 stage_one() {
   run one "${ONE_S:-240}" $PY -m dsv3serve.cli bench group $MODEL \
     --json "$OUT/group_one_gpu.json"
@@ -82,6 +88,6 @@ stage_eplb() {
   $PY -c "import torch, triton; print(torch.__version__, triton.__version__)"
   date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(one group check)
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(wire one group check)
 for s in "${stages[@]}"; do "stage_$s"; done
 ls -la "$OUT"; echo "total $(($(date +%s) - START)) s"
