@@ -54,7 +54,8 @@ fi
 # shellcheck disable=SC2086  # MODEL, CHECKS and EPLB_SIZES are lists of arguments
 stage_wire() {
   run wire 60 $PY benchmarks/control_group_check.py --device $DEV
-  tail -3 "$OUT/wire.log"
+  run wire_commands 60 $PY benchmarks/control_group_check.py --device $DEV --commands-only
+  tail -1 "$OUT/wire.log" "$OUT/wire_commands.log"
 }
 stage_one() {
   run one "${ONE_S:-240}" $PY -m dsv3serve.cli bench group $MODEL \
