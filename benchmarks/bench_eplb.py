@@ -93,7 +93,7 @@ def step_seconds(a, device, dispatcher, experts, state, rank) -> float:  # noqa:
         sync(device)
         if it >= 2:
             total += time.perf_counter() - t0
-    slowest = torch.tensor([total / a.iters])
+    slowest = torch.tensor([total / a.iters], device=device)  # NCCL reduces device tensors
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
 

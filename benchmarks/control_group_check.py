@@ -42,7 +42,9 @@ def _rank(rank: int, device: str, rendezvous: str, rounds: int, out: str, ids_to
             got = wire.recv(n)
             if op != 7 or n != PAYLOAD or not bool((got == i).all()):
                 raise RuntimeError(f"round {i}: op {op}, n {n}: wrong command")
-            if ids_too and not bool((wire.recv_device(64, torch.int64).cpu() == ids + i).all()):
+            if ids_too and not bool(
+                (wire.recv_device(64, torch.int64).cpu() == ids.cpu() + i).all()
+            ):
                 raise RuntimeError(f"round {i}: wrong ids")
     if device == "cuda":
         torch.cuda.synchronize()

@@ -55,7 +55,7 @@ fi
 stage_wire() {
   run wire 60 $PY benchmarks/control_group_check.py --device $DEV
   run wire_commands 60 $PY benchmarks/control_group_check.py --device $DEV --commands-only
-  tail -1 "$OUT/wire.log" "$OUT/wire_commands.log"
+  tail -qn1 "$OUT/wire.log" "$OUT/wire_commands.log"
 }
 stage_one() {
   run one "${ONE_S:-240}" $PY -m dsv3serve.cli bench group $MODEL \
