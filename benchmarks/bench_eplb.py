@@ -102,9 +102,9 @@ def counts(a: argparse.Namespace, rank: int, device: torch.device) -> torch.Tens
     load = ExpertLoad(1, a.experts, device)
     for it in range(a.iters + 2):
         load.record(0, route(a, it, rank, device)[1])
-    c = load.read()
+    c = load.read().to(device)  # read on the host; NCCL reduces device tensors
     dist.all_reduce(c)
-    return c
+    return c.cpu()
 
 
 def stack(a, slots: int, device: torch.device) -> FusedExperts:  # noqa: ANN001
