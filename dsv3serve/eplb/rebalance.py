@@ -65,14 +65,17 @@ def move_layer(params: list[torch.Tensor], moves: Moves, group: dist.ProcessGrou
     and scales of one layer), collective with the peers named in ``moves``."""
     srcs = sorted({s for _, s in moves.copies} | {s for _, s, _ in moves.sends})
     snap = {s: [t[s].clone() for t in params] for s in srcs}
-    reqs, inbox = [], []
+    ops, inbox = [], []
     for peer, dst, tag in moves.recvs:
         bufs = [torch.empty_like(t[dst]) for t in params]
-        reqs += [dist.irecv(b, _global(peer, group), group, tag=tag) for b in bufs]
+        ops += [dist.P2POp(dist.irecv, b, _global(peer, group), group, tag) for b in bufs]
         inbox.append((dst, bufs))
     for peer, src, tag in moves.sends:
-        reqs += [dist.isend(b, _global(peer, group), group, tag=tag) for b in snap[src]]
-    for r in reqs:
+        ops += [dist.P2POp(dist.isend, b, _global(peer, group), group, tag) for b in snap[src]]
+    # one batch: NCCL ignores tags and runs a rank's unbatched sends and receives in order
+    # on one stream, so two ranks that each receive before they send wait for each other
+    # forever (the hang of bench_eplb.py on two H200s, 2026-11-29); a batch runs them together
+    for r in dist.batch_isend_irecv(ops) if ops else []:
         r.wait()
     for dst, src in moves.copies:
         for t, s in zip(params, snap[src], strict=True):
