@@ -76,7 +76,7 @@ stage_check() {
   tail -8 "$OUT/check.log"
 }
 stage_mtp() {
-  run mtp "${MTP_S:-150}" $PY benchmarks/two_gpu_groups.py "$OUT/mtp" --device $DEV \
+  run mtp "${MTP_S:-280}" $PY benchmarks/two_gpu_groups.py "$OUT/mtp" --device $DEV \
     --layouts tp2-mtp-graphs
   tail -8 "$OUT/mtp.log"
 }

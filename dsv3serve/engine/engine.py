@@ -5,7 +5,8 @@ detokenize). Without overlap they run back to back. With the overlap scheduler (
 on CUDA, ``disable_overlap_schedule`` turns it off, ``force_overlap_schedule`` turns it on off
 CUDA) the host schedules and launches step n+1 before it processes step n, whose tokens the
 new step reads through device-side placeholders: see ``engine/overlap_loop.py``. Speculative
-decoding and multi-rank groups (``use_runner``) always run without overlap.
+decoding always runs without overlap; a multi-rank group (``use_runner``) runs with it, rank 0
+sending each step's sampled ids to the other ranks' rings.
 
 The engine is a facade: the step stages live in ``engine/core.py``, the step loops in
 ``engine/loops.py`` (plain, speculative) and ``engine/overlap_loop.py``, and the PD export and
