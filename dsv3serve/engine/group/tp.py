@@ -75,8 +75,8 @@ _control: dist.ProcessGroup | None = None
 
 
 def init_group(spec: GroupSpec) -> None:
-    """Join the group's default process group (blocks until every rank has joined), and
-    under NCCL its gloo control group (:func:`control_group`)."""
+    """Join the group's default process group (blocks until every rank has joined), then
+    its gloo control group (:func:`control_group`), whatever the default's backend."""
     global _control
     if spec.backend == "nccl":
         for name, value in NCCL_FAULT_ENV.items():
