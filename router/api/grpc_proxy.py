@@ -10,17 +10,21 @@ text ends ``UNAVAILABLE`` with a clean message instead (safe to retry: a unary c
 nothing; a stream says it was cut). The proxy's own refusal when every router replica is
 at its budget and its queue is full (``RESOURCE_EXHAUSTED``, "Request dropped due to
 backpressure (num_queued_requests=...)") keeps its code and gets the HTTP 429's message.
-Every other status passes unchanged.
+Every other status passes unchanged. A streamed call also runs through
+:func:`~router.api.grpc_stream_end.guarded_stream`, so a call that ends while the proxy
+writes to it still cancels its router call.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
 
 import grpc
 
+from router.api.grpc_stream_end import StreamHandler, guarded_stream
 from router.api.proxy_refusals import CAPACITY_MESSAGE
 from router.proto.generate_pb2_grpc import add_GenerationServicer_to_server
 
@@ -36,7 +40,7 @@ _ACTOR_DEATH = re.compile(r"^The actor\b|\bactor_id:")
 _BACKPRESSURE = re.compile(r"^Request dropped due to backpressure")  # Serve's refusal
 _WRAPPED = "_dsv3serve_clean_status"
 
-Handler = Callable[..., Awaitable[bytes] | AsyncIterator[bytes]]
+Handler = Callable[..., Awaitable[bytes] | AsyncGenerator[bytes, None]]
 Factory = Callable[..., Handler]
 
 
@@ -101,12 +105,15 @@ def _unary(handler: Callable[..., Awaitable[bytes]]) -> Callable[..., Awaitable[
     return unary
 
 
-def _streaming(handler: Callable[..., AsyncIterator[bytes]]) -> Callable[..., AsyncIterator[bytes]]:
-    async def streaming(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+def _streaming(handler: StreamHandler) -> StreamHandler:
+    async def streaming(
+        request: object, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[bytes, None]:
         sent_any = False
-        async for message in handler(request, context):
-            sent_any = True
-            yield message
+        async with aclosing(guarded_stream(handler, request, context)) as messages:
+            async for message in messages:  # dropped here: ``messages`` ends the call
+                sent_any = True
+                yield message
         clean_status(context, sent_any)
 
     return streaming

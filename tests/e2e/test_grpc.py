@@ -344,6 +344,39 @@ def test_cancel_mid_stream_aborts_on_both_workers(served: Served) -> None:
     )  # the router saw the cancellation, not a failure
 
 
+@pytest.mark.parametrize("ending", ["cancel", "deadline"])
+def test_a_call_ended_while_the_proxy_waits_to_write_frees_pages(
+    served: Served, ending: str
+) -> None:
+    """A client that stops reading fills its stream's small HTTP/2 window, so Serve's
+    proxy is in a write, its handler suspended at a ``yield``, when the call ends (a
+    cancel or the deadline). Serve then closes its handler there without cancelling the
+    replica's response (Ray 2.60, ``proxy.py`` ``send_request_to_replica``), and the router
+    stream ran on to ``max_tokens`` with its pages held; ``router.api.grpc_proxy`` cancels
+    it. (Fails without ``cancel_replica_call``: decode-0 still holds the request.)"""
+    window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    request = pb.GenerateRequest(
+        text=PROMPT, sampling=pb.SamplingOptions(max_tokens=4000, ignore_eos=True, logprobs=20)
+    )
+    timeout = 5.0 if ending == "deadline" else None
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}", options=window) as channel:
+        stream = GenerationStub(channel).GenerateStream(request, metadata=META, timeout=timeout)
+        try:
+            next(stream)
+            time.sleep(3)  # not reading: the window fills and the proxy's write waits
+            busy = worker_stats(APP, "decode-0")
+            assert busy.live_requests == 1, busy
+        finally:
+            if ending == "cancel":
+                stream.cancel()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+    wanted = Code.CANCELLED if ending == "cancel" else Code.DEADLINE_EXCEEDED
+    assert info.value.code() == wanted
+    assert_pages_return()
+
+
 def test_client_deadline_is_deadline_exceeded_and_frees_pages(served: Served) -> None:
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
