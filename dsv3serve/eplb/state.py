@@ -42,8 +42,9 @@ class EplbState:
             raise ValueError(f"expected a MoE layer prefix model.layers.<i>.mlp, got {prefix}")
         return int(m.group(1)) - self.first_k_dense
 
-    def route(self, row: int, ids: torch.Tensor) -> torch.Tensor:
-        """Count the logical choices ``ids`` [T, K] of row ``row``, return physical ids."""
+    def route(self, row: int, ids: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """Count the logical choices ``ids`` [T, K] of row ``row`` (only the first ``real``
+        rows, a 0-dim device tensor, when the batch is padded), return physical ids."""
         if self.load is not None:
-            self.load.record(row, ids)
+            self.load.record(row, ids, real)
         return self.expert_map.to_physical(row, ids)

@@ -1,7 +1,8 @@
 """Per-layer, per-logical-expert routed-token counts, kept on the device.
 
 :meth:`ExpertLoad.record` adds one batch's top-k choices with a scatter-add (no host sync,
-CUDA-graph safe: ids ``-1`` go to a spare bin that is never read). :meth:`ExpertLoad.read`
+CUDA-graph safe: ids ``-1`` and a padded batch's padding rows go to a spare bin that is
+never read). :meth:`ExpertLoad.read`
 copies the counts to the host on demand; :func:`hot_ratio` is the metric (max / mean per
 layer); :func:`dump` / :func:`load_dump` write and read the file ``--init-expert-location``
 takes at the next start.
@@ -22,10 +23,15 @@ class ExpertLoad:
         self.num_logical = num_logical
         self._counts = torch.zeros(layers, num_logical + 1, dtype=torch.int64, device=device)
 
-    def record(self, layer: int, ids: torch.Tensor) -> None:
-        """Add logical top-k ids [T, K] of MoE layer ``layer`` (``-1``: not counted)."""
-        flat = ids.reshape(-1)
-        bins = torch.where(flat >= 0, flat, self.num_logical)
+    def record(self, layer: int, ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """Add logical top-k ids [T, K] of MoE layer ``layer`` (``-1``: not counted). With
+        ``real`` (a 0-dim integer tensor on the device, as a CUDA graph's padded batch
+        carries it) only the first ``real`` rows are counted: the rest are padding."""
+        counted = ids >= 0
+        if real is not None:
+            rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+            counted = counted & (rows < real)
+        bins = torch.where(counted, ids, self.num_logical).reshape(-1)
         self._counts[layer].scatter_add_(0, bins, torch.ones_like(bins))
 
     def read(self) -> torch.Tensor:

@@ -48,6 +48,7 @@ from dsv3serve.moe.shared import (
 from dsv3serve.parallel.comm import Comm, SingleRank
 from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.shard import RankLayout, check_model
+from dsv3serve.parallel.uniform import uniform_real_tokens
 from dsv3serve.settings import Settings
 
 AttnImpl = Literal["auto", "mha", "absorb"]
@@ -244,8 +245,8 @@ class MoE(nn.Module):
         if self.shard.dispatches:
             dispatcher = self.shard.dispatcher
             assert dispatcher is not None
-            if self.eplb is not None:  # logical -> physical ids, counted
-                ids = self.eplb.route(self.eplb_row, ids)
+            if self.eplb is not None:  # logical -> physical ids, counted (not the padding)
+                ids = self.eplb.route(self.eplb_row, ids, uniform_real_tokens(ids.shape[0]))
             return run_dispatched(dispatcher, self.backend, x, weights, ids, self.experts)
         if self.masks_ids:
             weights, ids = to_local_ids(weights, ids, self.experts.expert_ids)

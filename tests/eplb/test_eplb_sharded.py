@@ -1,7 +1,8 @@
 """EPLB on real gloo ranks (EP2, EP4; tiny model, float32): with redundant experts under any
 valid placement, switched in by moving weights between ranks (also mid-run), the logits and
 greedy tokens equal the single-rank model's, and the summed per-rank load counts equal the
-router's top-k counts on the same batch."""
+router's top-k counts on the same batch (also when decode batches are padded as a CUDA
+graph's are: the padding rows are not counted)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def cases(ep: int, model_dir: str) -> list[EplbCase]:
             steps,
         ),
         EplbCase(f"ep{ep}-gather", ep, model_dir, [random_valid(ep + 1, p)], [], steps, "gather"),
+        EplbCase(f"ep{ep}-padded", ep, model_dir, [random_valid(ep + 3, p)], [], steps, pad_to=4),
     ]
 
 

@@ -34,6 +34,14 @@ def test_padding_ids_not_counted_and_reset() -> None:
     assert stats.read().tolist() == [[0, 0, 0, 0]]
 
 
+def test_padding_rows_past_real_not_counted() -> None:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 8, (6, 2), generator=g)
+    stats = ExpertLoad(1, 8, torch.device("cpu"))
+    stats.record(0, ids, torch.tensor(4))
+    assert torch.equal(stats.read()[0], torch.bincount(ids[:4].flatten(), minlength=8))
+
+
 def test_hot_ratio_and_dump_round_trip(tmp_path: Path) -> None:
     counts = torch.tensor([[4, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
     assert hot_ratio(counts) == [4.0, 1.0, 1.0]

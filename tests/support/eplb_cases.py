@@ -26,6 +26,9 @@ from dsv3serve.parallel.comm import GroupComm
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.dispatch import DeepEPOptions, create_dispatcher
 from dsv3serve.parallel.shard import RankLayout
+from dsv3serve.parallel.uniform import uniform_batch
+
+SPARE_SEQ = 6  # a sequence index no case uses; its pages are nobody else's (page 7p + s)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class EplbCase:
     switch_at: list[int]
     steps: list[list[list[Span]]]
     dispatcher: str = "a2a"  # or "gather" (the test double)
+    pad_to: int = 0  # > 0: decode steps padded to this many rows, as a CUDA graph's batch
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -103,11 +107,24 @@ def eplb_worker(rank: int, cases: list[EplbCase], result_dir: str) -> None:
                 nxt = case.placements[case.switch_at.index(s) + 1]
                 new = from_phy2log(torch.tensor(nxt), first.num_logical)
                 rebalance(model.expert_stacks(), state, state.expert_map.placement.phy2log, new)
-            batch = build_batch(spans[rank])
-            logits.append(model.compute_logits(model(batch, attn)[batch.logits_indices]))
+            logits.append(_step_logits(model, attn, spans[rank], case.pad_to if s else 0, s))
         assert state.load is not None
         out = {"logits": logits, "counts": state.load.read()}
         torch.save(out, Path(result_dir) / f"{case.name}-rank{rank}.pt")
+
+
+def _step_logits(model, attn, spans: list[Span], pad_to: int, step: int) -> torch.Tensor:  # noqa: ANN001
+    """This rank's logits of one step; with ``pad_to``, the decode batch is padded to that
+    many rows with a spare sequence's tokens and run as a graph's uniform batch (its real rows
+    first, their count a device scalar), and only the real rows' logits are kept."""
+    if not pad_to:
+        batch = build_batch(spans)
+        return model.compute_logits(model(batch, attn)[batch.logits_indices])
+    pad = (SPARE_SEQ, [7 + step] * (pad_to - len(spans)), 0)  # one token per real span
+    batch = build_batch([*spans, pad] if pad_to > len(spans) else spans)
+    with uniform_batch(pad_to, torch.tensor(len(spans))):
+        hidden = model(batch, attn)[batch.logits_indices]
+    return model.compute_logits(hidden[: len(spans)])
 
 
 def reference(case: EplbCase) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
