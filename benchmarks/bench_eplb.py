@@ -12,7 +12,7 @@ local experts + combine, the busiest rank's mean over ``--iters`` (after warm-up
   from the counts of the ``off`` rows, weights moved by :func:`rebalance` (its wall time is
   the ``rebalance_pause_s`` of the JSON: every rank waits for it between steps).
 
-    python benchmarks/bench_eplb.py --device cuda --ranks 2 --redundant 32 \\
+    python benchmarks/bench_eplb.py --device cuda --ranks 2 --redundant 32 --fp8 \\
         --out docs/perf/eplb_2xh200/run1_tokens256.json
     python benchmarks/bench_eplb.py --device cpu --ranks 2 --experts 16 --groups 4 \\
         --topk-groups 2 --topk 4 --hidden 64 --inter 32 --redundant 4 --tokens 32 --iters 3 \\

@@ -2,10 +2,9 @@
 
 :meth:`ExpertLoad.record` adds one batch's top-k choices with a scatter-add (no host sync,
 CUDA-graph safe: ids ``-1`` and a padded batch's padding rows go to a spare bin that is
-never read). :meth:`ExpertLoad.read`
-copies the counts to the host on demand; :func:`hot_ratio` is the metric (max / mean per
-layer); :func:`dump` / :func:`load_dump` write and read the file ``--init-expert-location``
-takes at the next start.
+never read). :meth:`ExpertLoad.read` copies the counts to the host on demand;
+:func:`hot_ratio` is the metric (max / mean per layer); :func:`dump` / :func:`load_dump`
+write and read the file ``--init-expert-location`` takes at the next start.
 """
 
 from __future__ import annotations

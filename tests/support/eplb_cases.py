@@ -120,7 +120,7 @@ def _step_logits(model, attn, spans: list[Span], pad_to: int, step: int) -> torc
     if not pad_to:
         batch = build_batch(spans)
         return model.compute_logits(model(batch, attn)[batch.logits_indices])
-    pad = (SPARE_SEQ, [7 + step] * (pad_to - len(spans)), 0)  # one token per real span
+    pad = (SPARE_SEQ, [7 + step] * (pad_to - len(spans)), 0)  # a decode span is one row
     batch = build_batch([*spans, pad] if pad_to > len(spans) else spans)
     with uniform_batch(pad_to, torch.tensor(len(spans))):
         hidden = model(batch, attn)[batch.logits_indices]
