@@ -14,8 +14,9 @@
 #           the run), prefill tok/s per GPU, 61-layer / EP8 projections
 #   check : benchmarks/two_gpu_groups.py: DP2 + EP2 greedy tokens against one GPU (bf16 graphed,
 #           full-width graphed, float32 eager): the vocab-parallel logits all-to-all over NCCL
-#   mtp   : benchmarks/two_gpu_groups.py tp2-mtp-graphs (issue 34): a TP2 group with MTP
-#           (NextN, 2 draft steps) and graphs against the one-GPU engine with the same MTP
+#   mtp   : benchmarks/two_gpu_groups.py tp2-mtp-graphs tp2-mtp-fp32 (issue 34): a TP2 group
+#           with MTP (NextN, 2 draft steps) against the one-GPU engine with the same MTP, bf16
+#           with graphs (within the one-GPU spread) and float32 eager (token for token)
 #   eplb  : benchmarks/bench_eplb.py on both GPUs (issue 32): a full-width FP8 MoE layer's
 #           step with EPLB (32 redundant slots) vs without under a router bias that makes 8
 #           experts hot, and the pause of a live rebalance
@@ -76,8 +77,8 @@ stage_check() {
   tail -8 "$OUT/check.log"
 }
 stage_mtp() {
-  run mtp "${MTP_S:-280}" $PY benchmarks/two_gpu_groups.py "$OUT/mtp" --device $DEV \
-    --layouts tp2-mtp-graphs
+  run mtp "${MTP_S:-480}" $PY benchmarks/two_gpu_groups.py "$OUT/mtp" --device $DEV \
+    --layouts tp2-mtp-graphs tp2-mtp-fp32 --budget-s 300
   tail -8 "$OUT/mtp.log"
 }
 stage_eplb() {

@@ -68,6 +68,7 @@ RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "dp2-ep2-deepep-low-latency": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "low_latency"}),
     "dp2-ep2-deepep-normal": ("bfloat16", "torch", {**DEEPEP, "deepep_mode": "normal"}),
     "tp2-mtp-graphs": ("bfloat16", "flashinfer", LAYOUTS["tp2"] | SPEC),  # issue 34
+    "tp2-mtp-fp32": ("float32", "torch", LAYOUTS["tp2"] | SPEC),  # issue 34, exact
 }
 # The bench model's layers at DeepSeek-V3's full widths (hidden 7168, 128 heads, q_lora 1536,
 # dense MLP 18432, expert MLP 2048, top-8 of 8 groups, FP8 128x128 block weights): one dense
