@@ -200,6 +200,10 @@ class SpanGraphs(ABC, Generic[T]):
     def _forward(self, batch: ForwardBatch) -> T:
         """What one graph computes over the loaded static ``batch``."""
 
+    def release(self) -> None:
+        """Free the captured graphs (later forwards run the same padded path eagerly)."""
+        self._graphs.release()
+
     def _capture_all(self, load: Callable[[int], ForwardBatch]) -> None:
         """Capture every size, largest first (later graphs reuse its memory)."""
         for size in reversed(self.sizes):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,6 +122,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # the memory pool every CUDA graph of this rank shares
         self.graph_pool: GraphPool | None = None
+        self._other_graphs: list[Callable[[], None]] = []  # release() of graphs built on it
         if use_graphs:
             self.graphs = self._decode_graphs()
 
@@ -156,10 +158,19 @@ class ModelRunner:
         if self.parts.dispatcher is not None:
             self.parts.dispatcher.prepare_graph()
 
+    def release_on_close(self, release: Callable[[], None]) -> None:
+        """Have :meth:`close` call ``release``: the release of CUDA graphs that others build
+        on this rank's pool and attention (the speculative graphs)."""
+        self._other_graphs.append(release)
+
     def close(self) -> None:
-        """Release what this rank holds with the others: its CUDA graphs (their captured
-        collectives hold the communicator) and the MoE dispatcher's buffers. A group's
-        ranks call it together, after their last step and before leaving the group."""
+        """Release what this rank holds with the others: every CUDA graph captured on it
+        (their captured collectives hold the communicator: a TP group's
+        ``destroy_process_group`` hung on two H200s while its speculative graphs lived) and
+        the MoE dispatcher's buffers. A group's ranks call it together, after their last
+        step and before leaving the group."""
+        for release in self._other_graphs:
+            release()
         if self.graphs is not None:
             self.graphs.release()
         if self.parts.dispatcher is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from graph_fakes import RecordingFakeGraph
 
 from dsv3serve.engine.cuda_graph import capture_sizes, graphable
 from dsv3serve.forward_batch import SeqSpan
@@ -71,19 +72,6 @@ def test_padded_static_batch_gives_the_eager_logits(tiny_bf16_dir) -> None:
         [[s.kv_slots[s.start] // page, s.kv_slots[s.start] % page] for s in spans]
         + [[scratch_page, 0]]
     )
-
-
-class RecordingFakeGraph:
-    """Stands in for a captured ``torch.cuda.CUDAGraph`` (none exists without a GPU)."""
-
-    def __init__(self) -> None:
-        self.resets = 0
-
-    def replay(self) -> None:
-        raise AssertionError("a released graph must not be replayed")
-
-    def reset(self) -> None:
-        self.resets += 1
 
 
 def test_released_graphs_are_reset_and_later_runs_are_eager() -> None:

@@ -33,7 +33,8 @@ def spec_graphs_for(runner: ModelRunner, draft: NextNDraft, num_steps: int) -> S
     (one rank, or a TP group whose ranks run every spec forward together: each rank
     captures the same graphs in the same order); None under DP attention, where the
     leader picks each step's graph for every rank (its spec forwards stay eager). Captured
-    on CUDA; elsewhere the same padded path runs uncaptured."""
+    on CUDA; elsewhere the same padded path runs uncaptured. ``runner.close()`` releases
+    them."""
     if runner.graphs is None or runner.graphs_by_group:
         return None
     setup = GraphSetup(
@@ -43,7 +44,9 @@ def spec_graphs_for(runner: ModelRunner, draft: NextNDraft, num_steps: int) -> S
         capture=runner.device.type == "cuda",
         mempool=runner.graph_pool,
     )
-    return SpecGraphs.build(draft, num_steps, setup)
+    graphs = SpecGraphs.build(draft, num_steps, setup)
+    runner.release_on_close(graphs.release)
+    return graphs
 
 
 class SpecForwards:

@@ -123,6 +123,11 @@ class DraftChainGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]
 
+    def release(self) -> None:
+        """Free every step's captured graphs (later chains run eagerly)."""
+        for graphs in self._graphs:
+            graphs.release()
+
     def _load_step(self, step: int, spans: list[SeqSpan], size: int) -> ForwardBatch:
         """Pad step ``step``'s spans, copy them into its static inputs and plan its fork."""
         static = self._steps[step].build(pad_spans(spans, size, self._dummy))
@@ -187,3 +192,10 @@ class SpecGraphs:
         verify = VerifyGraphs(draft.target, num_steps, setup)
         chain = DraftChainGraphs(draft, num_steps, setup) if num_steps >= 2 else None
         return cls(verify, chain, ExtendGraphs(draft, num_steps, setup))
+
+    def release(self) -> None:
+        """Free every captured graph: a group's ranks do before they leave the process group
+        (:meth:`ModelRunner.close`), as the graphs' collectives hold the communicator."""
+        for graphs in (self.verify, self.chain, self.extend):
+            if graphs is not None:
+                graphs.release()

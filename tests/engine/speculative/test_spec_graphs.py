@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 from engine_util import drain, make_engine, prompts
+from graph_fakes import RecordingFakeGraph
 
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.engine import Engine
 from dsv3serve.engine.graph_capture import GraphSetup
-from dsv3serve.engine.model_runner import ModelRunner, kv_slots
+from dsv3serve.engine.model_runner import EAGER_GRAPH_PATH_ENV, ModelRunner, kv_slots
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.speculative.graphs import DraftChainGraphs, SpecGraphs, VerifyGraphs
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
@@ -159,3 +160,29 @@ def test_engine_through_the_padded_paths_is_lossless() -> None:
     assert kv.used_pages == 0
     kv.evict_all()
     assert kv.free_pages == kv.num_pages
+
+
+def test_closing_the_runner_releases_the_speculative_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group's ranks close their runners before leaving the process group, and every
+    graph that captured a collective must be gone by then (a TP2 group with MTP hung in
+    ``destroy_process_group`` on two H200s while its verify, chain and extend graphs
+    lived). On the CPU's uncaptured graph path, each cache gets a stand-in graph; closing
+    the runner must reset every one, the speculative ones included."""
+    monkeypatch.setenv(EAGER_GRAPH_PATH_ENV, "1")
+    engine = make_engine(**SPEC)
+    graphs = engine.spec.graphs
+    assert engine.runner.graphs is not None and graphs is not None
+    assert graphs.chain is not None and graphs.extend is not None
+    caches = [
+        engine.runner.graphs._graphs,
+        graphs.verify._graphs,
+        graphs.extend._graphs,
+        *graphs.chain._graphs,
+    ]
+    fakes = [RecordingFakeGraph() for _ in caches]
+    for cache, fake in zip(caches, fakes, strict=True):
+        cache._graphs[1] = fake
+    engine.runner.close()
+    assert [fake.resets for fake in fakes] == [1] * len(fakes)
