@@ -60,6 +60,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--profile", type=Path, help="folder for each row's op table (torch.profiler)")
     return p.parse_args()
 
 
@@ -76,12 +77,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(a, device, dispatcher, experts, state, rank) -> float:  # noqa: ANN001
-    """Busiest rank's mean MoE step time over ``a.iters`` (2 warm-up steps first)."""
+def step_seconds(a, device, dispatcher, experts, state, rank, name: str) -> float:  # noqa: ANN001
+    """Busiest rank's mean MoE step time over ``a.iters`` (2 warm-up steps first); with
+    ``--profile``, then ``PROFILED_STEPS`` more under torch.profiler, whose op table (by
+    device time, then by host time) rank 0 writes to ``--profile``/``name``.txt."""
     backend = create_moe_backend("triton" if device.type == "cuda" else "torch", a.fp8)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    total = 0.0
-    for it in range(a.iters + 2):
+
+    def step(it: int) -> float:
         weights, ids = route(a, it, rank, device)
         x = torch.randn(a.tokens, a.hidden, device=device, dtype=dtype)
         sync(device)
@@ -91,11 +94,40 @@ def step_seconds(a, device, dispatcher, experts, state, rank) -> float:  # noqa:
             ids = state.route(0, ids)
         run_dispatched(dispatcher, backend, x, weights, ids, experts, decode=False)
         sync(device)
-        if it >= 2:
-            total += time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    for it in range(2):  # warm-up
+        step(it)
+    total = sum(step(it) for it in range(2, a.iters + 2))
+    if a.profile is not None:
+        profile_steps(a, device, step, rank, a.profile / f"{name}.txt")
     slowest = torch.tensor([total / a.iters], device=device)  # NCCL reduces device tensors
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
+
+
+PROFILED_STEPS = 3
+
+
+def profile_steps(a, device, step, rank: int, out: Path) -> None:  # noqa: ANN001
+    """``PROFILED_STEPS`` steps under torch.profiler on every rank; rank 0 writes its table."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for it in range(PROFILED_STEPS):
+            step(a.iters + 2 + it)
+    if rank != 0:
+        return
+    ops = prof.key_averages()
+    by_device = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"{PROFILED_STEPS} steps, rank 0, by device time\n"
+        + ops.table(sort_by=by_device, row_limit=25)
+        + f"\n{PROFILED_STEPS} steps, rank 0, by host time\n"
+        + ops.table(sort_by="self_cpu_time_total", row_limit=25)
+    )
 
 
 def counts(a: argparse.Namespace, rank: int, device: torch.device) -> torch.Tensor:
@@ -130,7 +162,9 @@ def worker(rank: int, a: argparse.Namespace, init: str) -> None:
 
 def run(rank: int, a: argparse.Namespace, device: torch.device) -> dict:
     e, n, p = a.experts, a.ranks, a.experts + a.redundant
-    off = step_seconds(a, device, AllToAllDispatcher(e, None), stack(a, e // n, device), None, rank)
+    off = step_seconds(
+        a, device, AllToAllDispatcher(e, None), stack(a, e // n, device), None, rank, "off"
+    )
     load = counts(a, rank, device)
     start = default_placement(1, e, p, n)
     state = EplbState(ExpertMap(start, n, rank, device), None, 0)
@@ -142,7 +176,7 @@ def run(rank: int, a: argparse.Namespace, device: torch.device) -> dict:
     rebalance([experts.slot_tensors()], state, start.phy2log, new)
     sync(device)
     pause = time.perf_counter() - t0
-    on = step_seconds(a, device, AllToAllDispatcher(p, None), experts, state, rank)
+    on = step_seconds(a, device, AllToAllDispatcher(p, None), experts, state, rank, "eplb")
     flat = default_placement(1, e, e, n)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
