@@ -19,6 +19,8 @@ API_KEY_ENV = "DSV3SERVE_API_KEY"
 FUSED_NORM_QUANT_ENV = "DSV3SERVE_FUSED_NORM_QUANT"
 RANK_STACKS_ENV = "DSV3SERVE_RANK_STACKS_S"
 FUSED_MLA_ENV = "DSV3SERVE_FUSED_MLA"
+WORKER_MULTIPROC_ENV = "DSV3SERVE_WORKER_MULTIPROC_METHOD"
+WORKER_MULTIPROC_METHODS = ("forkserver", "spawn")
 _OFF = ("0", "false", "off", "no")
 # The compile / JIT caches that make a warm start, each in its sub-folder of the cache dir:
 # Triton's kernels (ours included), flashinfer's JIT modules (it appends .cache/flashinfer),
@@ -58,6 +60,18 @@ class Settings:
     """``$DSV3SERVE_FUSED_MLA``: ``0``/``false``/``off``/``no`` turns off the MLA fusions (the
     q/kv norms of the down-projection's output in one kernel, RoPE inside the KV-cache
     write); on otherwise."""
+    worker_multiproc_method: str = "forkserver"
+    """``$DSV3SERVE_WORKER_MULTIPROC_METHOD`` (vLLM's ``VLLM_WORKER_MULTIPROC_METHOD``): how
+    ``LLM(tp_size=N)`` starts its follower ranks. ``forkserver`` (the default) forks each
+    from one server that imported torch and the engine once; ``spawn`` starts a fresh
+    interpreter per rank (:mod:`dsv3serve.engine.group.rank_start`)."""
+
+    def __post_init__(self) -> None:
+        if self.worker_multiproc_method not in WORKER_MULTIPROC_METHODS:
+            raise ValueError(
+                f"{WORKER_MULTIPROC_ENV}: expected one of {', '.join(WORKER_MULTIPROC_METHODS)},"
+                f" got {self.worker_multiproc_method!r}"
+            )
 
     @classmethod
     def from_env(
@@ -76,6 +90,7 @@ class Settings:
             fused_norm_quant=_switch(env, FUSED_NORM_QUANT_ENV),
             fused_mla=_switch(env, FUSED_MLA_ENV),
             rank_stacks_s=float(env.get(RANK_STACKS_ENV, "0") or 0),
+            worker_multiproc_method=env.get(WORKER_MULTIPROC_ENV, "forkserver").strip().lower(),
         )
 
     def compile_cache_env(self) -> dict[str, str]:

@@ -32,8 +32,32 @@ for _folder in sorted(_FOLDERS):  # rooms inside a folder too (tests/engine/spec
         sys.path.insert(0, str(_folder))
 
 
+# Modules that start a Ray cluster (in this process or a child): under pytest-xdist
+# (``--dist loadgroup``) they run one after another on one worker, while the other workers
+# take the rest. They are collected first, so that their long run starts at once. Two
+# clusters at once would share two cores, and ``ray.init("auto")`` (``test_chaos_connect``)
+# must find exactly one.
+RAY_MODULES = ("e2e/", "bench/test_chaos_connect.py", "router/test_launch.py")
+RAY_TESTS = ("test_deploy_configs.py::test_serve_command_starts_the_default_pd_app_and_answers",)
+
+
+def _starts_ray(item: pytest.Item) -> bool:
+    where = Path(item.path).relative_to(_TESTS).as_posix()
+    return where.startswith(RAY_MODULES) or item.nodeid.split("[")[0].endswith(RAY_TESTS)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests skip cleanly where there is no CUDA device."""
+    """The Ray modules form one xdist group, first in order; GPU tests skip cleanly without
+    a CUDA device."""
+    ray = [item for item in items if _starts_ray(item)]
+    for item in ray:
+        item.add_marker(pytest.mark.xdist_group("ray"))
+    items[:] = ray + [item for item in items if not _starts_ray(item)]
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

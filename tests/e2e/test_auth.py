@@ -14,7 +14,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from serving_util import free_port, local_serve, running_app, serving_config
+from serving_util import ServeCluster, running_app, serving_config
 
 from dsv3serve.settings import API_KEY_ENV
 from router.api.auth import MISSING_KEY, WRONG_KEY, APIKeyAuth
@@ -36,12 +36,13 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    grpc_port = free_port()
+def served(serve_cluster: ServeCluster) -> Iterator[Served]:
+    grpc_port = serve_cluster.grpc_port
     env = {"runtime_env": {"env_vars": {API_KEY_ENV: KEY}}}
     with (
-        local_serve(grpc_port) as base,
-        running_app(base, APP, serving_config(mode="colocated"), {"ray_actor_options": env}) as url,
+        running_app(
+            serve_cluster.base, APP, serving_config(mode="colocated"), {"ray_actor_options": env}
+        ) as url,
         grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
     ):
         yield Served(url, GenerationStub(channel))

@@ -20,7 +20,7 @@ import openai
 import pytest
 import ray
 from ray import serve
-from serving_util import TINY_ENGINE, local_serve, serving_config
+from serving_util import TINY_ENGINE, ServeCluster, serving_config
 
 from router.autoscale.app import (
     MembershipWatch,
@@ -48,7 +48,7 @@ def running(deployment: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def app_url() -> Iterator[str]:
+def app_url(serve_cluster: ServeCluster) -> Iterator[str]:
     cfg = serving_config(
         mode="pd",
         engine=TINY_ENGINE | {"num_kv_tokens": 65536},  # the streams' KV fits one replica
@@ -65,12 +65,11 @@ def app_url() -> Iterator[str]:
         router={"served_model_name": "tiny", "max_in_flight": 64, "policy": "least_outstanding"},
     )
     app = {"name": APP, "route_prefix": f"/{APP}", "import_path": "router.app:build_app"}
-    with local_serve() as base:
-        deploy_autoscaled([app | {"args": cfg.model_dump(mode="json")}])
-        try:
-            yield f"{base}/{APP}"
-        finally:
-            serve.delete(APP)
+    deploy_autoscaled([app | {"args": cfg.model_dump(mode="json")}])
+    try:
+        yield f"{serve_cluster.base}/{APP}"
+    finally:
+        serve.delete(APP)
 
 
 def greedy_stream(url: str, i: int, started: threading.Event) -> str:

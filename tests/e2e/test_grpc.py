@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from refusal_util import first_refusal
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     free_port,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -60,8 +60,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    grpc_port, metrics_port = free_port(), free_port()
+def served(serve_cluster: ServeCluster) -> Iterator[Served]:
+    grpc_port, metrics_port = serve_cluster.grpc_port, free_port()
     cfg = serving_config(
         engine=TINY_ENGINE | {"max_model_len": MAX_MODEL_LEN},
         router={
@@ -72,8 +72,7 @@ def served() -> Iterator[Served]:
         },
     )
     with (
-        local_serve(grpc_port) as base,
-        running_app(base, APP, cfg) as url,
+        running_app(serve_cluster.base, APP, cfg) as url,
         grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
     ):
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

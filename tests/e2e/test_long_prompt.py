@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from serving_util import local_serve, running_app, wait_until, worker_stats
+from serving_util import ServeCluster, running_app, wait_until, worker_stats
 
 from router.config import ServingConfig
 from router.launch import local_pd_config
@@ -23,12 +23,12 @@ APP = "long"
 
 
 @pytest.fixture(scope="module")
-def app() -> Iterator[tuple[str, int]]:
+def app(serve_cluster: ServeCluster) -> Iterator[tuple[str, int]]:
     args = local_pd_config()["applications"][0]["args"]
     args["router"] |= {"num_replicas": 1, "metrics_port": None}
     cfg = ServingConfig.parse(args)
     context = cfg.engine.num_kv_tokens
-    with local_serve() as base, running_app(base, APP, cfg) as url:
+    with running_app(serve_cluster.base, APP, cfg) as url:
         yield url, context
 
 

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from http_util import spare_port
-from serving_util import TINY_ENGINE, free_port_pair, local_serve, running_app, serving_config
+from serving_util import TINY_ENGINE, ServeCluster, free_port_pair, running_app, serving_config
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 APP = "metrics"
@@ -53,7 +53,7 @@ def panel_queries() -> list[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(
-    tmp_path_factory: pytest.TempPathFactory, tiny_bf16_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_bf16_dir: Path, serve_cluster: ServeCluster
 ) -> Iterator[dict[str, str]]:
     metrics_port = free_port_pair()  # router replica k binds metrics_port + k
     prom_port = spare_port()
@@ -69,7 +69,7 @@ def stack(
         f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}', "
         f"'127.0.0.1:{metrics_port + 1}']}}]\n"
     )
-    with local_serve() as base, running_app(base, APP, cfg) as url:
+    with running_app(serve_cluster.base, APP, cfg) as url:
         prom = subprocess.Popen(
             [
                 "prometheus",

@@ -34,8 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -90,7 +90,9 @@ def expected(tiny_bf16_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def app(request: pytest.FixtureRequest, tiny_bf16_dir: Path) -> Iterator[tuple[str, str]]:
+def app(
+    request: pytest.FixtureRequest, tiny_bf16_dir: Path, serve_cluster: ServeCluster
+) -> Iterator[tuple[str, str]]:
     """(app name, URL) of a PD app whose prefill and decode run the layouts ``param``."""
     name = request.param
     prefill, decode = LAYOUTS[name]
@@ -104,7 +106,7 @@ def app(request: pytest.FixtureRequest, tiny_bf16_dir: Path) -> Iterator[tuple[s
         test_receive_delay_s=RECEIVE_DELAY_S,
         router={"served_model_name": "tiny", "metrics_port": None, "prefill_timeout_s": 60},
     )
-    with local_serve() as base, running_app(base, name, cfg) as url:
+    with running_app(serve_cluster.base, name, cfg) as url:
         yield name, url
 
 

@@ -20,7 +20,7 @@ import pytest
 import ray
 from ray import serve
 from refusal_util import first_refusal
-from serving_util import local_serve, wait_until
+from serving_util import ServeCluster, wait_until
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -52,11 +52,14 @@ class HeldRouterStandIn:
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
+def client(serve_cluster: ServeCluster) -> Iterator[openai.OpenAI]:
     options = serve_admission_options(RouterSettings(max_in_flight=1, max_queued_requests=1))
-    with local_serve() as base:
-        serve.run(HeldRouterStandIn.options(**options).bind(), name=APP, route_prefix=f"/{APP}")
-        yield openai.OpenAI(base_url=f"{base}/{APP}/v1", api_key="none", max_retries=0, timeout=120)
+    serve.run(HeldRouterStandIn.options(**options).bind(), name=APP, route_prefix=f"/{APP}")
+    try:
+        base_url = f"{serve_cluster.base}/{APP}/v1"
+        yield openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    finally:
+        serve.delete(APP)
 
 
 def chat(client: openai.OpenAI) -> str:

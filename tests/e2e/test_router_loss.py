@@ -19,9 +19,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from serving_util import (
-    free_port,
+    ServeCluster,
     free_port_pair,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -38,11 +37,11 @@ META = [("application", APP)]
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, int, int]]:
-    metrics_port, grpc_port = free_port_pair(), free_port()
+def served(serve_cluster: ServeCluster) -> Iterator[tuple[str, int, int]]:
+    metrics_port, grpc_port = free_port_pair(), serve_cluster.grpc_port
     router = {"num_replicas": 2, "metrics_port": metrics_port, "max_decode_migrations": 0}
     cfg = serving_config(mode="pd", router=router)
-    with local_serve(grpc_port) as base, running_app(base, APP, cfg) as url:
+    with running_app(serve_cluster.base, APP, cfg) as url:
         yield url, metrics_port, grpc_port
 
 

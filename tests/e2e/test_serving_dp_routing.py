@@ -25,8 +25,8 @@ import pytest
 from ray import serve
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -71,14 +71,14 @@ def offline(tiny_bf16_dir: Path) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_bf16_dir: Path) -> Iterator[str]:
+def app_url(tiny_bf16_dir: Path, serve_cluster: ServeCluster) -> Iterator[str]:
     cfg = serving_config(
         mode="pd",
         engine=engine_fields(tiny_bf16_dir),
         decode={"num_cpus": 0.5, "engine": DP2_EP2},
         router=ROUTER,
     )
-    with local_serve() as base, running_app(base, APP, cfg) as url:
+    with running_app(serve_cluster.base, APP, cfg) as url:
         yield url
 
 

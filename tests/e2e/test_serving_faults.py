@@ -23,9 +23,9 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from refusal_util import first_refusal
 from serving_util import (
+    ServeCluster,
     free_port,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -41,7 +41,7 @@ MESSAGES = [{"role": "user", "content": "Count to ten."}]
 
 
 @pytest.fixture(scope="module")
-def app_url() -> Iterator[str]:
+def app_url(serve_cluster: ServeCluster) -> Iterator[str]:
     cfg = serving_config(
         mode="pd",
         prefill={"num_replicas": 2, "num_cpus": 0.5},
@@ -56,7 +56,7 @@ def app_url() -> Iterator[str]:
             "max_prefill_attempts": 2,
         },
     )
-    with local_serve() as base, running_app(base, APP, cfg) as url:
+    with running_app(serve_cluster.base, APP, cfg) as url:
         yield url
 
 
@@ -214,7 +214,10 @@ def test_killed_only_prefill_replica_under_load_fails_nothing_and_recovers(
             "prefill_retry_wait_s": RETRY_WAIT_S,
         },
     )
-    with running_app(base, LOAD_APP, cfg) as url, ThreadPoolExecutor(LOAD_STREAMS + 8) as pool:
+    with (
+        running_app(base, LOAD_APP, cfg) as url,
+        ThreadPoolExecutor(LOAD_STREAMS + 8) as pool,
+    ):
         expected = chat(url)
         in_flight = [pool.submit(timed_chat, url) for _ in range(LOAD_STREAMS)]
         time.sleep(DELAY_S / 2)  # every request now waits inside the replica's prefill
@@ -291,7 +294,10 @@ def test_killed_decode_replica_migrates_every_stream_with_the_same_text(app_url:
         router={"served_model_name": "tiny", "max_in_flight": 64, "metrics_port": metrics_port},
     )
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with running_app(base, MIGRATE_APP, cfg) as url, ThreadPoolExecutor(MIGRATE_STREAMS) as pool:
+    with (
+        running_app(base, MIGRATE_APP, cfg) as url,
+        ThreadPoolExecutor(MIGRATE_STREAMS) as pool,
+    ):
         expected = list(pool.map(lambda i: greedy_stream(url, i), range(MIGRATE_STREAMS)))
         started = [threading.Event() for _ in range(MIGRATE_STREAMS)]
         futures = [pool.submit(greedy_stream, url, i, started[i]) for i in range(MIGRATE_STREAMS)]

@@ -18,8 +18,8 @@ import openai
 import pytest
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -54,12 +54,13 @@ PUSH = [
 
 
 @pytest.fixture(scope="module")
-def apps() -> Iterator[dict[str, str]]:
+def apps(serve_cluster: ServeCluster) -> Iterator[dict[str, str]]:
     tier = SMALL_POOL | {"enable_hierarchical_cache": True, "hicache_ratio": 4.0}
     with (
-        local_serve() as base,
-        running_app(base, TIER, serving_config(mode="pd", engine=tier)) as tier_url,
-        running_app(base, PLAIN, serving_config(mode="pd", engine=SMALL_POOL)) as plain_url,
+        running_app(serve_cluster.base, TIER, serving_config(mode="pd", engine=tier)) as tier_url,
+        running_app(
+            serve_cluster.base, PLAIN, serving_config(mode="pd", engine=SMALL_POOL)
+        ) as plain_url,
     ):
         yield {TIER: tier_url, PLAIN: plain_url}
 

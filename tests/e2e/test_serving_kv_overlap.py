@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     free_port,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -38,16 +38,19 @@ FAILING_METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def apps() -> Iterator[dict[str, str]]:
+def apps(serve_cluster: ServeCluster) -> Iterator[dict[str, str]]:
     with (
-        local_serve() as base,
-        running_app(base, ON, serving_config(engine=CHUNKED)) as on,
-        running_app(base, OFF, serving_config(engine=CHUNKED, kv_transfer_overlap=False)) as off,
+        running_app(serve_cluster.base, ON, serving_config(engine=CHUNKED)) as on,
         running_app(
-            base, ON_TORCH_DIST, serving_config(engine=CHUNKED, kv_connector="torch_dist")
+            serve_cluster.base, OFF, serving_config(engine=CHUNKED, kv_transfer_overlap=False)
+        ) as off,
+        running_app(
+            serve_cluster.base,
+            ON_TORCH_DIST,
+            serving_config(engine=CHUNKED, kv_connector="torch_dist"),
         ) as td,
         running_app(
-            base,
+            serve_cluster.base,
             FAILING,
             serving_config(
                 engine=CHUNKED,

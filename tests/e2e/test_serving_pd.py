@@ -17,8 +17,8 @@ import pytest
 from schema_cases import invalid_outputs
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -45,13 +45,12 @@ PD_ROUTER = {
 
 
 @pytest.fixture(scope="module")
-def apps() -> Iterator[dict[str, str]]:
+def apps(serve_cluster: ServeCluster) -> Iterator[dict[str, str]]:
     with (
-        local_serve() as base,
-        running_app(base, PD, serving_config(mode="pd", router=PD_ROUTER)) as pd_url,
-        running_app(base, COLOCATED, serving_config(mode="colocated")) as colo_url,
+        running_app(serve_cluster.base, PD, serving_config(mode="pd", router=PD_ROUTER)) as pd_url,
+        running_app(serve_cluster.base, COLOCATED, serving_config(mode="colocated")) as colo_url,
         running_app(
-            base, PD_TORCH_DIST, serving_config(mode="pd", kv_connector="torch_dist")
+            serve_cluster.base, PD_TORCH_DIST, serving_config(mode="pd", kv_connector="torch_dist")
         ) as td_url,
     ):
         yield {PD: pd_url, COLOCATED: colo_url, PD_TORCH_DIST: td_url}

@@ -28,8 +28,8 @@ from ray import serve
 from schema_cases import invalid_outputs
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -71,13 +71,12 @@ def engine_fields(app: str, oracle_dir: Path) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def apps(oracle_dir: Path) -> Iterator[dict[str, str]]:
+def apps(oracle_dir: Path, serve_cluster: ServeCluster) -> Iterator[dict[str, str]]:
     tiny = serving_config(engine={**engine_fields(TINY, oracle_dir), **SPEC})
     oracle = serving_config(engine={**engine_fields(ORACLE, oracle_dir), **SPEC})
     with (
-        local_serve() as base,
-        running_app(base, TINY, tiny) as tiny_url,
-        running_app(base, ORACLE, oracle) as oracle_url,
+        running_app(serve_cluster.base, TINY, tiny) as tiny_url,
+        running_app(serve_cluster.base, ORACLE, oracle) as oracle_url,
     ):
         yield {TINY: tiny_url, ORACLE: oracle_url}
 

@@ -30,8 +30,8 @@ import ray
 from ray import serve
 from serving_util import (
     TINY_ENGINE,
+    ServeCluster,
     holds_nothing,
-    local_serve,
     running_app,
     serving_config,
     wait_until,
@@ -81,7 +81,7 @@ def expected(tiny_bf16_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_bf16_dir: Path) -> Iterator[str]:
+def app_url(tiny_bf16_dir: Path, serve_cluster: ServeCluster) -> Iterator[str]:
     cfg = serving_config(
         mode="pd",
         engine=engine_fields(tiny_bf16_dir),
@@ -91,7 +91,7 @@ def app_url(tiny_bf16_dir: Path) -> Iterator[str]:
         # instead of migrating (migration: tests/e2e/test_serving_faults.py)
         router={"served_model_name": "tiny", "metrics_port": None, "max_decode_migrations": 0},
     )
-    with local_serve() as base, running_app(base, APP, cfg) as url:
+    with running_app(serve_cluster.base, APP, cfg) as url:
         yield url
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_procs import start_ranks
 from safetensors import safe_open
 from shard_standin import ALIGNED_TP2, SMALL, LocalShapeStandIn, nextn_copies
 
@@ -242,7 +243,5 @@ def _load_and_gather(rank: int, model_dir: str, layout: str, init_file: str) -> 
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2_ep2"])
 def test_two_processes_load_their_parts_and_gather_the_model(ckpts, tmp_path, layout) -> None:
-    import torch.multiprocessing as tmp
-
     args = (str(ckpts["fp8"]), layout, str(tmp_path / "init"))
-    tmp.spawn(_load_and_gather, args=args, nprocs=2, join=True)
+    start_ranks(_load_and_gather, args, 2)

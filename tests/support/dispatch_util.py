@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_procs import start_ranks
 
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
 from dsv3serve.parallel.dispatch import create_dispatcher
@@ -111,14 +112,15 @@ def save_rank_results(results: object, root: Path, rank: int) -> None:
 
 
 def spawn_for_results(main: Callable[..., None], args: tuple, world: int, root: Path) -> list:
-    """``mp.spawn(main, args)`` on ``world`` ranks, then each rank's saved results.
+    """``main(rank, *args)`` on ``world`` rank processes (``rank_procs.start_ranks``), then
+    each rank's saved results.
 
     A rank that aborts after every rank saved its results does not fail the run: under
     CI's load a rank died in gloo's teardown ("terminate called without an active
     exception", SIGABRT, 2026-11-29) after its work was done and saved. One that aborts
     before that still fails it (its results are missing)."""
     try:
-        mp.spawn(main, args=args, nprocs=world, join=True)
+        start_ranks(main, args, world)
     except mp.ProcessExitedException:
         if not all((root / f"rank{r}.pt").exists() for r in range(world)):
             raise

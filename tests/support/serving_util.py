@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -56,21 +57,31 @@ def free_port_pair() -> int:
     return spare_port(2)
 
 
-@contextmanager
-def local_serve(grpc_port: int | None = None) -> Iterator[str]:
-    """Start Ray (loopback, no dashboard) and Serve's HTTP proxy; yields the base URL.
+@dataclass(frozen=True)
+class ServeCluster:
+    """A running local Ray cluster with Serve: where its proxies listen."""
 
-    With ``grpc_port``, Serve's gRPC proxy serves dsv3serve.v1.Generation there too.
+    base: str
+    """Serve's HTTP proxy, ``http://127.0.0.1:PORT``."""
+    grpc_port: int
+    """Serve's gRPC proxy port (dsv3serve.v1.Generation), on loopback."""
+
+
+@contextmanager
+def local_serve() -> Iterator[ServeCluster]:
+    """Start Ray (loopback, no dashboard) and Serve's HTTP and gRPC proxies, our proxy
+    middlewares in them as ``dsv3serve serve`` sets them up; shut both down after.
+
+    The e2e modules share one (``tests/e2e/conftest.py``: ``serve_cluster``), each
+    deploying its apps under names of its own and deleting them when it ends.
     """
-    port = spare_port()
-    grpc = None
-    if grpc_port is not None:
-        grpc = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
+    port, grpc_port = spare_port(), spare_port()
+    grpc = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
     use_proxy_middleware()  # as `dsv3serve serve` does: the proxy ends cut streams
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc)
-        yield f"http://127.0.0.1:{port}"
+        yield ServeCluster(f"http://127.0.0.1:{port}", grpc_port)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from http_util import spare_port
+from rank_procs import start_ranks
 from safetensors import safe_open
 
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -119,6 +119,4 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
 def run_ranks(world: int, fn: Callable[..., None], *args: Any) -> None:
     """Run ``fn(rank, *args)`` in ``world`` spawned processes joined by a gloo group;
     raises if any rank fails. ``fn`` must be importable (a module-level function)."""
-    mp.start_processes(
-        _entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn"
-    )
+    start_ranks(_entry, (world, free_port(), fn, args), world)

@@ -13,7 +13,6 @@ compared as bytes.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from kv_transfer_util import (
     random_pool,
 )
 
+from dsv3serve.engine.group.rank_start import rank_context
 from kv_transfer import (
     KVConnector,
     KVHandle,
@@ -113,7 +113,7 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[Peer]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # the peer process starts as a group rank does
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_prefill_peer, args=(theirs,), daemon=True)
     proc.start()

@@ -1,10 +1,11 @@
 """A worker group on this host without Ray: ``LLM(..., tp_size=2)`` and the CLI start it.
 
-Rank 0 is the calling process; ranks 1..N-1 are spawned processes (``torch.multiprocessing``
-with the ``spawn`` start method), one device each (``cuda:r`` on GPU, the CPU with gloo
-otherwise). All ranks join one process group over a rendezvous file, build their shard of
-the model, and follow rank 0's steps (:mod:`dsv3serve.engine.group.tp` for TP,
-:mod:`dsv3serve.engine.group.dp` under DP attention) until it stops them.
+Rank 0 is the calling process; ranks 1..N-1 are child processes (forked from a server that
+imported the engine once, or spawned: :mod:`dsv3serve.engine.group.rank_start`), one device
+each (``cuda:r`` on GPU, the CPU with gloo otherwise). All ranks join one process group over
+a rendezvous file, build their shard of the model, and follow rank 0's steps
+(:mod:`dsv3serve.engine.group.tp` for TP, :mod:`dsv3serve.engine.group.dp` under DP
+attention) until it stops them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.engine.group.rank_start import adopt_environ, caller_environ, rank_context
 from dsv3serve.engine.group.tp import GroupSpec, init_group, rank_timeout_s
 from dsv3serve.settings import Settings
 
@@ -56,10 +57,17 @@ def _diagnosable(log_level: int) -> None:
 
 
 def _follow(
-    cfg_json: str, rank: int, rendezvous: str, timeout_s: float, threads: int, log_level: int
+    cfg_json: str,
+    rank: int,
+    rendezvous: str,
+    timeout_s: float,
+    threads: int,
+    log_level: int,
+    environ: dict[str, str],
 ) -> None:
     from dsv3serve.engine.group.rank import run_follower
 
+    adopt_environ(environ)
     _diagnosable(log_level)
     if threads:
         torch.set_num_threads(threads)
@@ -105,12 +113,13 @@ def spawn_followers(cfg: EngineConfig, timeout_s: float = 600.0, threads: int = 
     """Start ranks 1..N-1 and join rank 0 (this process) to their process group."""
     workdir = tempfile.TemporaryDirectory(prefix="dsv3serve-group-")
     rendezvous = Path(workdir.name) / "rendezvous"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     level = logging.getLogger().getEffectiveLevel()
+    environ = caller_environ()
     procs = [
-        ctx.Process(
+        ctx.Process(  # type: ignore[attr-defined]
             target=_follow,
-            args=(cfg.model_dump_json(), rank, str(rendezvous), timeout_s, threads, level),
+            args=(cfg.model_dump_json(), rank, str(rendezvous), timeout_s, threads, level, environ),
             daemon=True,
         )
         for rank in range(1, cfg.tp_size)
