@@ -111,10 +111,13 @@ def test_cpu_size_never_depends_on_host_free_memory(
         assert _size(**fields).pages == pages, fields
 
 
-def test_engine_pool_never_depends_on_host_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A whole engine under a host that claims 1 PiB free: the pool is the rule's, 2 requests
-    of 256 tokens in pages of 4 (the old default took 0.85 of the claim)."""
-    fake_host_memory(monkeypatch, 1 << 50)
+@pytest.mark.parametrize("available", [64 << 20, 1 << 50], ids=["64MiB", "1PiB"])
+def test_engine_pool_never_depends_on_host_free_memory(
+    monkeypatch: pytest.MonkeyPatch, available: int
+) -> None:
+    """A whole engine on a host that claims ``available`` bytes free: the pool is the rule's,
+    2 requests of 256 tokens in pages of 4 (the old default took 0.85 of the claim)."""
+    fake_host_memory(monkeypatch, available)
     engine = make_engine(num_kv_tokens=None, max_running_requests=2, max_model_len=256)
     assert engine.runner.kv_size.reason == "requests x context: 2 x 256 tokens"
     assert engine.runner.pool.num_pages == engine.runner.num_pages == 2 * 64

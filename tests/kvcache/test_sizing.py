@@ -20,6 +20,7 @@ CPU_CASES = [
     # small demand: requests x the pages of one whole context
     ((4, 2048, 4.0, 1), (4 * 128, "requests x context: 4 x 2048 tokens")),
     ((1, 17, 4.0, 1), (2, "requests x context: 1 x 17 tokens")),  # a partial page is a page
+    ((3, 17, 4.0, 1), (3 * 2, "requests x context: 3 x 17 tokens")),  # ... of each request
     ((256, 4096, 4.0, 1), (256 * 256, "requests x context: 256 x 4096 tokens")),
     # the same demand with more ranks on the host: still under each rank's share
     ((4, 2048, 4.0, 2), (4 * 128, "requests x context")),
