@@ -67,6 +67,7 @@ class ModelRunner:
     ``parts``: this rank's layout, collectives and dispatcher, given instead of joined from
     torch.distributed (the one-GPU timing-only loopback of ``benchmarks/bench_ep_rank.py``);
     they must match ``cfg``'s layout. CUDA graphs stay on if they are graph safe.
+    ``kv_size``: the size its KV pool was given and why (:mod:`dsv3serve.engine.kv_size`).
     """
 
     def __init__(
