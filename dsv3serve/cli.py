@@ -14,6 +14,7 @@ from dsv3serve.bench.kernels.run import add_kernels_parser
 from dsv3serve.bench.model.args import add_model_parser
 from dsv3serve.bench.serve.args import add_serve_parser
 from dsv3serve.engine.config import EngineConfig
+from dsv3serve.kvcache.sizing import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from dsv3serve.parallel.args import add_layout_args
 from dsv3serve.plan.cli import add_plan_parser
 from dsv3serve.settings import export_compile_caches
@@ -29,7 +30,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-kv-tokens", type=int, default=None)
-    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU KV budget")
+    p.add_argument(
+        "--cpu-kv-cache-space-gib",
+        type=float,
+        default=DEFAULT_CPU_KV_CACHE_SPACE_GIB,
+        help="CPU KV pool cap per host, shared by the group's ranks there (without "
+        "--num-kv-tokens the pool holds max-running-requests x the context, up to this)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--max-running-requests", type=int, default=256)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dsv3serve.kvcache.sizing import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from dsv3serve.parallel.config import ParallelConfig
 
 DTypeName = Literal["auto", "bfloat16", "float32"]
@@ -33,7 +34,10 @@ class EngineConfig(BaseModel):
     page_size: int = Field(16, ge=1)
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     num_kv_tokens: int | None = Field(None, ge=1, description="explicit KV capacity in tokens")
-    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    mem_fraction_static: float = Field(0.85, gt=0, le=1)  # GPU only: share of the device
+    # CPU without num_kv_tokens: max_running_requests x the context, capped at this many GiB
+    # per host, shared by the group's ranks on it (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    cpu_kv_cache_space_gib: float = Field(DEFAULT_CPU_KV_CACHE_SPACE_GIB, gt=0)
     enable_prefix_caching: bool = True
     # hierarchical cache (SGLang's names): a host-memory tier under the prefix cache, of
     # hicache_ratio times the device pool's pages (default 2.0) or hicache_size GB (1e9 B)
@@ -221,6 +225,7 @@ FLAG_FIELDS = (  # engine flags (dsv3serve.cli) named exactly as their EngineCon
     "page_size",
     "num_kv_tokens",
     "mem_fraction_static",
+    "cpu_kv_cache_space_gib",
     "kv_cache_dtype",
     "chunked_prefill_size",
     "max_running_requests",

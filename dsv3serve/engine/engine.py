@@ -25,6 +25,7 @@ from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.core import EngineCore
 from dsv3serve.engine.intake import InvalidRequestError, new_sequence
+from dsv3serve.engine.kv_size import context_len
 from dsv3serve.engine.loops import PlainLoop, SpecLoop, StepLoop
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.overlap_loop import OverlapLoop
@@ -317,7 +318,7 @@ def _host_pool(cfg: EngineConfig, runner: ModelRunner) -> HostKVPool | None:
 def _scheduler_config(
     cfg: EngineConfig, model_cfg: ModelConfig, num_pages: int, host_pages: int
 ) -> SchedulerConfig:
-    max_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    max_len = context_len(cfg, model_cfg)
     return SchedulerConfig(
         page_size=cfg.page_size,
         num_pages=num_pages,

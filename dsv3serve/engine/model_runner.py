@@ -20,14 +20,11 @@ from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.future_tokens import FutureTokens
 from dsv3serve.engine.graph_capture import GraphPool
 from dsv3serve.engine.group.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
+from dsv3serve.engine.kv_size import agreed_size, rank_kv_size
 from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
-from dsv3serve.kvcache.pool import (
-    MLAKVPool,
-    bytes_per_page,
-    cuda_kv_budget_bytes,
-    pages_for_memory_fraction,
-)
+from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
+from dsv3serve.kvcache.sizing import KVSize
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
 from dsv3serve.page_table import slots_of
@@ -70,6 +67,7 @@ class ModelRunner:
     ``parts``: this rank's layout, collectives and dispatcher, given instead of joined from
     torch.distributed (the one-GPU timing-only loopback of ``benchmarks/bench_ep_rank.py``);
     they must match ``cfg``'s layout. CUDA graphs stay on if they are graph safe.
+    ``kv_size``: the size its KV pool was given and why (:mod:`dsv3serve.engine.kv_size`).
     """
 
     def __init__(
@@ -111,6 +109,7 @@ class ModelRunner:
         use_graphs = self._use_cuda_graphs()
         warn_if_compile_unused(cfg, use_graphs)
         self._scratch_pages = self._num_scratch_pages() if use_graphs else 0
+        self.kv_size = self._kv_size()
         self.pool = self._make_pool()
         self.attn = create_attention_backend(
             cfg.attention_backend,
@@ -256,30 +255,29 @@ class ModelRunner:
         deepep = planned_deepep(self.model_cfg, self.cfg.parallel, self.cfg.max_running_requests)
         return graph + activation + (0 if deepep is None else deepep.activations)
 
+    def _kv_size(self) -> KVSize:
+        """The pool's size, agreed with the group and logged with its reason."""
+        kv_dim = self.model_cfg.kv_cache_dim
+        page_bytes = bytes_per_page(
+            self.model.num_kv_layers, self.cfg.page_size, self._kv_dtype(), kv_dim
+        )
+        own = rank_kv_size(
+            self.cfg,
+            self.model_cfg,
+            self.device,
+            page_bytes,
+            self._scratch_pages,
+            self._reserved_bytes,
+        )
+        size = agreed_size(own, agree_on_pages(own.pages, self.device))
+        logger.info("KV pool: %s", size.describe())
+        return size
+
     def _make_pool(self) -> MLAKVPool:
-        layers, page = self.model.num_kv_layers, self.cfg.page_size
-        if self.cfg.num_kv_tokens is not None:
-            num_pages = -(-self.cfg.num_kv_tokens // page) + self._scratch_pages
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = cuda_kv_budget_bytes(
-                free, total, self.cfg.mem_fraction_static, self._reserved_bytes()
-            )
-            per_page = bytes_per_page(layers, page, self._kv_dtype(), self.model_cfg.kv_cache_dim)
-            num_pages = budget // per_page
-        else:
-            num_pages = pages_for_memory_fraction(
-                self.cfg.mem_fraction_static,
-                layers,
-                page,
-                self._kv_dtype(),
-                self.device,
-                self.model_cfg.kv_cache_dim,
-            )
         return MLAKVPool(
-            layers,
-            agree_on_pages(num_pages, self.device),
-            page,
+            self.model.num_kv_layers,
+            self.kv_size.pages,
+            self.cfg.page_size,
             self.model_cfg.kv_cache_dim,
             self._kv_dtype(),
             self.device,

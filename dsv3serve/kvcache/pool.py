@@ -1,8 +1,7 @@
-"""Paged MLA latent KV cache on a torch device, and its sizing helpers."""
+"""Paged MLA latent KV cache on a torch device, and the bytes of one page (how many pages a
+pool gets: :mod:`dsv3serve.kvcache.sizing`)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -13,8 +12,6 @@ __all__ = [
     "MLA_KV_DIM",
     "MLAKVPool",
     "bytes_per_page",
-    "cuda_kv_budget_bytes",
-    "pages_for_memory_fraction",
     "pages_for_tokens",
 ]
 
@@ -152,64 +149,3 @@ def bytes_per_page(
     scale_bytes = _SCALE_BYTES if dtype == torch.float8_e4m3fn else 0
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return num_layers * page_size * (kv_dim * element_bytes + scale_bytes)
-
-
-def pages_for_memory_fraction(
-    fraction: float,
-    num_layers: int,
-    page_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    kv_dim: int = MLA_KV_DIM,
-) -> int:
-    """Pages that fit in ``fraction`` of the memory free now on ``device``.
-
-    CUDA: free memory from ``torch.cuda.mem_get_info``. CPU: available system memory
-    (psutil if installed, else ``/proc/meminfo`` MemAvailable, else ``os.sysconf``).
-    """
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    budget = int(_free_memory_bytes(torch.device(device)) * fraction)
-    return budget // bytes_per_page(num_layers, page_size, dtype, kv_dim)
-
-
-def cuda_kv_budget_bytes(free: int, total: int, fraction: float, reserved: int) -> int:
-    """The KV pool's bytes on a GPU under SGLang's ``mem_fraction_static``: the weights and
-    the KV together take ``fraction`` of the GPU's ``total`` memory, so the pool gets that
-    share less what is in use now (``total - free``: the weights, the CUDA context) and less
-    ``reserved`` (the CUDA graphs and the activations of the largest step, which come later).
-
-    Raises ValueError, naming ``mem_fraction_static``, when nothing is left for the pool.
-    """
-    budget = int(total * fraction) - (total - free) - reserved
-    if budget <= 0:
-        raise ValueError(
-            f"mem_fraction_static {fraction}: {total * fraction / 1e9:.1f} GB of the GPU's "
-            f"{total / 1e9:.1f} GB, less {(total - free) / 1e9:.1f} GB in use and "
-            f"{reserved / 1e9:.1f} GB reserved for graphs and activations, leaves nothing "
-            "for the KV cache; raise mem_fraction_static or use a layout that holds fewer "
-            "weights per GPU"
-        )
-    return budget
-
-
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        import psutil  # optional dependency
-    except ImportError:
-        return _available_host_memory()
-    return int(psutil.virtual_memory().available)
-
-
-def _available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

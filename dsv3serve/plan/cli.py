@@ -1,4 +1,5 @@
-"""``dsv3serve plan``: per-rank memory of a layout, refused (exit 2) if it does not fit."""
+"""``dsv3serve plan``: per-rank memory of a layout, refused (exit 2) if it does not fit; with
+``--device cpu`` the KV pool each rank sizes on CPU."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.json_types import JSONObject
+from dsv3serve.kvcache.sizing import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from dsv3serve.parallel.args import add_layout_args, layout_from_args
 from dsv3serve.parallel.config import ParallelConfig
+from dsv3serve.plan.cpu import CpuSettings, cpu_plan, cpu_plan_json, cpu_plan_table
 from dsv3serve.plan.planner import Plan, PlanError, plan
 from dsv3serve.plan.report import plan_json, plan_table
 
@@ -21,19 +24,38 @@ def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="per-rank weights, reserves and KV capacity of a layout")
     p.add_argument("--model", default="deepseek-v3", help="checkpoint dir, 'tiny', 'deepseek-v3'")
     add_layout_args(p)
-    p.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, e.g. 141, 80")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: only the KV pool the engine sizes there, each rank's (no weights)",
+    )
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="per GPU, e.g. 141, 80")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=None, help="64 on cuda, 16 on cpu (engine's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="cpu")
+    p.add_argument(
+        "--cpu-kv-cache-space-gib",
+        type=float,
+        default=DEFAULT_CPU_KV_CACHE_SPACE_GIB,
+        help="cpu: the KV cap per host, shared by the group's ranks",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--context-length", type=int, default=None, help="longest request to hold")
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="longest request to hold (the engine's max_model_len; cpu default: the model's)",
+    )
     p.add_argument(
         "--max-running-requests",
         type=int,
         default=256,
-        help="per rank; sizes DeepEP's low-latency buffers under --moe-a2a-backend deepep",
+        help="per rank; sizes DeepEP's low-latency buffers under --moe-a2a-backend deepep, "
+        "and the KV pool on cpu",
     )
     p.add_argument(
         "--hf-overrides",
@@ -81,6 +103,11 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"refused: {err}", file=sys.stderr)
         return 2
+    if args.device == "cpu":
+        return _run_cpu_plan(args, parallel)
+    if args.gpu_memory_gb is None:
+        print("refused: --gpu-memory-gb is required with --device cuda", file=sys.stderr)
+        return 2
     try:
         result = _plan(args, parallel)
     except PlanError as err:
@@ -95,13 +122,35 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_cpu_plan(args: argparse.Namespace, parallel: ParallelConfig) -> int:
+    """Print each rank's CPU KV pool; a budget that holds no page is refused (exit 2)."""
+    settings = CpuSettings(
+        page_size=16 if args.page_size is None else args.page_size,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_running_requests=args.max_running_requests,
+        max_model_len=args.context_length,
+        cpu_kv_cache_space_gib=args.cpu_kv_cache_space_gib,
+    )
+    try:
+        result = cpu_plan(model_config(args.model, args.hf_overrides), parallel, settings)
+    except ValueError as err:
+        print(f"refused: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(cpu_plan_json(result, args.model), indent=2))
+    else:
+        print(cpu_plan_table(result, args.model))
+    return 0
+
+
 def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
     return plan(
         model_config(args.model, args.hf_overrides),
         parallel,
         args.gpu_memory_gb,
         args.mem_fraction_static,
-        args.page_size,
+        64 if args.page_size is None else args.page_size,
         args.kv_cache_dtype,
         args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph,

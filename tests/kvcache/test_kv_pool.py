@@ -1,4 +1,4 @@
-"""MLAKVPool: write/read round trips (bf16, fp32, fp8 e4m3), slot mapping, sizing."""
+"""MLAKVPool: write/read round trips (bf16, fp32, fp8 e4m3), slot mapping, page bytes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from dsv3serve.kvcache.pool import (
     MLA_KV_DIM,
     MLAKVPool,
     bytes_per_page,
-    cuda_kv_budget_bytes,
-    pages_for_memory_fraction,
     pages_for_tokens,
 )
 
@@ -99,29 +97,3 @@ def test_sizing_helpers() -> None:
         tensors += [t for t in (pool.scale_buffer(i) for i in range(3)) if t is not None]
         assert pool.nbytes == sum(t.numel() * t.element_size() for t in tensors)
         assert pool.nbytes == 5 * bytes_per_page(3, 8, dtype)
-
-
-def test_pages_for_memory_fraction_on_cpu() -> None:
-    small = pages_for_memory_fraction(0.01, 4, 16, torch.bfloat16, "cpu")
-    large = pages_for_memory_fraction(0.02, 4, 16, torch.bfloat16, "cpu")
-    assert 0 < small <= large
-    assert pages_for_memory_fraction(0.01, 4, 16, torch.float8_e4m3fn, "cpu") > small
-    with pytest.raises(ValueError, match="fraction"):
-        pages_for_memory_fraction(0.0, 4, 16, torch.bfloat16, "cpu")
-
-
-def test_cuda_kv_budget_leaves_the_reserves_free() -> None:
-    """SGLang's mem_fraction_static: weights + KV take the fraction of the GPU's total; the
-    graphs' and the largest step's activations stay outside the pool (two H200s,
-    2026-11-28: sized as a fraction of what the weights left free, the prefill pool left
-    4.5 GB and the first 16K-token prefill step failed to allocate)."""
-    gb = 10**9
-    # 150 GB GPU, 110 GB in use (weights, context), 8 GB reserved: 0.85 * 150 - 110 - 8
-    assert cuda_kv_budget_bytes(40 * gb, 150 * gb, 0.85, 8 * gb) == int(9.5 * gb)
-    assert cuda_kv_budget_bytes(40 * gb, 150 * gb, 0.85, 0) == int(17.5 * gb)
-
-
-def test_cuda_kv_budget_refuses_when_nothing_is_left_naming_the_field() -> None:
-    gb = 10**9
-    with pytest.raises(ValueError, match="mem_fraction_static 0.7"):
-        cuda_kv_budget_bytes(40 * gb, 150 * gb, 0.7, 1 * gb)

@@ -7,6 +7,7 @@ On a GPU the memory planner checks the layout before anything is allocated.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -106,13 +107,24 @@ def _deepep_options(cfg: EngineConfig, model_cfg: ModelConfig) -> DeepEPOptions:
 
 
 def agree_on_pages(num_pages: int, device: torch.device) -> int:
-    """The smallest KV capacity of all ranks (each may compute its own from free memory)."""
+    """The smallest KV capacity of all ranks (on a GPU each computes its own from its free
+    device memory)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return num_pages
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     pages = torch.tensor([num_pages], dtype=torch.int64, device=on)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN)
     return int(pages)
+
+
+def ranks_on_this_host() -> int:
+    """How many ranks of this process's group run on this host (1 without a group): they
+    share the host's CPU KV budget. A collective: every rank of the group calls it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 1
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts.count(socket.gethostname())
 
 
 def check_fits(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""rank_parts: a group rank's layout, the refusal without a process group, the fit check."""
+"""rank_parts: a group rank's layout, the refusal without a process group, the fit check,
+the ranks on one host."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.engine.group.rank_parts import check_fits, rank_parts
+from dsv3serve.engine.group.rank_parts import check_fits, rank_parts, ranks_on_this_host
 from dsv3serve.model.presets import PRESETS
 from dsv3serve.parallel.config import LayoutError
 from dsv3serve.plan.planner import PlanError
@@ -20,6 +21,12 @@ V3 = ModelConfig.from_dict(PRESETS["deepseek-v3"])
 def test_one_rank_needs_no_group() -> None:
     parts = rank_parts(EngineConfig(model="tiny"), V3)
     assert not parts.in_group and parts.comm is None
+
+
+def test_one_rank_is_alone_on_its_host() -> None:
+    """Without a group no collective runs; a group's count is checked by the DP2 + EP2 group
+    in test_group_kv_budget.py."""
+    assert ranks_on_this_host() == 1
 
 
 def test_a_group_rank_without_a_process_group_is_refused() -> None:
