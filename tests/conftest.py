@@ -31,6 +31,10 @@ for _folder in sorted(_FOLDERS):  # rooms inside a folder too (tests/engine/spec
     if str(_folder) not in sys.path and not {"data", "__pycache__"} & set(_folder.parts):
         sys.path.insert(0, str(_folder))
 
+from fresh_seed import draw_session_seed  # noqa: E402  (tests/support is on the path now)
+
+draw_session_seed()  # in xdist's controller before it starts its workers: they inherit it
+
 
 # Modules that start a Ray cluster (in this process or a child): under pytest-xdist
 # (``--dist loadgroup``) they run one after another on one worker, while the other workers

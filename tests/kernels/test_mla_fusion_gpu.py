@@ -5,12 +5,12 @@ reference ops'. Bounds in tests/support/mla_fusion_cases.py."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 
 import pytest
 import torch
+from fresh_seed import session_seed
 from mla_fusion_cases import assert_norms_match, poisoned_allocations, qkv_inputs
 from rope_kv_cases import check_against_reference, rope_inputs
 
@@ -20,7 +20,7 @@ from dsv3serve.kernels.mla_norm import qkv_a_rmsnorm_ref, qkv_a_rmsnorm_triton
 from dsv3serve.kernels.rope_kv import rope_kv_write_ref, rope_kv_write_triton
 
 pytestmark = pytest.mark.gpu
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 Q, R, P, HEADS = 1536, 512, 64, 128
 
 

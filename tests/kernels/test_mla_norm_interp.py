@@ -5,10 +5,9 @@ in tests/support/mla_fusion_cases.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from fresh_seed import session_seed
 
 pytest.importorskip("triton")
 from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
@@ -21,7 +20,7 @@ from mla_fusion_cases import assert_norms_match, poisoned_allocations, qkv_input
 from dsv3serve.kernels.mla_norm import qkv_a_rmsnorm_ref, qkv_a_rmsnorm_triton  # noqa: E402
 from dsv3serve.layers.norm import RMSNorm  # noqa: E402
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 
 
 @pytest.fixture(autouse=True)

@@ -4,10 +4,9 @@ Bounds in tests/support/norm_quant_cases.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from fresh_seed import session_seed
 from norm_quant_cases import assert_matches, random_inputs
 
 from dsv3serve.kernels.fp8_gemm import fp8_block_gemm, fp8_block_gemm_quantized
@@ -15,7 +14,7 @@ from dsv3serve.kernels.fp8_ref import quant_weight_block
 from dsv3serve.kernels.norm_quant import add_rmsnorm_quant_ref, add_rmsnorm_quant_triton
 
 pytestmark = pytest.mark.gpu
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 HIDDEN = 7168
 
 

@@ -5,10 +5,9 @@ tests/support/norm_quant_cases.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from fresh_seed import session_seed
 
 pytest.importorskip("triton")
 from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
@@ -24,7 +23,7 @@ from dsv3serve.kernels.norm_quant import (  # noqa: E402
 )
 from dsv3serve.layers.norm import RMSNorm  # noqa: E402
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,9 @@ tests/support/mla_fusion_cases.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from fresh_seed import session_seed
 
 pytest.importorskip("triton")
 from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
@@ -23,7 +22,7 @@ from dsv3serve.kernels.rope_kv import rope_kv_write_ref, rope_kv_write_triton  #
 from dsv3serve.kvcache.pool import MLAKVPool  # noqa: E402
 from dsv3serve.layers.rotary import RotaryEmbedding  # noqa: E402
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 
 
 @pytest.fixture(autouse=True)

@@ -15,10 +15,9 @@ float32: 1e-5.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from fresh_seed import session_seed
 
 pytest.importorskip("triton")
 from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
@@ -29,7 +28,7 @@ if not INTERPRETING:
 from dsv3serve.moe.experts import random_experts  # noqa: E402
 from dsv3serve.moe.masked_moe import masked_moe_ref, masked_moe_triton  # noqa: E402
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 RTOL = {torch.float16: 2e-3, torch.bfloat16: 2e-3, torch.float32: 1e-5}
 RTOL_FP8_ROWS = 2e-2  # the intermediate goes through e4m3 on both sides; one rounding flip
 # of an e4m3 value moves it by 1/16

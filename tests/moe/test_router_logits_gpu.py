@@ -5,18 +5,17 @@ float32, so they differ only in summation order: relative 1e-5 of the row's magn
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from fresh_seed import session_seed
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.model.deepseek_v3 import ModelOptions, MoE
 from dsv3serve.model.presets import DEEPSEEK_V3_CONFIG
 
 pytestmark = pytest.mark.gpu
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 
 
 @pytest.mark.parametrize("t", [1, 64])

@@ -12,12 +12,12 @@ sum once more after it (each at most 2^-9 relative), against a float32 reference
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from dispatch_util import HIDDEN, NUM_EXPERTS, TOPK, Case, experts_fn, make_case, run_ranks
+from fresh_seed import session_seed
 
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE, dequant_per_token_group, quant_per_token_group
 from dsv3serve.parallel.config import LayoutError, ParallelConfig
@@ -26,7 +26,7 @@ from dsv3serve.parallel.dispatch_loopback import LoopbackTimingOnlyDispatcher, N
 from dsv3serve.parallel.dispatch_pack import WireFormat, copy_mask, plan_routes
 from dsv3serve.parallel.dispatch_ref import local_experts, moe_reference, restrict_to_rank
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 BF16 = torch.bfloat16
 F32 = torch.float32
 

@@ -14,13 +14,13 @@ tolerance); against unquantised rows the e4m3 error alone reaches ~0.15 absolute
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from deepep_util import run_deepep_ranks
 from dispatch_util import Case, experts_fn, make_case
+from fresh_seed import session_seed
 
 from dsv3serve.kernels.fp8_ref import FP8_DTYPE, dequant_per_token_group, quant_per_token_group
 from dsv3serve.moe.sharded import DEEPEP_FUSION_REASON, fusion_blocked_reason
@@ -29,7 +29,7 @@ from dsv3serve.parallel.dispatch import DeepEPOptions, DispatchBackendUnavailabl
 from dsv3serve.parallel.dispatch_ref import moe_reference
 from dsv3serve.parallel.shard import RankLayout
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 BF16 = torch.bfloat16
 MODES = ("a2a", "normal", "low_latency", "auto_prefill", "auto_decode")
 

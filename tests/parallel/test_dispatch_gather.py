@@ -7,12 +7,12 @@ seed, every rank's tokens, so it can check its own output against the reference 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from dispatch_util import HIDDEN, NUM_EXPERTS, TOPK, experts_fn, random_ids
+from fresh_seed import session_seed
 from shard_util import run_ranks
 
 from dsv3serve.parallel.comm import GroupComm, make_comm
@@ -21,7 +21,7 @@ from dsv3serve.parallel.dispatch_gather import UniformGatherDispatcher, pack_row
 from dsv3serve.parallel.dispatch_ref import local_experts, moe_reference
 from dsv3serve.parallel.uniform import uniform_batch, uniform_rows
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 WORLD = 2
 # name -> (rows per rank inside the uniform batch, the experts every token picks from)
 UNIFORM_CASES = {

@@ -8,13 +8,12 @@ each session (seed in messages).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from deepep_util import MAX_TOKENS
 from dispatch_util import HIDDEN, NUM_EXPERTS, TOPK, Case, make_case
 from ep_step_util import HostSyncGuard, run_step_ranks
+from fresh_seed import session_seed
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,7 +24,7 @@ from dsv3serve.parallel.dispatch_meter import DispatchMeter, PhaseTotals
 from dsv3serve.parallel.dispatch_pack import WireFormat
 from dsv3serve.parallel.dispatch_ref import moe_reference
 
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = session_seed()
 WORLD = 2
 LOCAL = NUM_EXPERTS // WORLD
 STEPS = [16, 5, 0, 11, 16]  # real tokens per graph-style step (static buffers of MAX_TOKENS)
