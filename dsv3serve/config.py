@@ -19,7 +19,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_float, json_object
 
 
 class ConfigError(ValueError):
@@ -145,13 +145,17 @@ class ModelConfig(MLAHeadShape):
         """Validate and normalise a raw config dict (either spelling)."""
         _check_model_type(raw)
         theta, yarn = _parse_rope(raw)
-        quant, block = _parse_quant(raw.get("quantization_config"))
+        qc = raw.get("quantization_config")
+        quant, block = _parse_quant(None if qc is None else json_object(qc, "quantization_config"))
         scoring = _only(raw, "scoring_func", "sigmoid")
         topk_method = _only(raw, "topk_method", "noaux_tc")
-        parsed: dict[str, object] = {
+        # JSON values, as config.json has them; _check_shapes checks what the model relies on
+        parsed: dict[str, Any] = {
             "topk_method": topk_method,
             "scoring_func": scoring,
-            "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+            "routed_scaling_factor": json_float(
+                raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor"
+            ),
             "rope_theta": theta,
             "rope_scaling": yarn,
             "quant_method": quant,
@@ -159,7 +163,7 @@ class ModelConfig(MLAHeadShape):
             "bos_token_id": _first_id(raw.get("bos_token_id"), 0),
             "eos_token_id": _first_id(raw.get("eos_token_id"), 1),
         }
-        copied = {
+        copied: dict[str, Any] = {
             f.name: raw[f.name] if f.default is MISSING else raw.get(f.name, f.default)
             for f in fields(cls)
             if f.name not in parsed
@@ -185,23 +189,30 @@ def _check_model_type(raw: JSONObject) -> None:
 def _parse_rope(raw: JSONObject) -> tuple[float, YarnScaling | None]:
     """Return (rope_theta, YaRN params) from ``rope_scaling`` or ``rope_parameters``."""
     params = raw.get("rope_parameters")
-    scaling = params if params is not None else raw.get("rope_scaling")
+    found = params if params is not None else raw.get("rope_scaling")
     field = "rope_parameters" if params is not None else "rope_scaling"
-    theta = float((params or {}).get("rope_theta", raw.get("rope_theta", 10000.0)))
-    if not scaling:
+    own = json_object(params, field) if params else {}
+    theta = json_float(own.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta")
+    if not found:
         return theta, None
+    scaling = json_object(found, field)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "yarn":
         raise _unsupported(f"{field}.rope_type", rope_type, ["yarn", "default"])
     yarn = YarnScaling(
-        factor=float(scaling["factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        beta_fast=float(scaling.get("beta_fast") or 32.0),
-        beta_slow=float(scaling.get("beta_slow") or 1.0),
-        mscale=float(scaling.get("mscale") or 0.0),
-        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+        factor=json_float(scaling["factor"], f"{field}.factor"),
+        original_max_position_embeddings=int(
+            json_float(
+                scaling["original_max_position_embeddings"],
+                f"{field}.original_max_position_embeddings",
+            )
+        ),
+        beta_fast=json_float(scaling.get("beta_fast") or 32.0, f"{field}.beta_fast"),
+        beta_slow=json_float(scaling.get("beta_slow") or 1.0, f"{field}.beta_slow"),
+        mscale=json_float(scaling.get("mscale") or 0.0, f"{field}.mscale"),
+        mscale_all_dim=json_float(scaling.get("mscale_all_dim") or 0.0, f"{field}.mscale_all_dim"),
     )
     return theta, yarn
 
@@ -214,7 +225,7 @@ def _parse_quant(qc: JSONObject | None) -> tuple[str | None, tuple[int, int] | N
         raise _unsupported("quantization_config.quant_method", method, ["fp8"])
     _only(qc, "fmt", "e4m3", "quantization_config.")
     block = qc.get("weight_block_size")
-    if block is None or list(block) != [128, 128]:
+    if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
         raise _unsupported("quantization_config.weight_block_size", block, [[128, 128]])
     return "fp8", (128, 128)
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_float, json_int, json_list, json_object, json_str
 
 NS = "dsv3serve:"
 disable_created_metrics()  # no *_created series (as vLLM): they double every counter
@@ -306,10 +306,15 @@ class DispatchStatsCollector(Collector):
             labels=names,
         )
         for snap in self.read():
-            for p in snap["phases"]:
-                values = [*self.labels.values(), str(snap["rank"]), p["phase"], p["mode"]]
-                seconds.add_metric(values, _cumulative(p["buckets"]), p["seconds"])
-                nbytes.add_metric(values, p["bytes"])
+            for phase in json_list(snap["phases"], "phases"):
+                p = json_object(phase, "phase")
+                kind = [json_str(p["phase"], "phase"), json_str(p["mode"], "mode")]
+                values = [*self.labels.values(), str(snap["rank"]), *kind]
+                buckets = [json_int(c, "bucket") for c in json_list(p["buckets"], "buckets")]
+                seconds.add_metric(
+                    values, _cumulative(buckets), json_float(p["seconds"], "seconds")
+                )
+                nbytes.add_metric(values, json_int(p["bytes"], "bytes"))
         yield seconds
         yield nbytes
 
@@ -341,7 +346,7 @@ class EplbHotRatioCollector(Collector):
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
     """Per-bucket counts (last: +Inf) -> Prometheus' cumulative ``(le, count)`` pairs."""
     bounds = [*(str(b) for b in DISPATCH_LATENCY_BUCKETS), "+Inf"]
-    total, out = 0, []
+    total, out = 0, list[tuple[str, float]]()
     for bound, count in zip(bounds, counts, strict=True):
         total += count
         out.append((bound, total))

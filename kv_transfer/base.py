@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import ClassVar, TypeVar
+from typing import TypeVar
 
 from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
@@ -43,11 +43,11 @@ class KVConnector(ABC):
     (:class:`~kv_transfer.pages.PageLayout`). Pages not named are never written.
     """
 
-    name: ClassVar[str]
+    name: str  # set by each class; a wrapper (workers/fault_injection.py) takes its inner's
     # Whether one request's pages may be published as several stagings, each pulled on its
     # own while the prefill runs on (overlapped transfer, ``workers/ranges.py``); a
     # connector without it is used with one staging per request, after the prefill.
-    incremental: ClassVar[bool] = True
+    incremental: bool = True
 
     def __init__(self, pool: MLAKVPool) -> None:
         self.pool = pool

@@ -32,6 +32,7 @@ from kv_transfer.dist_wire import (
     connect_store,
     encode_record,
     make_group,
+    post_recv,
     pull_queue,
     teardown_group,
 )
@@ -154,7 +155,7 @@ class PullClient:
         if self.wire_device != self.pool.device:  # gloo with a CUDA pool
             landing = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.pool.device)
         posted = [
-            (layers, [pair.group.recv([p], 0, 0) for p in self._pieces(buf, handle, layers)])
+            (layers, [post_recv(pair.group, [p], 0) for p in self._pieces(buf, handle, layers)])
             for layers in layer_chunks(self.layout.num_layers, per_chunk)
         ]
         index = page_index(self.pool, dst_pages)
@@ -190,7 +191,7 @@ class PullClient:
 
     def _read_header(self, group: Group, handle: KVHandle, ordinal: int) -> None:
         header = torch.empty(4, dtype=torch.int64, device=self.wire_device)
-        wait_work(group.recv([header], 0, 0), self.backend, self.timeout_s)
+        wait_work(post_recv(group, [header], 0), self.backend, self.timeout_s)
         magic, answered, status, nbytes = header.tolist()
         if magic != HEADER_MAGIC or answered != ordinal:
             raise TransferError(

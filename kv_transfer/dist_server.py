@@ -34,6 +34,7 @@ from kv_transfer.dist_wire import (
     encode_record,
     host_store,
     make_group,
+    post_send,
     pull_queue,
     response_header,
     teardown_group,
@@ -136,7 +137,7 @@ class PullServer:
         self._acceptor.start()
 
     def _control_client(self) -> dist.Store:
-        client = self._store.clone()
+        client = self._store.clone()  # type: ignore[attr-defined]  # not in torch's stubs
         client.set_timeout(timedelta(seconds=_IDLE_S))
         return client
 
@@ -175,7 +176,12 @@ class PullServer:
             if self._wire_device.type == "cuda":
                 torch.cuda.set_device(self._wire_device)
             group = make_group(
-                self._store.clone(), peer, 0, self._backend, self._host, self._timeout_s
+                self._store.clone(),  # type: ignore[attr-defined]  # not in torch's stubs
+                peer,
+                0,
+                self._backend,
+                self._host,
+                self._timeout_s,
             )
             self._serve_pulls(group, peer, SideStream(self._staging.pool.device))
         except Exception as exc:  # the pair is dead; the decode side reconnects
@@ -203,7 +209,7 @@ class PullServer:
         with self._staging.reading(rec) as (status, staged), side.use():
             nbytes = 0 if staged is None else rec.nbytes
             in_flight.append(response_header(rec.ordinal, status, nbytes, self._wire_device))
-            works.append(group.send([in_flight[-1]], 1, 0))
+            works.append(post_send(group, [in_flight[-1]], 1))
             if staged is not None:
                 side.wait_for(staged.ready)
                 self._send_chunks(group, rec, list(staged.pages), works, in_flight)
@@ -227,7 +233,7 @@ class PullServer:
             gather_pages(pool, index, out=buf, layers=layers)
             for piece in layout.chunk_views(buf, len(pages), layers):
                 in_flight.append(piece.to(self._wire_device))  # gloo: through the host
-                works.append(group.send([in_flight[-1]], 1, 0))
+                works.append(post_send(group, [in_flight[-1]], 1))
 
     def close(self) -> None:
         """Stop accepting, wake and join every thread, shut the store down (idempotent)."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_int, json_str
 from kv_transfer.handle import KVHandle, TransferError
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ __all__ = [
     "encode_record",
     "host_store",
     "make_group",
+    "post_recv",
+    "post_send",
     "pull_queue",
     "response_header",
     "teardown_group",
@@ -137,8 +139,20 @@ def decode_record(data: bytes) -> Record:
     magic, kind, *ints, dtype = _RECORD.unpack(data[: _RECORD.size])
     if magic != _RECORD_MAGIC:
         raise ValueError(f"control record magic {magic!r}")
-    text = (dtype.rstrip(b"\0").decode(), data[_RECORD.size :].decode())
-    return Record(Kind(kind), *ints, *text)
+    peer, ordinal, num_pages, nbytes, num_layers, page_size, kv_dim, per_chunk = ints
+    return Record(
+        Kind(kind),
+        peer,
+        ordinal,
+        num_pages,
+        nbytes,
+        num_layers,
+        page_size,
+        kv_dim,
+        per_chunk,
+        dtype.rstrip(b"\0").decode(),
+        data[_RECORD.size :].decode(),
+    )
 
 
 @dataclass(frozen=True)
@@ -163,7 +177,10 @@ class Address:
         """Validate a handle's ``source`` (it crossed the wire); TransferError if bad."""
         try:
             addr = cls(
-                str(source["host"]), int(source["port"]), source["backend"], source["server"]
+                str(source["host"]),
+                json_int(source["port"], "port"),
+                json_str(source["backend"], "backend"),
+                json_str(source["server"], "server"),
             )
             ipaddress.ip_address(addr.host)
         except (KeyError, TypeError, ValueError) as exc:
@@ -230,7 +247,7 @@ def make_group(
     prefixed = dist.PrefixStore(f"kv/pg/{peer}/", store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = timeout
         return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
@@ -239,6 +256,17 @@ def make_group(
     # watchdog, which would take the whole process down, only backs them up.
     opts._timeout = 2 * timeout + timedelta(seconds=30)
     return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+
+
+def post_send(group: Group, tensors: list[torch.Tensor], dst: int) -> dist.Work:
+    """``group.send(tensors, dst, 0)``; the Work to wait on (torch's stubs omit a backend's
+    send and recv, so the two typing gaps sit here)."""
+    return group.send(tensors, dst, 0)  # type: ignore[union-attr]
+
+
+def post_recv(group: Group, tensors: list[torch.Tensor], src: int) -> dist.Work:
+    """``group.recv(tensors, src, 0)``; the Work to wait on."""
+    return group.recv(tensors, src, 0)  # type: ignore[union-attr]
 
 
 def teardown_group(group: Group | None, backend: str) -> None:

@@ -67,7 +67,7 @@ class LeasedPullConnector(ServedConnector[Staging, LeaseServer]):
 
     # several stagings per request are not exercised here (no test runs these connectors
     # against a live peer): prefill results stay whole, after the prefill
-    incremental: ClassVar[bool] = False
+    incremental = False
 
     def __init__(self, pool: MLAKVPool, options: LeasedPullOptions) -> None:
         super().__init__(pool, Staging(options.timeout_s))
@@ -97,10 +97,10 @@ class LeasedPullConnector(ServedConnector[Staging, LeaseServer]):
         server = self._ensure_server()
         self._staging.add(request_id, pages)
         kv_base, scale_base = pool_regions(self.pool)
-        source = {
+        source: JSONObject = {
             **self._source_fields(),
-            "kv_base": kv_base,
-            "scale_base": scale_base,
+            "kv_base": list(kv_base),
+            "scale_base": list(scale_base),
             "pages": list(pages),
             "lease": [server.host, server.port],
         }

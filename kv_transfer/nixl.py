@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_str
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.base import parse_options
 from kv_transfer.handle import TransferError
@@ -80,7 +80,9 @@ class NixlConnector(LeasedPullConnector):
             "device_id": self._device_id,
         }
 
-    def _descs(self, kv_base: list[int], scale_base: list[int], pages: list[int], dev: int):
+    def _descs(
+        self, kv_base: list[int], scale_base: list[int], pages: list[int], dev: int
+    ) -> Any:  # nixl's transfer descriptor list (nixl ships no types)
         slices = page_slices(self.layout, kv_base, scale_base, pages)
         rows = [(address, length, dev) for address, length in slices]
         return self._agent.get_xfer_descs(rows, self._mem_type)
@@ -89,7 +91,8 @@ class NixlConnector(LeasedPullConnector):
         name = str(source["agent"])
         with self._lock:
             if name not in self._remotes:
-                added = self._agent.add_remote_agent(base64.b64decode(source["metadata"]))
+                metadata = base64.b64decode(json_str(source["metadata"], "metadata"))
+                added = self._agent.add_remote_agent(metadata)
                 if isinstance(added, bytes):
                     added = added.decode(errors="replace")
                 if added != name:

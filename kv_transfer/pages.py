@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.pool import MLAKVPool
 from kv_transfer.handle import KVHandle, TransferError
 
@@ -269,7 +270,7 @@ def make_handle(
     request_id: str,
     num_pages: int,
     num_tokens: int,
-    source: dict[str, object],
+    source: JSONObject,
 ) -> KVHandle:
     """The JSON-safe handle of ``num_pages`` staged pages."""
     return KVHandle(

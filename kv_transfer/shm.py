@@ -171,13 +171,16 @@ class ShmConnector(KVConnector):
             raise ValueError(f"publish: request {request_id!r} is already staged") from None
 
     def _fill(self, seg: shared_memory.SharedMemory, handle: KVHandle, pages: list[int]) -> None:
-        payload = _payload(seg.buf, handle.nbytes)
+        buf = seg.buf
+        if buf is None:
+            raise RuntimeError(f"publish: segment {seg.name} was closed before it was filled")
+        payload = _payload(buf, handle.nbytes)
         if self.pool.device.type == "cpu":
             gather_pages(self.pool, pages, out=payload)
         else:
             payload.copy_(gather_pages(self.pool, pages))
         del payload
-        seg.buf[: _HEADER.size] = _pack_header(handle)
+        buf[: _HEADER.size] = _pack_header(handle)
 
     def release(self, request_id: str) -> None:
         """Unlink the request's segment (idempotent); a receiver mid-copy keeps its map."""

@@ -9,7 +9,7 @@ The router answers OpenAI HTTP and, through Serve's gRPC proxy, ``dsv3serve.v1.G
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +47,7 @@ from router.pd.colocated import ColocatedBackend
 from router.proto import generate_pb2 as pb
 from router.routing.policy import ReplicaSet
 from router.routing.rank_routing import rank_board
+from workers.backend import GenerationBackend
 from workers.deployments import EngineWorker
 from workers.protocol import Role, WorkerInfo, decode
 
@@ -168,7 +169,7 @@ class Router:
             Tokenizer.from_dir, tokenizer_dir(self.cfg.engine.model)
         )
         await asyncio.to_thread(tokenizer.warm_up)  # off the event loop
-        backend: Any
+        backend: GenerationBackend
         if self.cfg.mode == "pd":
             backend = PDBackend(
                 sets["prefill"],
@@ -213,7 +214,7 @@ class Router:
         context = serve.get_replica_context()
         app, me = context.app_name, context.replica_id.unique_id
         watch = MembershipWatch(
-            dict(sets),
+            {role: replicas for role, replicas in sets.items()},
             lambda: membership(app),
             slo.membership_period_s,
             metrics,
@@ -282,7 +283,7 @@ class Router:
 
     async def GenerateStream(
         self, request: GrpcRequest, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         async with aclosing(self.grpc.stream(request, grpc_context)) as messages:
             async for message in messages:
                 yield message
@@ -317,7 +318,9 @@ def _worker_app(cfg: ServingConfig, role: Role, index: int) -> Any:
         options["placement_group_bundles"] = _bundles(group, worker.group_size)
         options["placement_group_strategy"] = "PACK"  # spans nodes only when one is full
     worker_cfg = worker.model_dump_json()
-    return EngineWorker.options(**options).bind(worker_cfg, cfg.router.served_model_name)
+    # mypy keeps a decorated class's own type: EngineWorker is a Serve Deployment
+    worker_app = EngineWorker.options(**options)  # type: ignore[attr-defined]
+    return worker_app.bind(worker_cfg, cfg.router.served_model_name)
 
 
 def _bundles(group: RoleGroup, size: int) -> list[dict[str, float]]:
@@ -328,7 +331,7 @@ def _bundles(group: RoleGroup, size: int) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(size)]
 
 
-def build_app(args: dict[str, Any]) -> Any:
+def build_app(args: dict[str, Any] | ServingConfig) -> Any:
     """Serve app builder: validate ``args`` as a ServingConfig and bind the deployments."""
     cfg = args if isinstance(args, ServingConfig) else ServingConfig.parse(dict(args))
     return bind_app(cfg)
@@ -368,4 +371,5 @@ def bind_app(cfg: ServingConfig, router_options: Mapping[str, Any] | None = None
         | serve_admission_options(cfg.router)
         | dict(router_options or {})
     )
-    return Router.options(**options).bind(cfg.model_dump_json(), workers)
+    # mypy keeps a decorated class's own type: Router is a Serve Deployment
+    return Router.options(**options).bind(cfg.model_dump_json(), workers)  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from dsv3serve.engine.config import EngineConfig
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, JSONValue, json_list, json_object
 from router.routing.policy import Policy
 from workers.config import WorkerConfig
 from workers.pd_compat import check_pd_kv_compatible
@@ -299,7 +299,7 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServingConfig:
-        roles = ("prefill", "decode") if self.mode == "pd" else ("colocated",)
+        roles: tuple[Role, ...] = ("prefill", "decode") if self.mode == "pd" else ("colocated",)
         for role in roles:
             if getattr(self, role).num_replicas < 1:
                 raise ValueError(f"{role}.num_replicas: mode {self.mode} needs at least 1")
@@ -318,7 +318,7 @@ class ServingConfig(BaseModel):
             raise ValueError(_problems(role, exc)) from None
 
     @classmethod
-    def parse(cls, data: JSONObject) -> ServingConfig:
+    def parse(cls, data: JSONValue) -> ServingConfig:
         """Validate ``data``; raises ConfigError naming every bad field."""
         try:
             return cls.model_validate(data)
@@ -388,3 +388,14 @@ def _problems(role: Role, exc: ValidationError) -> str:
         loc, msg = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
         problems.append(f"{where}.{loc}: {msg}" if loc else f"{where}: {msg}")
     return "; ".join(problems)
+
+
+def deploy_applications(data: JSONObject) -> list[JSONObject]:
+    """The application entries of a Serve deploy config (its ``applications``)."""
+    apps = json_list(data["applications"], "applications")
+    return [json_object(app, f"applications[{i}]") for i, app in enumerate(apps)]
+
+
+def app_args(app: JSONObject) -> JSONObject:
+    """An application entry's ``args`` (empty where it has none)."""
+    return json_object(app.get("args") or {}, "args")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
 from workers.backend import BackendUnavailable
 from workers.protocol import TokenChunk
@@ -59,7 +59,9 @@ class Drain:
         if not future.done():
             future.set_result(None)
 
-    async def watch(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    async def watch(
+        self, chunks: AsyncGenerator[TokenChunk, None]
+    ) -> AsyncGenerator[TokenChunk, None]:
         """``chunks`` until they end or ``cut`` runs; closes ``chunks`` on every path."""
         from router.api.sse import close_quietly
 
@@ -70,7 +72,8 @@ class Drain:
                     raise BackendUnavailable(CUT_MESSAGE)
                 step = asyncio.ensure_future(anext(chunks, _END))
                 try:
-                    await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
+                    pending: set[asyncio.Future[Any]] = {step, cut}
+                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 finally:  # cut, or this task cancelled: stop the step before closing
                     if not step.done():
                         step.cancel()

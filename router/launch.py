@@ -12,11 +12,11 @@ from typing import NoReturn
 
 import yaml
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, JSONValue, json_int, json_object, json_str
 from router.api.admission import admission_limit
 from router.api.proxy_admission import PROXY_ADMISSION_ENV
 from router.api.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-from router.config import ConfigError, ServingConfig
+from router.config import ConfigError, ServingConfig, app_args, deploy_applications
 from router.launch_stop import graceful_bound_s, start_drain_board, stop_and_exit
 
 APP_NAME = "dsv3serve"
@@ -74,9 +74,9 @@ def load_deploy_file(path: Path | None) -> JSONObject:
         ServeDeploySchema.model_validate(data)
     except Exception as exc:  # pydantic (v1 or v2) ValidationError
         raise ConfigError(f"{where}: not a valid Serve deploy config: {exc}") from None
-    for app in data["applications"]:
+    for app in deploy_applications(data):
         try:
-            ServingConfig.parse(app.get("args") or {})
+            ServingConfig.parse(app_args(app))
         except ConfigError as exc:
             raise ConfigError(f"{where}: application {app.get('name')!r}: {exc}") from None
     return data
@@ -88,7 +88,7 @@ def grpc_options(data: JSONObject, grpc_port: int | None = None) -> JSONObject |
     Serve starts its gRPC proxy only when servicer functions are listed; it listens on
     every interface (Ray has no host option for it), so set an API key where that matters.
     """
-    options = dict(data.get("grpc_options") or {})
+    options = dict(json_object(data.get("grpc_options") or {}, "grpc_options"))
     if not options.get("grpc_servicer_functions"):
         return None
     options.setdefault("port", DEFAULT_GRPC_PORT)
@@ -140,7 +140,9 @@ def http_options(data: JSONObject, port: int | None = None) -> JSONObject:
     """The deploy file's ``http_options`` (Serve's: ``keep_alive_timeout_s``,
     ``request_timeout_s``, ...) on loopback unless it names a host; ``port`` replaces
     its port."""
-    options = {"host": LOOPBACK, "port": 8000} | dict(data.get("http_options") or {})
+    given = json_object(data.get("http_options") or {}, "http_options")
+    options: JSONObject = {"host": LOOPBACK, "port": 8000}
+    options.update(given)
     if port is not None:
         options["port"] = port
     return options
@@ -168,7 +170,8 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
     """Start a local Ray cluster (``init_local_ray``), HTTP (on loopback unless the file
     names a host), gRPC when the file has ``grpc_options``, and every app; returns the
     HTTP URL."""
-    configs = [ServingConfig.parse(app.get("args") or {}) for app in data["applications"]]
+    apps = deploy_applications(data)
+    configs = [ServingConfig.parse(app_args(app)) for app in apps]
     init_local_ray(admission_limit(cfg.router for cfg in configs))
     from ray import serve
 
@@ -177,15 +180,15 @@ def start(data: JSONObject, port: int | None = None, grpc_port: int | None = Non
     http = http_options(data, port)
     start_drain_board()
     serve.start(http_options=http, grpc_options=grpc_options(data, grpc_port))
-    autoscaled = []
-    for app, cfg in zip(data["applications"], configs, strict=True):
+    autoscaled: list[JSONObject] = []
+    for app, cfg in zip(apps, configs, strict=True):
         if cfg.slo is not None:
             autoscaled.append(app)
             continue
         serve.run(
             build_app(cfg),
-            name=app.get("name", APP_NAME),
-            route_prefix=app.get("route_prefix", "/"),
+            name=json_str(app.get("name", APP_NAME), "name"),
+            route_prefix=json_str(app.get("route_prefix", "/"), "route_prefix"),
         )
     if autoscaled:
         deploy_autoscaled(autoscaled)
@@ -207,7 +210,10 @@ def deploy_autoscaled(apps: list[JSONObject], timeout_s: float = 900.0) -> None:
     entries = [
         {"name": APP_NAME, "route_prefix": "/"} | with_autoscaling_policy(app) for app in apps
     ]
-    _get_global_client().deploy_apps(ServeDeploySchema(applications=entries))
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("deploy_autoscaled: expected a running Serve controller, found none")
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": entries}))
     for entry in entries:
         wait_running(entry["name"], timeout_s)
 
@@ -299,7 +305,7 @@ def check_line(url: str, data: JSONObject, grpc_port: int | None) -> str:
     """``--check``: one chat completion over HTTP, and the gRPC Health when gRPC is on."""
     from router.api.auth import APIKeyAuth
 
-    first = data["applications"][0]
+    first = deploy_applications(data)[0]
     settings = ServingConfig.parse(first["args"]).router
     key = APIKeyAuth.from_env(settings.api_key_env).key
     api_key = key.decode() if key else "none"
@@ -307,7 +313,8 @@ def check_line(url: str, data: JSONObject, grpc_port: int | None) -> str:
     line += repr(check(url, settings.served_model_name, api_key))
     grpc = grpc_options(data, grpc_port)
     if grpc is not None:
-        status = check_grpc(grpc["port"], first.get("name", APP_NAME), api_key)
+        port = json_int(grpc["port"], "grpc port")
+        status = check_grpc(port, json_str(first.get("name", APP_NAME), "name"), api_key)
         line += f"; gRPC Health on port {grpc['port']}: {status!r}"
     return line
 
@@ -316,10 +323,12 @@ def with_reasoning_parser(data: JSONObject, parser: str | None) -> JSONObject:
     """``data`` with ``router.reasoning_parser`` set on every app (None: as the file says)."""
     if parser is None:
         return data
-    apps = []
-    for app in data["applications"]:
-        args = dict(app.get("args") or {})
-        args["router"] = dict(args.get("router") or {}) | {"reasoning_parser": parser}
+    apps: list[JSONValue] = []
+    for app in deploy_applications(data):
+        args = dict(app_args(app))
+        args["router"] = json_object(args.get("router") or {}, "router") | {
+            "reasoning_parser": parser
+        }
         apps.append(dict(app) | {"args": args})
     return dict(data) | {"applications": apps}
 
@@ -338,7 +347,7 @@ def run(
     """
     use_loopback_ray()  # before anything imports ray
     data = with_reasoning_parser(load_deploy_file(path), reasoning_parser)
-    first = data["applications"][0]
+    first = deploy_applications(data)[0]
     model = ServingConfig.parse(first["args"]).router.served_model_name
     grpc = grpc_options(data, grpc_port)
     bound_s = graceful_bound_s(data)
@@ -351,8 +360,9 @@ def run(
         if check_only:
             print(check_line(url, data, grpc_port))
         else:
-            app = first.get("name", APP_NAME)
-            print(usage_text(url, model, grpc["port"] if grpc else None, app), flush=True)
+            app = json_str(first.get("name", APP_NAME), "name")
+            port = json_int(grpc["port"], "grpc port") if grpc else None
+            print(usage_text(url, model, port, app), flush=True)
             while True:
                 time.sleep(3600)
         code = 0

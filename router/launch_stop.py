@@ -10,7 +10,7 @@ import traceback
 from typing import TYPE_CHECKING, NoReturn
 
 from dsv3serve.json_types import JSONObject
-from router.config import ServingConfig
+from router.config import ServingConfig, app_args, deploy_applications
 from router.drain import DRAIN_BOARD, DRAIN_NAMESPACE, DrainBoard
 
 if TYPE_CHECKING:
@@ -28,15 +28,13 @@ def start_drain_board() -> None:
     board = ray.remote(DrainBoard).options(
         name=DRAIN_BOARD, namespace=DRAIN_NAMESPACE, num_cpus=0, max_concurrency=1000
     )
-    _BOARDS.append(board.remote())
+    _BOARDS.append(board.remote())  # type: ignore[arg-type]  # Ray's remote(): handle | class
 
 
 def graceful_bound_s(data: JSONObject) -> float:
     """The graceful stop's bound: the largest ``router.graceful_shutdown_timeout_s``."""
-    apps = data["applications"]
-    return max(
-        ServingConfig.parse(a.get("args") or {}).router.graceful_shutdown_timeout_s for a in apps
-    )
+    apps = deploy_applications(data)
+    return max(ServingConfig.parse(app_args(a)).router.graceful_shutdown_timeout_s for a in apps)
 
 
 def cut_after_s(bound_s: float) -> float:

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
 
 from dsv3serve.metrics import Metrics
+from workers.backend import GenerationBackend
 from workers.protocol import GenerateRequest, TokenChunk
 
 
 class MeteredBackend:
     """GenerationBackend wrapper: TTFT, ITL, E2E, tokens and finish reasons."""
 
-    def __init__(self, backend: Any, metrics: Metrics) -> None:
+    def __init__(self, backend: GenerationBackend, metrics: Metrics) -> None:
         self.backend = backend
         self.m = metrics
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """``req``'s chunks, measured. Sequences still unfinished when the consumer stops
         (client gone: the stream is closed or cancelled) count as finished with
         ``abort``; a backend failure is counted where it is reported (error chunks)."""

@@ -18,7 +18,7 @@ import pytest
 from import_graph import Import, cycles, import_graph, parents, project_modules
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dsv3serve.json_types",),  # the JSON type aliases (annotations only)
+    ("dsv3serve.json_types",),  # the JSON type aliases and their checked readers
     ("dsv3serve", "dsv3serve.settings", "dsv3serve.config", "dsv3serve.metrics"),
     ("dsv3serve.tokenizer",),
     ("dsv3serve.parsers",),

@@ -7,7 +7,7 @@ router's HTTP and gRPC layers can import it; it imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from workers.protocol import GenerateRequest, TokenChunk
@@ -46,7 +46,7 @@ class GenerationBackend(Protocol):
     arrive as a chunk with ``error`` set.
     """
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]: ...
 
     async def is_healthy(self) -> bool: ...
 

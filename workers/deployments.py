@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import partial
 
@@ -91,7 +91,7 @@ class EngineWorker:
         """Every rank's KV pool fingerprint (per layer), in rank order."""
         return self.host.kv_digests()
 
-    async def generate(self, data: bytes) -> AsyncIterator[bytes]:
+    async def generate(self, data: bytes) -> AsyncGenerator[bytes, None]:
         """Colocated: stream TokenChunks of the whole request."""
         async with aclosing(self.host.generate(parse(GenerateRequest, data))) as chunks:
             async for chunk in chunks:
@@ -101,7 +101,7 @@ class EngineWorker:
         """Prefill role: PrefillRequest in, PrefillResult out."""
         return encode(await self.host.prefill(parse(PrefillRequest, data)))
 
-    async def prefill_stream(self, data: bytes) -> AsyncIterator[bytes]:
+    async def prefill_stream(self, data: bytes) -> AsyncGenerator[bytes, None]:
         """Prefill role, overlapped transfer: PrefillRequest in; PrefillEvents out (KV
         ranges of finished chunks as they are staged, then the PrefillResult)."""
         async with aclosing(self.host.prefill_stream(parse(PrefillRequest, data))) as events:
@@ -124,7 +124,7 @@ class EngineWorker:
     async def cancel_reservation(self, request_id: str) -> None:
         self.host.cancel_reservation(request_id)
 
-    async def decode(self, data: bytes) -> AsyncIterator[bytes]:
+    async def decode(self, data: bytes) -> AsyncGenerator[bytes, None]:
         """Decode role: pull the KV, then stream TokenChunks; ends (aborting the request)
         once the router replica that asked for it is gone (``workers.caller_watch``)."""
         msg = parse(DecodeRequest, data)

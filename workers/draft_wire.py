@@ -14,12 +14,12 @@ from types import MappingProxyType
 import torch
 
 from dsv3serve.engine.speculative.loop import DraftState
-from workers.protocol import DraftHandoff
+from workers.protocol import DraftHandoff, WireDType
 
-_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+_DTYPES: Mapping[WireDType, torch.dtype] = MappingProxyType(
     {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 )
-_NAMES: Mapping[torch.dtype, str] = MappingProxyType({d: name for name, d in _DTYPES.items()})
+_NAMES: Mapping[torch.dtype, WireDType] = MappingProxyType({d: name for name, d in _DTYPES.items()})
 
 
 class DraftMismatchError(ValueError):

@@ -23,6 +23,7 @@ import asyncio
 import socket
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import Any
 
 import ray
 from ray import ObjectRef
@@ -53,11 +54,11 @@ def rank_actor_name(group_name: str, rank: int) -> str:
     return f"dsv3serve-rank{rank}:{group_name}"
 
 
-@ray.remote(concurrency_groups={"metrics": 1})
+@ray.remote(concurrency_groups={"metrics": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RankWorker:
     """One follower rank: its shard of the model and its KV pool, driven by rank 0."""
 
-    def __init__(self, config_json: str, spec: JSONObject) -> None:
+    def __init__(self, config_json: str, spec: dict[str, Any]) -> None:  # GroupSpec's fields
         import torch
 
         self.cfg = WorkerConfig.model_validate_json(config_json)
@@ -90,6 +91,19 @@ class Group:
         self.leader: GroupLeader | DPGroupLeader | None = None
         self._stats: list[JSONObject] = []
         self._asking: asyncio.Future[None] | None = None
+
+    def driver(self) -> GroupLeader | DPGroupLeader:
+        """The leader runner; RuntimeError before rank 0's engine is built."""
+        if self.leader is None:
+            raise RuntimeError("expected the group's leader runner, found none yet")
+        return self.leader
+
+    def dp_driver(self) -> DPGroupLeader:
+        """The leader runner of a DP-attention group; TypeError for a TP group's."""
+        leader = self.driver()
+        if not isinstance(leader, DPGroupLeader):
+            raise TypeError(f"expected a DP-attention leader, found {type(leader).__name__}")
+        return leader
 
     def dispatch_stats(self, timeout_s: float = 5.0) -> list[JSONObject]:
         """The followers' dispatch meter snapshots as last answered, and a new ask of every
@@ -140,7 +154,8 @@ def _spawn(cfg: WorkerConfig, spec: GroupSpec, rank: int, name: str) -> ActorHan
         options["name"] = rank_actor_name(name, rank)
     mine = replace(spec, rank=rank, timeout_s=rank_timeout_s(rank, spec.timeout_s))
     place = _place(get_current_placement_group(), rank)
-    actor = RankWorker.options(scheduling_strategy=place, **options)
+    # mypy keeps a decorated class's own type: RankWorker is Ray's ActorClass
+    actor = RankWorker.options(scheduling_strategy=place, **options)  # type: ignore[attr-defined]
     return actor.remote(cfg.model_dump_json(), mine.__dict__)
 
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,7 @@ from workers.protocol import (
     TokenChunk,
     error_chunk,
 )
-from workers.ranges import ranges_while
+from workers.ranges import ranges_while, require_connector
 from workers.rank_report import rank_state_readers
 from workers.reservations import reservation_rank, reserve_for
 from workers.staging import AttemptStaging
@@ -64,14 +64,14 @@ class WrongRoleError(RuntimeError):
     """A call meant for another role (e.g. ``prefill`` on a decode replica)."""
 
 
-async def _chunks(outputs: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenChunk]:
+async def _chunks(outputs: AsyncGenerator[TokenOutput, None]) -> AsyncGenerator[TokenChunk, None]:
     async for out in outputs:
         yield chunk_from_output(out)
 
 
 async def _unless_dead(
-    request_id: str, chunks: AsyncIterator[TokenChunk]
-) -> AsyncIterator[TokenChunk]:
+    request_id: str, chunks: AsyncGenerator[TokenChunk, None]
+) -> AsyncGenerator[TokenChunk, None]:
     """``chunks``, ended by a 503 error chunk if the engine dies (a rank of its group died or
     a collective timed out): the router answers the client; the health check restarts us."""
     try:
@@ -157,8 +157,9 @@ class EngineHost(HostReports):
         pages of finished chunks while later chunks run, ``prefill_stream``)."""
         if self.cfg.role != "prefill":
             return f"a {self.cfg.role} replica prefills nothing for a pull"
-        if not self.connector.incremental:
-            return f"connector {self.connector.name} stages each request's pages once"
+        connector = require_connector(self.connector)
+        if not connector.incremental:
+            return f"connector {connector.name} stages each request's pages once"
         if self.engine.spec is not None:
             return (
                 "speculative decoding: the pages also hold the draft layer's KV, not "
@@ -181,12 +182,12 @@ class EngineHost(HostReports):
             self.intake.reserved.expire()
 
     # ---- colocated -------------------------------------------------------------------------
-    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Colocated serving: the whole request here; closing the stream aborts it."""
         self._require("colocated")
         return _unless_dead(req.request_id, self._generate(req))
 
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def _generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         try:
             stream = self.aengine.generate(_engine_request(req, dp_rank=req.dp_rank))
             metered = self.metrics.stream(_chunks(stream), True, req.params.n)
@@ -237,7 +238,7 @@ class EngineHost(HostReports):
         self.metrics.prefilled(time.monotonic() - start, len(req.prompt_ids))
         return self._stage(msg, first, export)
 
-    async def prefill_stream(self, msg: PrefillRequest) -> AsyncIterator[PrefillEvent]:
+    async def prefill_stream(self, msg: PrefillRequest) -> AsyncGenerator[PrefillEvent, None]:
         """:meth:`prefill` with the KV transfer overlapped: while later chunks run, the
         prompt pages of finished chunks are staged as ranges, each yielded as it is; the
         result comes last, its handle holding only the pages after them. Without overlap
@@ -305,13 +306,14 @@ class EngineHost(HostReports):
             await asyncio.sleep(self.cfg.test_reserve_delay_s)
         reuse = self.cfg.decode_prefix_reuse
 
-        def reserve_here(e: Engine) -> tuple[KVReservation | None, int | None]:
+        def reserve_here(e: Engine) -> tuple[KVReservation, int] | None:
             res = reserve_for(e, msg, reuse)
-            return res, None if res is None else reservation_rank(e, res)
+            return None if res is None else (res, reservation_rank(e, res))
 
-        res, rank = await self.aengine.read(reserve_here)
-        if res is None:
+        reserved = await self.aengine.read(reserve_here)
+        if reserved is None:
             return ReserveResult(ok=False, progress=self.room_progress)
+        res, rank = reserved
         self.intake.hold(msg.request_id, res, msg.lease_s)
         self._start_reaper()  # a reservation no decode ever takes over expires with its lease
         return ReserveResult(
@@ -336,12 +338,12 @@ class EngineHost(HostReports):
         self._require("decode")
         return await self.intake.pull_range(msg)
 
-    def decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
+    def decode(self, msg: DecodeRequest) -> AsyncGenerator[TokenChunk, None]:
         """Pull the KV into the reservation, then stream every output token."""
         self._require("decode")
         return _unless_dead(msg.request.request_id, self._decode(msg))
 
-    async def _decode(self, msg: DecodeRequest) -> AsyncIterator[TokenChunk]:
+    async def _decode(self, msg: DecodeRequest) -> AsyncGenerator[TokenChunk, None]:
         self._start_reaper()
         rid = msg.request.request_id
         try:

@@ -107,9 +107,10 @@ class HostReports:
     def kv_digests(self) -> list[list[float]]:
         """Every rank's KV pool fingerprint, one float per layer, in rank order (one entry
         without a group). TP ranks hold the same pool; DP-attention ranks their own."""
-        if self.group is None:
+        group = self.group
+        if group is None:
             return [self.aengine.call(lambda e: pool_digest(e.runner.pool)).tolist()]
-        digests = self.aengine.call(lambda _: self.group.leader.digests())
+        digests = self.aengine.call(lambda _: group.driver().digests())
         return [d.tolist() for d in digests]
 
     def group_in_sync(self) -> bool:

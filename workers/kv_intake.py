@@ -17,6 +17,7 @@ from workers.draft_wire import DraftMismatchError, draft_from_wire
 from workers.leases import LeaseTable
 from workers.protocol import DecodeRequest, PullRequest, PullResult
 from workers.range_pulls import RangePulls
+from workers.ranges import require_connector
 from workers.reservations import range_mismatch, staged_mismatch
 from workers.worker_metrics import WorkerMetrics
 
@@ -40,7 +41,7 @@ class KVIntake:
         self,
         cfg: WorkerConfig,
         aengine: AsyncEngine,
-        connector: KVConnector,
+        connector: KVConnector | None,
         metrics: WorkerMetrics,
         group: Group | None = None,
     ) -> None:
@@ -177,10 +178,11 @@ class KVIntake:
         offset = handle.first_page - res.num_cached_pages
         stats = await self._pull_or_free(rid, handle, res, offset, "KV transfer")
         self.metrics.transferred(stats, handle.num_pages, res.num_cached_pages)
-        if self.group is None:
+        group = self.group
+        if group is None:
             return
         try:  # TP: every rank's pool; DP: the owning rank's only
-            await self.aengine.read(lambda _: self.group.leader.replicate_pages(res.pages))
+            await self.aengine.read(lambda _: group.driver().replicate_pages(res.pages))
         except Exception as exc:
             self.unreserve(rid, res)
             raise HandoffError(f"KV placement on the group failed: {exc}") from None
@@ -220,10 +222,11 @@ class KVIntake:
     async def _copy(self, handle: KVHandle, pages: list[int], offset: int) -> TransferStats:
         """The connector's copy of ``handle`` into ``pages[offset:]``, on a thread."""
         landing = (await self._landing_pages(pages))[offset : offset + handle.num_pages]
-        return await asyncio.to_thread(self.connector.receive, handle, landing)
+        return await asyncio.to_thread(require_connector(self.connector).receive, handle, landing)
 
     async def _landing_pages(self, pages: list[int]) -> list[int]:
         """Pages of this process's pool the connector writes a reservation's KV into."""
         if self.group is None or not self.cfg.engine.enable_dp_attention:
             return pages
-        return await self.aengine.read(lambda _: self.group.leader.landing_pages(pages))
+        group = self.group
+        return await self.aengine.read(lambda _: group.dp_driver().landing_pages(pages))

@@ -5,7 +5,7 @@ Used by ``dsv3serve serve --no-ray`` style single-process runs and by HTTP-layer
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine, InvalidRequestError
@@ -29,7 +29,7 @@ class LocalEngineBackend:
     def __init__(self, engine: Engine) -> None:
         self.engine = AsyncEngine(engine)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request's chunks; leaving early aborts it in the engine."""
         request = Request(req.request_id, req.params, prompt_ids=list(req.prompt_ids))
         stream = self.engine.generate(request)

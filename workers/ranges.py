@@ -19,15 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsv3serve.engine.async_engine import AsyncEngine
 from dsv3serve.engine.engine import Engine
+from kv_transfer.base import KVConnector
 from kv_transfer.handle import KVHandle
 
 IDLE_POLL_S = 0.01
+
+
+def require_connector(connector: KVConnector | None) -> KVConnector:
+    """``connector``; RuntimeError for None (a colocated replica has none)."""
+    if connector is None:
+        raise RuntimeError("expected a KV connector, found none: a colocated replica has none")
+    return connector
 
 
 @dataclass
@@ -41,7 +49,7 @@ class _Ranges:
 class PrefillRanges:
     """Ranges of the attempts that prefill with an overlapped transfer, by attempt id."""
 
-    def __init__(self, connector: Any, page_size: int) -> None:
+    def __init__(self, connector: KVConnector | None, page_size: int) -> None:
         self.connector, self.page_size = connector, page_size
         self._lock = threading.Lock()
         self._open: dict[str, _Ranges] = {}
@@ -72,14 +80,14 @@ class PrefillRanges:
                 return None
             first, new = ranges.end, pages[ranges.end :]
             range_id = f"{attempt_id}.r{len(ranges.ids)}"
-        handle = self.connector.publish(range_id, new, len(new) * self.page_size)
+        handle = require_connector(self.connector).publish(range_id, new, len(new) * self.page_size)
         with self._lock:
             kept = self._open.get(attempt_id) is ranges
             if kept:
                 ranges.ids.append(range_id)
                 ranges.end = len(pages)
         if not kept:
-            self.connector.release(range_id)
+            require_connector(self.connector).release(range_id)
             return None
         return handle.model_copy(update={"first_page": first})
 
@@ -110,13 +118,13 @@ class PrefillRanges:
 
     def _release(self, ranges: _Ranges) -> None:
         for range_id in ranges.ids:
-            self.connector.release(range_id)
+            require_connector(self.connector).release(range_id)
         ranges.ids = []
 
 
 async def ranges_while(
     prefill: asyncio.Future[Any], aengine: AsyncEngine, ranges: PrefillRanges, attempt_id: str
-) -> AsyncIterator[KVHandle]:
+) -> AsyncGenerator[KVHandle, None]:
     """Each range of ``attempt_id`` published after an engine step, until ``prefill`` (the
     attempt's prefill) is done. While the engine is idle (the prefill is not admitted
     yet) it looks again every ``IDLE_POLL_S`` instead of spinning."""

@@ -15,7 +15,7 @@ from dsv3serve.kvcache.allocator import pages_for_tokens
 from kv_transfer.base import KVConnector
 from kv_transfer.handle import KVHandle
 from workers.leases import LeaseTable
-from workers.ranges import PrefillRanges
+from workers.ranges import PrefillRanges, require_connector
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,11 @@ class AttemptStaging:
     """
 
     def __init__(
-        self, aengine: AsyncEngine, connector: KVConnector, lease_s: float, page_size: int = 1
+        self,
+        aengine: AsyncEngine,
+        connector: KVConnector | None,
+        lease_s: float,
+        page_size: int = 1,
     ) -> None:
         self.aengine, self.connector, self.lease_s = aengine, connector, lease_s
         self.page_size = page_size
@@ -78,7 +82,7 @@ class AttemptStaging:
             first = self.ranges.staged_end(attempt_id, skip_pages)  # < num_pages
             pages = export.pages[first:num_pages]
             staged_tokens = num_tokens - first * export.page_size
-            handle = self.connector.publish(attempt_id, pages, staged_tokens)
+            handle = require_connector(self.connector).publish(attempt_id, pages, staged_tokens)
         except BaseException:
             self.unstage(attempt_id)
             raise

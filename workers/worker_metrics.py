@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from prometheus_client import generate_latest
 
@@ -54,8 +54,8 @@ class WorkerMetrics:
         return generate_latest(self.m.registry)
 
     async def stream(
-        self, chunks: AsyncIterator[TokenChunk], count_prompt: bool, n: int = 1
-    ) -> AsyncIterator[TokenChunk]:
+        self, chunks: AsyncGenerator[TokenChunk, None], count_prompt: bool, n: int = 1
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Pass ``chunks`` through, counting tokens, finish reasons and decode time.
 
         Of the ``n`` sequences, those unfinished when the consumer closes the stream (the

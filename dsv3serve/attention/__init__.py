@@ -54,9 +54,11 @@ def create_attention_backend(
     CUDA pool; flashinfer itself is imported only here, on first use. ``cuda_graph``
     (flashinfer only) sizes its CUDA-graph-safe buffers.
     """
-    cls = attention_backend_class(name, pool.dtype)
     if name == "torch":
-        return cls(pool, kv_lora_rank)
+        from dsv3serve.attention.ref import TorchRefAttention
+
+        return TorchRefAttention(pool, kv_lora_rank)
+    cls = attention_backend_class(name, pool.dtype)  # ValueError for an unknown name
     if dims is None:
         raise ValueError("attention backend 'flashinfer' needs the model's MLADims")
     if pool.device.type != "cuda":
@@ -67,4 +69,8 @@ def create_attention_backend(
             "the Triton MLA kernel over the fp8 pool (flashinfer's MLA needs a bf16 cache); "
             "prefill and extend run flashinfer ragged MHA over latents dequantised to bf16"
         )
+    from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
+    from dsv3serve.attention.triton_mla import TritonMLAAttention
+
+    assert issubclass(cls, (FlashInferMLAAttention, TritonMLAAttention))
     return cls(pool, dims, cuda_graph=cuda_graph)

@@ -106,21 +106,27 @@ class FlashInferExtend:
             raise RuntimeError("plan(batch) must be called before run")
         latent = pool.read(layer_id, self._out_slots)
         if not self._chunks:
-            return self._attend(self._new, q, latent, expand_kv, with_lse=False)[0]
-        out, lse = self._attend(self._new, q, latent, expand_kv, with_lse=True)
+            return self._attend(self._new, q, latent, expand_kv)
+        out, lse = self._attend_lse(self._new, q, latent, expand_kv)
         for chunk in self._chunks:
             latent = pool.read(layer_id, chunk.slots)
-            part, part_lse = self._attend(chunk.wrapper, q, latent, expand_kv, with_lse=True)
+            part, part_lse = self._attend_lse(chunk.wrapper, q, latent, expand_kv)
             self._merge(out, lse, part, part_lse, chunk.merge_rows)
         return out
 
     @staticmethod
     def _attend(
-        wrapper: Any, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV, with_lse: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        wrapper: Any, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV
+    ) -> torch.Tensor:
         k, v = expand_kv(latent)  # [S, H, 192] contiguous, [S, H, 128] a strided view
-        if not with_lse:
-            return wrapper.run(q, k, v.contiguous()), None
+        return wrapper.run(q, k, v.contiguous())
+
+    @staticmethod
+    def _attend_lse(
+        wrapper: Any, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_attend` with the rows' log-sum-exp, for merging."""
+        k, v = expand_kv(latent)
         out, lse = wrapper.run(q, k, v.contiguous(), return_lse=True)
         return out, lse
 

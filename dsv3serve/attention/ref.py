@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +43,7 @@ class TorchRefAttention(PooledAttentionBackend):
             raise RuntimeError("plan(batch) must be called before forward")
         return self._batch
 
-    def _per_seq(self, layer_id: int):
+    def _per_seq(self, layer_id: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         batch = self._need_batch()
         for b in range(batch.batch_size):
             slots = batch.kv_slots[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]

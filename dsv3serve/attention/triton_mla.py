@@ -25,6 +25,7 @@ it out; it reads bf16 pools too (for comparison with flashinfer).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -227,15 +228,14 @@ class TritonMLAAttention(PooledAttentionBackend):
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """int32 copies on ``device``; the host ones travel together in one pinned,
     asynchronous copy (no host sync, so planning can overlap the previous step)."""
-    out = [t if t.device.type != "cpu" else None for t in tensors]
     host = [t.to(torch.int32).flatten() for t in tensors if t.device.type == "cpu"]
+    moved: Iterator[torch.Tensor] = iter(())
     if host:
         flat = torch.cat(host)
         if device.type == "cuda":
             flat = flat.pin_memory()
         moved = iter(flat.to(device, non_blocking=True).split([t.numel() for t in host]))
-        out = [next(moved) if t is None else t for t in out]
-    return [t.to(torch.int32) for t in out]
+    return [next(moved) if t.device.type == "cpu" else t.to(torch.int32) for t in tensors]
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

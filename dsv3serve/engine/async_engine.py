@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -180,7 +180,7 @@ class AsyncEngine:
         if self.dead is not None:
             raise self.dead
 
-    async def generate(self, req: Request) -> AsyncIterator[TokenOutput]:
+    async def generate(self, req: Request) -> AsyncGenerator[TokenOutput, None]:
         """Stream outputs of all ``n`` sequences of ``req`` until each has finished."""
         stream = self._stream(req, lambda e: e.add_request(req), req.params.n, _Admission())
         async with aclosing(stream) as outs:  # closing us closes it now, not at collection
@@ -197,7 +197,7 @@ class AsyncEngine:
         draft: DraftState | None = None,
         prefix: PrefixMatch | None = None,
         cached_tokens: int = 0,
-    ) -> AsyncIterator[TokenOutput]:
+    ) -> AsyncGenerator[TokenOutput, None]:
         """Decode side of PD: stream ``req`` on from KV already in reserved ``pages`` (after
         the locked ``prefix`` pages, with decode-side prefix reuse).
 
@@ -247,7 +247,7 @@ class AsyncEngine:
 
     async def _stream(
         self, req: Request, admit: Callable[[Engine], None], n: int, ticket: _Admission
-    ) -> AsyncIterator[TokenOutput]:
+    ) -> AsyncGenerator[TokenOutput, None]:
         """Admit ``req`` on the step thread, then yield its outputs; leaving early aborts it
         (also on the step thread, after the admission: commands run in order)."""
         rid, queue = req.request_id, asyncio.Queue[Output]()

@@ -42,7 +42,7 @@ class CompiledDecodeModel:
         """``compiler`` (default ``torch.compile``) gets the forward and ``compile_kwargs``
         over the defaults ``mode=COMPILE_MODE, dynamic=False``."""
         self.model, self.max_bs = model, max_bs
-        kwargs = {"mode": COMPILE_MODE, "dynamic": False} | compile_kwargs
+        kwargs: dict[str, Any] = {"mode": COMPILE_MODE, "dynamic": False} | compile_kwargs
         self._compiled = (compiler or torch.compile)(model.forward, **kwargs)
 
     def __call__(

@@ -20,10 +20,12 @@ helpers (:mod:`dsv3serve.engine.graph_capture`) and memory pool.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
 from dsv3serve.attention.base import AttentionBackend
+from dsv3serve.engine.compile import CompiledDecodeModel
 from dsv3serve.engine.graph_capture import (
     GraphCache,
     GraphPool,
@@ -55,7 +57,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DeepseekV3ForCausalLM,
+        model: DeepseekV3ForCausalLM | CompiledDecodeModel,
         attn: AttentionBackend,
         device: torch.device,
         sizes: list[int],
@@ -75,7 +77,7 @@ class DecodeGraphs:
         if capture:
             for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
                 batch = self._load([], size)
-                self._graphs.capture(size, lambda batch=batch: self._forward(batch))
+                self._graphs.capture(size, partial(self._forward, batch))
             logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     @property

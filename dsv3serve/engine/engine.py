@@ -30,7 +30,7 @@ from dsv3serve.engine.loops import PlainLoop, SpecLoop, StepLoop
 from dsv3serve.engine.model_runner import ModelRunner
 from dsv3serve.engine.overlap_loop import OverlapLoop
 from dsv3serve.engine.pd_hooks import FirstToken, KVExport, PDHooks
-from dsv3serve.engine.protocols import StepRunner, StepScheduler
+from dsv3serve.engine.protocols import StepRunner
 from dsv3serve.engine.request import Request, TokenOutput
 from dsv3serve.engine.sampler import Sampler, make_generator
 from dsv3serve.engine.scheduler.dp import DPScheduler
@@ -81,7 +81,7 @@ class Engine:
         self.host_pool = _host_pool(cfg, runner)
         host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
         sched_cfg = _scheduler_config(cfg, self.model_cfg, runner.num_pages, host_pages)
-        self.scheduler: StepScheduler = Scheduler(sched_cfg, self.host_pool)
+        self.scheduler: Scheduler | DPScheduler = Scheduler(sched_cfg, self.host_pool)
         self.sampler = Sampler(make_generator(cfg.seed, runner.device))
         self.spec: SpecDecoder | None = None
         self._spec_stats = SpecStats(cfg.spec_num_steps)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,7 +51,6 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.cache_size = cache_size
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
-        self._xgr: ModuleType | None = None
         self._compiler: XGrammarCompiler | None = None
         self._info: TokenizerInfo | None = None
         self._no_control: torch.Tensor | None = None  # see ``new_state``
@@ -82,8 +80,10 @@ class GrammarCompiler:
         xgrammar's rule for length-bounded strings lets them through; compact JSON needs
         none elsewhere.
         """
-        compiled = self.compile(constraint)
-        matcher = self._xgr.GrammarMatcher(
+        compiled = self.compile(constraint)  # xgrammar is imported by now
+        import xgrammar
+
+        matcher = xgrammar.GrammarMatcher(
             compiled, override_stop_tokens=[self.tokenizer.eos_token_id]
         )
         is_json = constraint.kind in ("json_schema", "json_object")
@@ -94,8 +94,7 @@ class GrammarCompiler:
         """Bitmask row [W] int32 clearing the tokens whose bytes hold a control character."""
         if self._no_control is None:
             row = full_bitmask(1, self.vocab_size)[0]
-            self._ensure_compiler()
-            info = self._info
+            _, info = self._load()
             for token, raw in enumerate(info.decoded_vocab[: self.vocab_size]):
                 if any(byte < 0x20 for byte in raw):
                     row[token // 32] &= ~(1 << (token % 32))
@@ -122,7 +121,11 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {c.kind}: {_clean(exc)}") from None
 
     def _ensure_compiler(self) -> XGrammarCompiler:
-        if self._compiler is None:
+        return self._load()[0]
+
+    def _load(self) -> tuple[XGrammarCompiler, TokenizerInfo]:
+        """The compiler and the vocabulary's TokenizerInfo (imports xgrammar once)."""
+        if self._compiler is None or self._info is None:
             import xgrammar
             from transformers import PreTrainedTokenizerFast
 
@@ -130,9 +133,9 @@ class GrammarCompiler:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 wrapped, vocab_size=self.vocab_size, stop_token_ids=[self.tokenizer.eos_token_id]
             )
-            self._xgr, self._info = xgrammar, info
+            self._info = info
             self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        return self._compiler
+        return self._compiler, self._info
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Generic, TypeVar
 
 import torch
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # what torch.cuda.graph_pool_handle() returns: the memory pool graphs of one rank share
-GraphPool = tuple[int, int]
+GraphPool = torch.cuda._POOL_HANDLE  # torch's opaque id of a graph memory pool
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ class SpanGraphs(ABC, Generic[T]):
         """Capture every size, largest first (later graphs reuse its memory)."""
         for size in reversed(self.sizes):
             batch = load(size)
-            self._graphs.capture(size, lambda batch=batch: self._forward(batch))
+            self._graphs.capture(size, partial(self._forward, batch))
         logger.info("captured %s CUDA graphs for batch sizes %s", self.label, self.sizes)
 
     def _load_spans(self, spans: list[SeqSpan], size: int) -> ForwardBatch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +84,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: Sequence[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids); results in prompt order."""

@@ -85,8 +85,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg)
         check_fits(cfg, model_cfg, self.device)
-        given = parts is not None
-        self.parts = parts.check_layout(cfg.parallel) if given else rank_parts(cfg, model_cfg)
+        self.parts = (
+            rank_parts(cfg, model_cfg) if parts is None else parts.check_layout(cfg.parallel)
+        )
         opts = ModelOptions(
             dtype=self.dtype,
             attn_impl=cfg.attn_impl,

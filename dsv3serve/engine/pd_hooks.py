@@ -14,6 +14,7 @@ from dsv3serve.engine.intake import new_sequence
 from dsv3serve.engine.request import Request
 from dsv3serve.engine.scheduler.dp import DPScheduler
 from dsv3serve.engine.scheduler.pd import NO_PREFIX, KVReservation
+from dsv3serve.engine.scheduler.scheduler import Scheduler
 from dsv3serve.engine.scheduler.sequence import Sequence, SequenceStatus
 from dsv3serve.engine.speculative.loop import DraftState, SpecDecoder
 from dsv3serve.kvcache.radix_cache import PrefixMatch
@@ -111,7 +112,7 @@ class PDHooks:
         ``Scheduler.set_pages_dropped_hook``); pages :meth:`ready_pages` returned are
         safe to read until then."""
         scheduler = self.core.scheduler
-        if isinstance(scheduler, DPScheduler):
+        if not isinstance(scheduler, Scheduler):  # DPScheduler
             raise ValueError("on_pages_dropped: a DP-attention scheduler has no such hook")
         scheduler.set_pages_dropped_hook(lambda seq: hook(seq.request_id))
 

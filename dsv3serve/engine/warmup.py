@@ -16,7 +16,7 @@ from pathlib import Path
 from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.llm import LLM
 from dsv3serve.engine.request import Request
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_str
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.settings import Settings
 
@@ -77,7 +77,8 @@ def record_path(cache_dir: Path, model: str) -> Path:
 
 def write_record(result: JSONObject) -> Path:
     """Write ``result`` to :func:`record_path` under its cache dir; returns the path."""
-    path = record_path(Path(result["cache_dir"]), result["model"])
+    cache_dir = json_str(result["cache_dir"], "cache_dir")
+    path = record_path(Path(cache_dir), json_str(result["model"], "model"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path

@@ -115,7 +115,7 @@ def _probe_in_child(device: torch.device) -> str | None:
 
 def _import() -> tuple[ModuleType | None, str]:
     try:
-        import deep_gemm  # type: ignore[import-not-found]
+        import deep_gemm
     except Exception as e:  # ImportError, or a broken build failing at import
         return None, f"import {MODULE_NAME} failed: {type(e).__name__}: {e}"
     return deep_gemm, ""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -125,8 +125,8 @@ def _splitk_reduce_body(ws_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_gemm_kernel = triton.jit(_gemm_kernel_body) if HAS_TRITON else None
-_splitk_reduce = triton.jit(_splitk_reduce_body) if HAS_TRITON else None
+_gemm_kernel: Any = triton.jit(_gemm_kernel_body) if HAS_TRITON else None
+_splitk_reduce: Any = triton.jit(_splitk_reduce_body) if HAS_TRITON else None
 
 
 @functools.cache

@@ -10,6 +10,8 @@ and a round-to-nearest-even conversion.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, quant_per_token_group
@@ -42,7 +44,7 @@ def _quant_kernel_body(
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < n_groups)
 
 
-_quant_kernel = triton.jit(_quant_kernel_body) if HAS_TRITON else None
+_quant_kernel: Any = triton.jit(_quant_kernel_body) if HAS_TRITON else None
 
 
 def _groups_per_program(m: int) -> int:

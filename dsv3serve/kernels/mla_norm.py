@@ -19,7 +19,7 @@ kernel of ``q_b_proj`` with one read of the GEMM output.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -77,7 +77,7 @@ def _qkv_norm_body(
     tl.store(lat + R + pc, pe, mask=pc < P)
 
 
-_qkv_norm_kernel = triton.jit(_qkv_norm_body) if HAS_TRITON else None
+_qkv_norm_kernel: Any = triton.jit(_qkv_norm_body) if HAS_TRITON else None
 
 
 def _check(q_a: torch.Tensor, kv_a: torch.Tensor, q_w: torch.Tensor, kv_w: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ and the cache's scatter (and, for e4m3, its amax and quantisation) with one laun
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dsv3serve.kernels.fp8_quant import HAS_TRITON
@@ -112,9 +114,9 @@ def _rope_kv_body(
         tl.store(dst + 1, ro, mask=mask)
 
 
-_rope_pairs = triton.jit(_rope_pairs_body) if HAS_TRITON else None
-_write_row = triton.jit(_write_row_body) if HAS_TRITON else None
-_rope_kv_kernel = triton.jit(_rope_kv_body) if HAS_TRITON else None
+_rope_pairs: Any = triton.jit(_rope_pairs_body) if HAS_TRITON else None
+_write_row: Any = triton.jit(_write_row_body) if HAS_TRITON else None
+_rope_kv_kernel: Any = triton.jit(_rope_kv_body) if HAS_TRITON else None
 
 
 def _check(

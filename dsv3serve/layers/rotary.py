@@ -28,7 +28,7 @@ def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling | None) -> torch.Tens
     interpolation = 1.0 / (yarn.factor * pos_freqs)
     orig = yarn.original_max_position_embeddings
     low = max(math.floor(_correction_dim(yarn.beta_fast, dim, base, orig)), 0)
-    high = min(math.ceil(_correction_dim(yarn.beta_slow, dim, base, orig)), dim - 1)
+    high: float = min(math.ceil(_correction_dim(yarn.beta_slow, dim, base, orig)), dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -38,6 +38,8 @@ def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling | None) -> torch.Tens
 
 class RotaryEmbedding(nn.Module):
     """Applies interleaved-pair rotary embedding to ``q_pe`` [T, H, D] and ``k_pe`` [T, D]."""
+
+    inv_freq: torch.Tensor  # [D/2] float32, a non-persistent buffer
 
     def __init__(self, dim: int, base: float, yarn: YarnScaling | None) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ so loading is a name lookup; only the stacked experts and the NextN layer map na
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -435,7 +435,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
         self.self_attn = MLAttention(cfg, f"{prefix}.self_attn", layer_id, opts, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
-        self.mlp: nn.Module
+        self.mlp: MoE | DenseMLP
         if cfg.is_moe_layer(layer_id):
             self.mlp = MoE(cfg, f"{prefix}.mlp", opts, shard)
         else:
@@ -479,8 +479,9 @@ class DecoderLayer(nn.Module):
         dense_q = self.dense_quantized
         post = add_rmsnorm_quant(attn.contiguous(), x, n2.weight, n2.eps, not dense_q, dense_q)
         assert post.residual is not None
-        if dense_q:
-            return post.residual + self.mlp.forward_quantized(post)
+        mlp = self.mlp
+        if dense_q and isinstance(mlp, DenseMLP):  # dense_q: plan_fusion found a DenseMLP
+            return post.residual + mlp.forward_quantized(post)
         assert post.normed is not None
         return post.residual + self.mlp(post.normed)
 
@@ -546,6 +547,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.nextn = NextNLayer(cfg, self.opts, shard) if cfg.num_nextn_predict_layers else None
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         shard.check(cfg)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers``, typed (an ``nn.ModuleList`` gives its items as plain Modules)."""
+        return cast("list[DecoderLayer]", list(self.layers))
 
     @property
     def num_kv_layers(self) -> int:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_int
 from dsv3serve.kernels.fp8_ref import quant_weight_block
 from dsv3serve.settings import Settings
 from dsv3serve.tokenizer.files import write_tokenizer_files
@@ -84,20 +85,45 @@ GENERATION_CONFIG = {
 }
 
 
-def _attn_shapes(c: JSONObject, p: str) -> dict[str, tuple[int, ...]]:
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+@dataclass(frozen=True)
+class _Dims:
+    """The ``config.json`` integers the tensor shapes follow, read by name."""
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int
+    n_routed_experts: int
+    n_shared_experts: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+
+    @classmethod
+    def of(cls, c: JSONObject) -> _Dims:
+        """Read from config ``c``; TypeError naming a field that is missing or not an int."""
+        defaults: JSONObject = {"num_nextn_predict_layers": 0}
+        names = [f.name for f in fields(cls)]
+        return cls(**{n: json_int(c.get(n, defaults.get(n)), n) for n in names})
+
+
+def _attn_shapes(d: _Dims, p: str) -> dict[str, tuple[int, ...]]:
+    h, heads = d.hidden_size, d.num_attention_heads
+    qk = d.qk_nope_head_dim + d.qk_rope_head_dim
     return {
-        f"{p}.q_a_proj.weight": (c["q_lora_rank"], h),
-        f"{p}.q_a_layernorm.weight": (c["q_lora_rank"],),
-        f"{p}.q_b_proj.weight": (heads * qk, c["q_lora_rank"]),
-        f"{p}.kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], h),
-        f"{p}.kv_a_layernorm.weight": (c["kv_lora_rank"],),
-        f"{p}.kv_b_proj.weight": (
-            heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-            c["kv_lora_rank"],
-        ),
-        f"{p}.o_proj.weight": (h, heads * c["v_head_dim"]),
+        f"{p}.q_a_proj.weight": (d.q_lora_rank, h),
+        f"{p}.q_a_layernorm.weight": (d.q_lora_rank,),
+        f"{p}.q_b_proj.weight": (heads * qk, d.q_lora_rank),
+        f"{p}.kv_a_proj_with_mqa.weight": (d.kv_lora_rank + d.qk_rope_head_dim, h),
+        f"{p}.kv_a_layernorm.weight": (d.kv_lora_rank,),
+        f"{p}.kv_b_proj.weight": (heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank),
+        f"{p}.o_proj.weight": (h, heads * d.v_head_dim),
     }
 
 
@@ -109,29 +135,33 @@ def _mlp_shapes(p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _layer_shapes(c: JSONObject, i: int) -> dict[str, tuple[int, ...]]:
-    h, p = c["hidden_size"], f"model.layers.{i}"
-    shapes = {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
-    shapes.update(_attn_shapes(c, f"{p}.self_attn"))
-    if i < c["first_k_dense_replace"]:
-        shapes.update(_mlp_shapes(f"{p}.mlp", h, c["intermediate_size"]))
+def _layer_shapes(d: _Dims, i: int) -> dict[str, tuple[int, ...]]:
+    h, p = d.hidden_size, f"model.layers.{i}"
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.post_attention_layernorm.weight": (h,),
+    }
+    shapes.update(_attn_shapes(d, f"{p}.self_attn"))
+    if i < d.first_k_dense_replace:
+        shapes.update(_mlp_shapes(f"{p}.mlp", h, d.intermediate_size))
         return shapes
-    e, inter = c["n_routed_experts"], c["moe_intermediate_size"]
+    e, inter = d.n_routed_experts, d.moe_intermediate_size
     shapes[f"{p}.mlp.gate.weight"] = (e, h)
     shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
     for j in range(e):
         shapes.update(_mlp_shapes(f"{p}.mlp.experts.{j}", h, inter))
-    shapes.update(_mlp_shapes(f"{p}.mlp.shared_experts", h, inter * c["n_shared_experts"]))
+    shapes.update(_mlp_shapes(f"{p}.mlp.shared_experts", h, inter * d.n_shared_experts))
     return shapes
 
 
 def checkpoint_shapes(c: JSONObject) -> dict[str, tuple[int, ...]]:
     """Every tensor of a DeepSeek-V3 checkpoint (before FP8 scales) with its shape."""
-    h, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    d = _Dims.of(c)
+    h, v, n = d.hidden_size, d.vocab_size, d.num_hidden_layers
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(n + c.get("num_nextn_predict_layers", 0)):
-        shapes.update(_layer_shapes(c, i))
-    if c.get("num_nextn_predict_layers", 0):
+    for i in range(n + d.num_nextn_predict_layers):
+        shapes.update(_layer_shapes(d, i))
+    if d.num_nextn_predict_layers:
         p = f"model.layers.{n}"
         shapes.update(
             {

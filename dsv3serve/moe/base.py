@@ -25,6 +25,10 @@ class MoEBackend(ABC):
     routes_in_kernel: ClassVar[bool] = False
     packs_shared_expert: ClassVar[bool] = False
 
+    def __init__(self, act_quant: bool = True) -> None:
+        """``act_quant``: quantise activations to FP8 where the weights are FP8."""
+        self.act_quant = act_quant
+
     @abstractmethod
     def forward(
         self,

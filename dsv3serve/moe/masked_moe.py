@@ -85,7 +85,9 @@ def masked_moe_ref(
     return out
 
 
-def _check(x: torch.Tensor, counts: torch.Tensor, stack: ExpertStack, x_scale) -> None:  # noqa: ANN001
+def _check(
+    x: torch.Tensor, counts: torch.Tensor, stack: ExpertStack, x_scale: torch.Tensor | None
+) -> None:
     e, _, h = x.shape
     if stack.w13.shape[0] != e or stack.w13.shape[2] != h or stack.w2.shape[:2] != (e, h):
         raise ValueError(

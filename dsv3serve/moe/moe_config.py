@@ -19,8 +19,9 @@ import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_int, json_object
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SHARED_FUSION_FILE = "shared_fusion.json"
@@ -56,7 +57,15 @@ class MoEConfig:
 
     @staticmethod
     def from_json(d: JSONObject) -> MoEConfig:
-        return MoEConfig(d["block_m"], GemmTile(**d["gate_up"]), GemmTile(**d["down"]))
+        gate_up = json_object(d["gate_up"], "gate_up")
+        down = json_object(d["down"], "down")
+        return MoEConfig(json_int(d["block_m"], "block_m"), _tile(gate_up), _tile(down))
+
+
+def _tile(d: JSONObject) -> GemmTile:
+    """A :class:`GemmTile` from its JSON fields, each an int (``swap_ab`` a bool, one too)."""
+    checked: dict[str, Any] = {k: json_int(v, k) for k, v in d.items()}
+    return GemmTile(**checked)
 
 
 def normalize_device_name(device: str) -> str:

@@ -21,6 +21,7 @@ separate form stays available at token counts where it is faster.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -74,7 +75,7 @@ def fusion_max_tokens(
     return shared_fusion_max_tokens(e, i, h, name, fp8)
 
 
-def _slot_parts(experts: FusedExperts, weights: list[torch.Tensor], scales: list) -> list:
+def _slot_parts(experts: FusedExperts, weights: Sequence[torch.Tensor], scales: list) -> list:
     e, i, bi = experts.num_experts, experts.inter, -(-experts.inter // BLOCK)
     pairs = [
         (weights[0], experts.w13.data[e, :i]),

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from dsv3serve.parallel.config import LayoutError
 from dsv3serve.parallel.dispatch_a2a import AllToAllDispatcher
-from dsv3serve.parallel.dispatch_base import Dispatcher
 from dsv3serve.parallel.dispatch_deepep import DeepEPDispatcher
 
 INSTALL_HINT = (
@@ -61,7 +60,9 @@ def _check_inputs(d: DeepEPDispatcher, rank: int, device: torch.device) -> tuple
     return x.to(device), ids.to(device), w.to(device)
 
 
-def _flat_round_trip(d: Dispatcher, x: Tensor, ids: Tensor, w: Tensor, rank: int) -> Tensor:
+def _flat_round_trip(
+    d: AllToAllDispatcher | DeepEPDispatcher, x: Tensor, ids: Tensor, w: Tensor, rank: int
+) -> Tensor:
     """dispatch -> sum_k w * scale(e) * row -> combine, through any flat dispatcher."""
     got = d.dispatch(x, ids, w)
     valid = got.topk_ids >= 0

@@ -68,7 +68,7 @@ def create_dispatcher(
     if loopback:
         return LoopbackTimingOnlyDispatcher(num_experts, parallel.ep_size, ep_rank)
     _check_group(parallel, ep_rank, group)
-    if deep_ep is not None:
+    if deep_ep is not None and deepep is not None:  # _deep_ep_module checked deepep
         return _deepep(deep_ep, parallel, num_experts, group, deepep, metered)
     return AllToAllDispatcher(num_experts, group, metered=metered)
 

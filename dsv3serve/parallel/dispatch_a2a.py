@@ -62,6 +62,8 @@ class AllToAllDispatcher(Dispatcher):
     row for combine; all host ints (the split sizes). ``metered=False``: the meter is off.
     """
 
+    meter: DispatchMeter
+
     def __init__(
         self,
         num_experts: int,

@@ -128,6 +128,10 @@ class MaskedDispatcher(ABC):
     max_tokens_per_rank: int
     """Most tokens any rank may send in one masked dispatch (same on every rank)."""
 
+    step_max_tokens: int = 0
+    """As :attr:`Dispatcher.step_max_tokens`: the most tokens any rank of the group forwards
+    in the current step (0: not known); set by the engine, read by the masked MoE."""
+
     @abstractmethod
     def dispatch_masked(
         self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, num_tokens: Tensor | None = None

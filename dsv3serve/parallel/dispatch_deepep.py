@@ -96,6 +96,8 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
     read later (no host sync).
     """
 
+    meter: DispatchMeter
+
     def __init__(
         self,
         deep_ep: ModuleType,
@@ -125,7 +127,10 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
 
     @property
     def _group(self) -> dist.ProcessGroup:
-        return self.group if self.group is not None else dist.group.WORLD
+        group = self.group if self.group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("expected an initialised default process group, found none")
+        return group
 
     def _nvl_bytes(self) -> int:
         hidden_bytes = self.shape.hidden * 2  # bf16 rows
@@ -241,7 +246,11 @@ class DeepEPDispatcher(Dispatcher, MaskedDispatcher):
             topk_idx=ids,
             topk_weights=topk_weights.float(),
         )
-        rows = dequant_rows(*recv, x.dtype) if isinstance(recv, tuple) else recv
+        if isinstance(recv, tuple):  # fp8 payload: e4m3 rows and their scales
+            q, scales = recv
+            rows = dequant_rows(q, scales, x.dtype)
+        else:
+            rows = recv
         recv_ids = recv_ids.long()
         recv_w = torch.where(recv_ids >= 0, recv_w.float(), 0.0)
         self.meter.stop(mark, "dispatch", "normal", rows.shape[0], self._row_bytes())

@@ -212,7 +212,7 @@ class DispatchMeter:
         (phase, mode) ``bytes``, ``count``, ``seconds`` and ``buckets``."""
         with self._lock:
             self._drain()
-            phases = [
+            phases: list[JSONObject] = [
                 {"phase": p, "mode": m, "bytes": t.bytes, "count": t.count,
                  "seconds": t.seconds, "buckets": list(t.buckets)}
                 for (p, m), t in sorted(self.totals.items())

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.json_types import JSONObject
@@ -161,7 +161,14 @@ def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
     )
 
 
-def _hicache(args: argparse.Namespace) -> dict[str, float | int | None]:
+class HostTierSize(TypedDict, total=False):
+    """The host tier's size, at most one of the two (:class:`PlanExtras`' fields)."""
+
+    hicache_ratio: float | None
+    hicache_size: int | None
+
+
+def _hicache(args: argparse.Namespace) -> HostTierSize:
     """The host tier's size fields; refuses them without ``--enable-hierarchical-cache``."""
     if not args.enable_hierarchical_cache:
         if args.hicache_ratio is not None or args.hicache_size is not None:

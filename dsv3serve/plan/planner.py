@@ -13,13 +13,16 @@ import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 
 from dsv3serve.config import ModelConfig
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.deepep_sizes import DeepEPBytes, planned_deepep
 from dsv3serve.parallel.shard import RankLayout, check_model
@@ -54,6 +57,17 @@ class PlanError(ValueError):
     def __init__(self, message: str, plan: Plan | None = None) -> None:
         super().__init__(message)
         self.plan = plan
+
+
+class PlanExtras(TypedDict, total=False):
+    """The :class:`PlanSettings` fields that :func:`plan` takes by keyword only."""
+
+    disable_cuda_graph: bool
+    chunked_prefill_size: int
+    context_length: int | None
+    hicache_ratio: float | None
+    hicache_size: int | None
+    max_running_requests: int
 
 
 @dataclass(frozen=True)
@@ -287,7 +301,7 @@ def plan(
     page_size: int = 64,
     kv_cache_dtype: KVCacheDType = "auto",
     cuda_graph_max_bs: int = 64,
-    **more: int | bool | None,
+    **more: Unpack[PlanExtras],
 ) -> Plan:
     """Each rank's bytes and the KV capacity of ``parallel`` on GPUs of ``gpu_memory_gb``.
 

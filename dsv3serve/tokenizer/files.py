@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import importlib.resources
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 TokenizerVariant = Literal["deepseek-v3", "deepseek-r1"]
 

@@ -35,7 +35,8 @@ def _token_content(value: Any, key: str) -> str:
 
 def _detect_flavor(config: JSONObject) -> ChatFlavor:
     template = config.get("chat_template") or ""
-    return "deepseek-r1" if THINK_END in template else "deepseek-v3"
+    r1 = isinstance(template, str) and THINK_END in template  # a list: named templates
+    return "deepseek-r1" if r1 else "deepseek-v3"
 
 
 class Tokenizer:

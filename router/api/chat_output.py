@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_str
 from dsv3serve.parsers.reasoning import ReasoningParser
 from dsv3serve.parsers.tool_calls import ToolCallDelta, ToolCallParser
 from dsv3serve.tokenizer.chat_template import THINK_END
@@ -147,13 +147,16 @@ class ChoiceParser:
     def _call_deltas(self, pieces: tuple[ToolCallDelta, ...]) -> list[JSONObject]:
         """One entry per call touched; a call's first entry carries its id and name."""
         entries: dict[int, JSONObject] = {}
+        functions: dict[int, JSONObject] = {}  # each entry's "function", built in place
         for piece in pieces:
             entry = entries.setdefault(piece.index, {"index": piece.index})
-            function = entry.setdefault("function", {})
+            function = functions.setdefault(piece.index, {})
+            entry.setdefault("function", function)
             if piece.name is not None:
                 entry |= {"id": self.calls[piece.index].id, "type": "function"}
                 function["name"] = piece.name
-            function["arguments"] = function.get("arguments", "") + piece.arguments
+            before = json_str(function.get("arguments", ""), "arguments")
+            function["arguments"] = before + piece.arguments
         return list(entries.values())
 
     def message(self) -> JSONObject:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dsv3serve.json_types import JSONObject
 from dsv3serve.sampling.constraint import Constraint
 from dsv3serve.sampling.sampling_params import SamplingParams
 from dsv3serve.tokenizer.chat_template import THINK_START, Piece
@@ -83,7 +82,7 @@ def reasoning_mode(
     return "detect" if parser == "deepseek-r1" else None
 
 
-def _constraint(body: ChatCompletionRequest, opens_reasoning: bool) -> JSONObject:
+def _constraint(body: ChatCompletionRequest, opens_reasoning: bool) -> dict[str, Constraint]:
     """``{"constraint": ...}`` (a structural tag) when ``tool_choice`` needs one."""
     tools, choice = body.tools or [], body.effective_tool_choice
     tag = tool_call_structural_tag(tools, choice, body.parallel_tool_calls, opens_reasoning)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Protocol
 
@@ -124,7 +124,7 @@ class GenerationService:
 
     async def stream(
         self, request: Request, context: CallContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """GenerateStream / ChatCompleteStream: new output as it comes, then the usage."""
         try:
             api, prepared = await self._prepare(request, context)
@@ -172,7 +172,7 @@ class GenerationService:
 
     async def _messages(
         self, prepared: Prepared, first: TokenChunk, guard: StreamGuard, context: CallContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         builder = ResponseBuilder(prepared.meta)
         chunk: TokenChunk | None = first
         try:

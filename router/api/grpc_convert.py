@@ -8,9 +8,9 @@ HTTP layer's ``ResponseBuilder`` state and backend ``TokenChunk``s.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Literal, TypedDict
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, JSONValue, json_int, json_list, json_object, json_str
 from router.api.chat_output import ChatDelta, ChoiceParser
 from router.api.errors import bad_request
 from router.api.openai_protocol import TopLogprobs
@@ -145,47 +145,62 @@ def token_logprobs(
 
 def usage_message(usage: JSONObject) -> pb.Usage:
     """``ResponseBuilder.usage()`` as a message."""
+    cached = json_object(usage["prompt_tokens_details"], "prompt_tokens_details")
     message = pb.Usage(
-        prompt_tokens=usage["prompt_tokens"],
-        completion_tokens=usage["completion_tokens"],
-        total_tokens=usage["total_tokens"],
-        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens=json_int(usage["prompt_tokens"], "prompt_tokens"),
+        completion_tokens=json_int(usage["completion_tokens"], "completion_tokens"),
+        total_tokens=json_int(usage["total_tokens"], "total_tokens"),
+        cached_tokens=json_int(cached["cached_tokens"], "cached_tokens"),
     )
     details = usage.get("completion_tokens_details")
     if details is not None:
-        message.reasoning_tokens = details["reasoning_tokens"]
+        reasoning = json_object(details, "completion_tokens_details")["reasoning_tokens"]
+        message.reasoning_tokens = json_int(reasoning, "reasoning_tokens")
     return message
 
 
-def _calls(entries: list[JSONObject]) -> list[pb.ToolCall]:
+def _call(entry: JSONObject, i: int) -> pb.ToolCall:
+    function = json_object(entry["function"], "tool call function")
+    return pb.ToolCall(
+        index=json_int(entry.get("index", i), "tool call index"),
+        id=json_str(entry.get("id", ""), "tool call id"),
+        name=json_str(function.get("name", ""), "tool call name"),
+        arguments=json_str(function.get("arguments", ""), "tool call arguments"),
+    )
+
+
+def _calls(entries: list[JSONValue]) -> list[pb.ToolCall]:
     """OpenAI ``tool_calls`` entries (whole or delta) as messages."""
-    return [
-        pb.ToolCall(
-            index=entry.get("index", i),
-            id=entry.get("id", ""),
-            name=entry["function"].get("name", ""),
-            arguments=entry["function"].get("arguments", ""),
-        )
-        for i, entry in enumerate(entries)
-    ]
+    return [_call(json_object(entry, "tool call"), i) for i, entry in enumerate(entries)]
 
 
-def _parsed_fields(body: JSONObject) -> JSONObject:
+class ChoiceFields(TypedDict, total=False):
+    """The text fields of a ``pb.Choice``, as :func:`_whole_text` and :func:`_delta_fields`
+    fill them (checked against the message's constructor)."""
+
+    text: str
+    reasoning_content: str
+    tool_calls: list[pb.ToolCall]
+    finish_reason: str
+
+
+def _parsed_fields(body: JSONObject, finish_reason: str) -> ChoiceFields:
     """A parsed chat message or delta as Choice fields (text is the content)."""
     return {
-        "text": body.get("content") or "",
-        "reasoning_content": body.get("reasoning_content") or "",
-        "tool_calls": _calls(body.get("tool_calls") or []),
+        "text": json_str(body.get("content") or "", "content"),
+        "reasoning_content": json_str(body.get("reasoning_content") or "", "reasoning_content"),
+        "tool_calls": _calls(json_list(body.get("tool_calls") or [], "tool_calls")),
+        "finish_reason": finish_reason,
     }
 
 
-def _whole_text(state: ChoiceState) -> JSONObject:
+def _whole_text(state: ChoiceState) -> ChoiceFields:
     text = "".join(state.text)
     if state.parser is None:
         return {"text": text, "finish_reason": state.finish_reason or ""}
     state.parser.parse_whole(text)
     reason = state.parser.finish_reason(state.finish_reason) or ""
-    return _parsed_fields(state.parser.message()) | {"finish_reason": reason}
+    return _parsed_fields(state.parser.message(), reason)
 
 
 def _whole_choice(index: int, state: ChoiceState, meta: ResponseMeta) -> pb.Choice:
@@ -209,7 +224,7 @@ def whole_response(builder: ResponseBuilder) -> pb.GenerateResponse:
     )
 
 
-def _delta_fields(chunk: TokenChunk, parser: ChoiceParser | None) -> JSONObject:
+def _delta_fields(chunk: TokenChunk, parser: ChoiceParser | None) -> ChoiceFields:
     """Text fields and finish reason of ``chunk``, split by ``parser`` when there is one."""
     reason = (chunk.finish_reason or "") if chunk.finished else ""
     if parser is None:
@@ -217,7 +232,7 @@ def _delta_fields(chunk: TokenChunk, parser: ChoiceParser | None) -> JSONObject:
     delta: ChatDelta = parser.step(chunk.text, chunk.finished)
     if chunk.finished:
         reason = parser.finish_reason(chunk.finish_reason) or ""
-    return _parsed_fields(parser.delta_body(delta)) | {"finish_reason": reason}
+    return _parsed_fields(parser.delta_body(delta), reason)
 
 
 def stream_message(

@@ -89,7 +89,7 @@ def clean_status_factory(factory: Factory) -> Factory:
     def wrapped(*args: object, **kwargs: object) -> Handler:
         handler = factory(*args, **kwargs)
         if inspect.isasyncgenfunction(handler):  # a streamed response
-            return _streaming(handler)  # type: ignore[arg-type]
+            return _streaming(handler)
         return _unary(handler)  # type: ignore[arg-type]
 
     setattr(wrapped, _WRAPPED, True)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -119,7 +119,7 @@ async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, Respo
     return task.result()
 
 
-async def first_chunk(chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
+async def first_chunk(chunks: AsyncGenerator[TokenChunk, None]) -> TokenChunk:
     """The backend's first chunk; its refusal or failure becomes an APIError."""
     try:
         first = await anext(chunks)
@@ -133,7 +133,7 @@ async def first_chunk(chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
 
 
 async def collect(
-    builder: ResponseBuilder, first: TokenChunk, chunks: AsyncIterator[TokenChunk]
+    builder: ResponseBuilder, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]
 ) -> JSONObject:
     """Wait for all ``n`` sequences; the whole non-streaming response body."""
     chunk: TokenChunk | None = first
@@ -302,11 +302,11 @@ class OpenAIServer:
 
     async def _start(
         self, slot: Slot, req: GenerateRequest
-    ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
+    ) -> tuple[AsyncGenerator[TokenChunk, None], TokenChunk]:
         """The backend stream and its first chunk; on any failure the slot is released."""
-        chunks: AsyncIterator[TokenChunk] | None = None
+        chunks: AsyncGenerator[TokenChunk, None] | None = None
         try:
-            chunks = self.drain.watch(aiter(self.backend.generate(req)))
+            chunks = self.drain.watch(self.backend.generate(req))
             return chunks, await first_chunk(chunks)
         except BaseException:
             slot.release()

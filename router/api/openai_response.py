@@ -123,14 +123,15 @@ class ResponseBuilder:
         """Token counts summed over the ``n`` choices; the prompt counts once."""
         completion = sum(max(len(s.token_ids), s.reported_tokens) for s in self.choices)
         prompt = self.meta.prompt_tokens
-        usage = {
+        usage: JSONObject = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
         if self.meta.parsing is not None and self.meta.parsing.reasoning is not None:
-            reasoning = sum(s.parser.reasoning_tokens(s.token_ids) for s in self.parsed())
+            parsers = [(s.parser, s.token_ids) for s in self.choices if s.parser is not None]
+            reasoning = sum(parser.reasoning_tokens(ids) for parser, ids in parsers)
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return usage
 
@@ -220,7 +221,7 @@ class ResponseBuilder:
             return None
         logprobs = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs, state)
         reason = parser.finish_reason(chunk.finish_reason) if chunk.finished else None
-        choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs}
+        choice: JSONObject = {"index": chunk.index, "delta": delta, "logprobs": logprobs}
         return self._envelope(self._chunk_object(), [choice | {"finish_reason": reason}])
 
     def usage_event(self) -> JSONObject:

@@ -68,7 +68,7 @@ class ModelFacts:
 
     def card(self) -> JSONObject:
         """The model object of ``/v1/models``."""
-        card = {"id": self.name, "object": "model", "created": self.created}
+        card: JSONObject = {"id": self.name, "object": "model", "created": self.created}
         return card | {"owned_by": PACKAGE, "root": self.name, "max_model_len": self.max_model_len}
 
     def check_model(self, model: str | None) -> None:

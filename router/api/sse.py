@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -34,7 +34,7 @@ def sse_event(payload: JSONObject) -> bytes:
     return b"data: " + data.encode("utf-8") + b"\n\n"
 
 
-async def close_quietly(chunks: AsyncIterator[TokenChunk]) -> None:
+async def close_quietly(chunks: AsyncGenerator[TokenChunk, None]) -> None:
     """``aclose`` the backend iterator, shielded from the caller's cancellation."""
     aclose = getattr(chunks, "aclose", None)
     if aclose is None:
@@ -51,7 +51,7 @@ async def close_quietly(chunks: AsyncIterator[TokenChunk]) -> None:
 class StreamGuard:
     """Owns a streamed request's admission slot and backend iterator until closed."""
 
-    def __init__(self, slot: Slot, chunks: AsyncIterator[TokenChunk]) -> None:
+    def __init__(self, slot: Slot, chunks: AsyncGenerator[TokenChunk, None]) -> None:
         self.slot = slot
         self.chunks = chunks
         self._closed = False
@@ -75,7 +75,7 @@ def _in_band_error(exc: BaseException | TokenChunk) -> bytes:
 
 async def stream_events(
     builder: ResponseBuilder, first: TokenChunk, guard: StreamGuard, include_usage: bool
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE bytes for a stream whose first backend chunk is ``first``; ends with [DONE].
 
     An error after the first chunk (an error chunk or an exception) becomes an in-band
@@ -109,7 +109,7 @@ async def stream_events(
 class SSEResponse(StreamingResponse):
     """A ``text/event-stream`` response that closes its guard even if never iterated."""
 
-    def __init__(self, events: AsyncIterator[bytes], guard: StreamGuard) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], guard: StreamGuard) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self._events = events
         self._guard = guard

@@ -48,7 +48,7 @@ def _call_tag(tool: ToolDef, follow_schema: bool) -> JSONObject:
 
 def _section(tags: list[JSONObject], one_call: bool) -> JSONObject:
     """The whole tool-call section: at least one call, newline-separated."""
-    calls = {
+    calls: JSONObject = {
         "type": "tags_with_separator",
         "tags": tags,
         "separator": "\n",
@@ -60,7 +60,12 @@ def _section(tags: list[JSONObject], one_call: bool) -> JSONObject:
 
 def _after_reasoning(body: JSONObject) -> JSONObject:
     """``body`` after the reasoning the prompt opened: any text up to ``</think>``."""
-    reasoning = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": THINK_END}
+    reasoning: JSONObject = {
+        "type": "tag",
+        "begin": "",
+        "content": {"type": "any_text"},
+        "end": THINK_END,
+    }
     return {"type": "sequence", "elements": [reasoning, body]}
 
 

@@ -96,12 +96,14 @@ def running_replicas(app_name: str) -> dict[str, int]:
     """Running replicas of each deployment of ``app_name``, from Serve's status (a
     replica is RUNNING once its constructor returned and its health check passed)."""
     from ray import serve
+    from ray.serve.schema import ReplicaState
 
     status = serve.status().applications.get(app_name)
     if status is None:
         return {}
     return {
-        name: int(dep.replica_states.get("RUNNING", 0)) for name, dep in status.deployments.items()
+        name: int(dep.replica_states.get(ReplicaState.RUNNING, 0))
+        for name, dep in status.deployments.items()
     }
 
 

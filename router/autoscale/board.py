@@ -111,7 +111,9 @@ class Publisher:
     def _board(self) -> ray.actor.ActorHandle:
         if self.board is None:
             options = {"name": board_name(self.app), "namespace": NAMESPACE}
-            self.board = LeavingBoard.options(**options, get_if_exists=True).remote()
+            # mypy keeps a decorated class's own type: LeavingBoard is Ray's ActorClass
+            board = LeavingBoard.options(**options, get_if_exists=True)  # type: ignore[attr-defined]
+            self.board = board.remote()
         return self.board
 
 

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +121,7 @@ class PDBackend:
         )
 
     # ---- GenerationBackend -------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream every sequence of ``req``; n > 1 runs n PD requests side by side."""
         if req.params.n == 1:
             async with aclosing(self._one(req)) as chunks:
@@ -138,11 +138,11 @@ class PDBackend:
         return all(ok)
 
     # ---- one sequence ------------------------------------------------------------------
-    def _one(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def _one(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Sequence ``req`` (n=1), migrated to another decode replica if its own fails."""
         return self.migrator.stream(req)
 
-    async def _attempt(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def _attempt(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """One reserve / prefill / decode of ``req``; raises DecodeLost if decode fails."""
         d, rank, cached_pages = await self._reserve(req)
         tokens = _work_tokens(req)
@@ -160,7 +160,7 @@ class PDBackend:
                     raise error_from_chunk(result.first)
                 yield result.first
                 return
-            async with aclosing(self._decode(d, prefilled, req)) as chunks:
+            async with aclosing(self._decode(d, prefilled, result.kv, req)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
@@ -349,9 +349,10 @@ class PDBackend:
         return raw if isinstance(raw, PrefillResult) else parse(PrefillResult, raw)
 
     async def _decode(
-        self, d: int, prefilled: _Prefilled, req: GenerateRequest
-    ) -> AsyncIterator[TokenChunk]:
-        """Stream from decode replica ``d``; the prefill attempt is released as soon as
+        self, d: int, prefilled: _Prefilled, kv: KVHandle, req: GenerateRequest
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Stream from decode replica ``d`` (``kv``: the prefill's staged pages, there when
+        its first token did not end the request); the prefill attempt is released as soon as
         ``d`` answers (it has pulled the KV or given up). A failure of ``d`` (it died, or
         answered 503) marks it down and raises DecodeLost."""
         result, p, attempt_id = prefilled.result, prefilled.replica, prefilled.attempt_id
@@ -361,7 +362,7 @@ class PDBackend:
             first_token=first.token_ids[0],
             first_logprob=first.logprobs[0] if first.logprobs else 0.0,
             first_top_logprobs=first.top_logprobs[0] if first.top_logprobs else [],
-            kv=result.kv,
+            kv=kv,
             kv_ranges=prefilled.missed,
             draft=result.draft,
             cached_tokens=first.cached_tokens,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from router.pd.relay import relay
@@ -21,7 +21,7 @@ class ColocatedBackend:
         self.replicas = replicas
         self.ranks = ranks
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request from the chosen replica (and rank); closing aborts it there."""
         if self.ranks is None:
             r, rank = self.replicas.by_load()[0], None

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from typing import Any
 
 from workers.protocol import GenerateRequest, TokenChunk
 
@@ -19,7 +18,9 @@ def sub_request(req: GenerateRequest, index: int) -> GenerateRequest:
     )
 
 
-async def fan_out(req: GenerateRequest, one: Any) -> AsyncIterator[TokenChunk]:
+async def fan_out(
+    req: GenerateRequest, one: Callable[[GenerateRequest], AsyncGenerator[TokenChunk, None]]
+) -> AsyncGenerator[TokenChunk, None]:
     """Run n sub-requests through ``one`` and merge their chunks (index = sequence).
 
     An error before any chunk was yielded is raised; later errors arrive in-band.

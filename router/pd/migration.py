@@ -23,7 +23,7 @@ gets the error raised (the HTTP layer answers with its status).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 
 from dsv3serve.metrics import Metrics
@@ -31,7 +31,7 @@ from router.pd.seam import Seam, SeamTokenizer, continuation, unsupported
 from workers.backend import BackendError, BackendUnavailable
 from workers.protocol import GenerateRequest, TokenChunk, error_chunk
 
-Attempt = Callable[[GenerateRequest], AsyncIterator[TokenChunk]]
+Attempt = Callable[[GenerateRequest], AsyncGenerator[TokenChunk, None]]
 WaitForDecode = Callable[[float], Awaitable[bool]]  # timeout_s -> whether one is up
 
 
@@ -75,7 +75,7 @@ class Migrator:
         self._tokenizer, self._metrics = tokenizer, metrics
         self.max_migrations, self.wait_s = max_migrations, wait_s
 
-    async def stream(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def stream(self, req: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Every chunk of sequence ``req`` (n=1), across decode failures."""
         log, current, seam = StreamLog(), req, None
         broke_at: float | None = None
@@ -130,7 +130,7 @@ class Migrator:
 
     async def _give_up(
         self, req: GenerateRequest, log: StreamLog, message: str, reason: str
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """End the stream: an in-band error after a chunk, else the error raised."""
         self._metrics.migration_failed(reason)
         if not log.started:

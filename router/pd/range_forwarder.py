@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from kv_transfer.handle import KVHandle
@@ -72,7 +72,9 @@ class RangeForwarder:
                 await asyncio.shield(self._task)
 
 
-async def consume_prefill(events: AsyncIterator[Any], forwarder: RangeForwarder) -> PrefillResult:
+async def consume_prefill(
+    events: AsyncGenerator[Any, None], forwarder: RangeForwarder
+) -> PrefillResult:
     """Feed each range of a ``prefill_stream`` to ``forwarder``; the result that ends it."""
     async for raw in events:
         event = parse(PrefillEvent, raw)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from workers.backend import BackendError, BackendUnavailable, error_from_chunk
@@ -13,7 +13,7 @@ from workers.protocol import decode as parse
 
 async def relay(
     stream: Any, request_id: str, who: str, on_first: Callable[[], None] | None = None
-) -> AsyncIterator[TokenChunk]:
+) -> AsyncGenerator[TokenChunk, None]:
     """Parse and yield the chunks of a Serve streaming response.
 
     Before any chunk: a worker's error chunk raises its BackendError and a failed replica

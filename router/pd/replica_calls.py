@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -46,7 +46,7 @@ class Background:
         task.add_done_callback(self._tasks.discard)
 
 
-async def lost_on_503(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+async def lost_on_503(chunks: AsyncGenerator[TokenChunk, None]) -> AsyncGenerator[TokenChunk, None]:
     """``chunks`` of a decode stream, its 503 (before a chunk: raised; after: in-band)
     raised as DecodeLost; other errors pass as they are."""
     try:

@@ -24,7 +24,8 @@ from workers.protocol import GenerateRequest, TokenChunk
 class SeamTokenizer(Decoder, Protocol):
     """What the seam needs from a tokenizer: ``decode`` and the EOS id."""
 
-    eos_token_id: int | None
+    @property
+    def eos_token_id(self) -> int | None: ...
 
 
 def unsupported(params: SamplingParams) -> str | None:

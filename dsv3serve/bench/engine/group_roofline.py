@@ -12,8 +12,10 @@ grows with EP and is not modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 FULL_LAYERS, FULL_MOE_LAYERS = 61, 58  # DeepSeek-V3
 
@@ -31,7 +33,7 @@ class RankBytes:
     moe_layers: int
 
 
-def rank_bytes(model: torch.nn.Module, tokens_in_kv: int, kv_row_bytes: int) -> RankBytes:
+def rank_bytes(model: DeepseekV3ForCausalLM, tokens_in_kv: int, kv_row_bytes: int) -> RankBytes:
     """``model``'s bytes by kind, with ``tokens_in_kv`` tokens of KV (``kv_row_bytes`` per
     token and layer). The NextN (MTP) layer is left out: a plain decode step never runs it."""
     sizes = {"experts": 0, "head": 0, "other": 0}
@@ -42,7 +44,7 @@ def rank_bytes(model: torch.nn.Module, tokens_in_kv: int, kv_row_bytes: int) -> 
         if "embed_tokens" in name or name.startswith("lm_head"):
             kind = "head"
         sizes[kind] += p.numel() * p.element_size()
-    cfg = model.cfg  # type: ignore[attr-defined]
+    cfg = model.cfg
     layers = cfg.num_hidden_layers
     moe = max(layers - cfg.first_k_dense_replace, 0)
     return RankBytes(

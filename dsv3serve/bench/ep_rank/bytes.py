@@ -54,7 +54,7 @@ def step_bytes(runner: ModelRunner, batch_size: int, context: int, hits: list[in
     model = runner.model
     parts = dict.fromkeys(("attention", "dense_mlp", "moe_fixed", "routed_experts"), 0.0)
     moe = 0
-    for layer in model.layers:
+    for layer in model.decoder_layers:
         parts["attention"] += norm_bytes(layer) + attention_decode_bytes(layer.self_attn)
         if not isinstance(layer.mlp, MoE):
             parts["dense_mlp"] += mlp_decode_bytes(layer.mlp, batch_size)

@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from dsv3serve.bench.ep_rank.setup import (
     LOOPBACK_LABEL,
     BuildSpec,
     KVChoice,
+    KVChoiceName,
     RoutingRecorder,
     build_rank,
     choose_kv,
@@ -124,7 +126,10 @@ def build(
 
 
 def kv_choice(
-    args: argparse.Namespace, layout: RankLayout, spec: BuildSpec, want: str | None = None
+    args: argparse.Namespace,
+    layout: RankLayout,
+    spec: BuildSpec,
+    want: KVChoiceName | None = None,
 ) -> KVChoice:
     """The KV pool for the run, computed before anything is allocated."""
     cfg, device = ep_model_config(args.preset), torch.device(spec.device)
@@ -152,7 +157,10 @@ def record_hits(
         runner.model(batch, runner.attn)
     finally:
         recorder.recording = False
-    experts = runner.parts.layout.expert_range(runner.model_cfg.n_routed_experts)
+    layout = runner.parts.layout
+    if layout is None:
+        raise RuntimeError("expected the rank's expert-parallel layout, found none")
+    experts = layout.expert_range(runner.model_cfg.n_routed_experts)
     return local_hits(recorder.calls, experts)
 
 
@@ -219,7 +227,7 @@ def run_ep_rank(args: argparse.Namespace) -> dict[str, Any]:
         point = {"batch_size": bs, "context": kv.contexts[bs], "label": LOOPBACK_LABEL}
         measure = (bs, kv.contexts[bs], result["ceilings"]["copy_TBps"])
         result["decode"].append(
-            guarded(point, lambda m=measure: measure_point(runner, recorder, args, m))
+            guarded(point, partial(measure_point, runner, recorder, args, measure))
         )
         out.write_text(json.dumps(result, indent=1))
     if device.type == "cuda":

@@ -77,7 +77,11 @@ def _try(time_us: Callable[[], float]) -> tuple[float | None, str | None]:
 
 
 def bench_point(
-    name: str, weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, ceil: dict, args
+    name: str,
+    weights: list[tuple[torch.Tensor, torch.Tensor]],
+    m: int,
+    ceil: dict,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Quant, Triton GEMM (picked config, and the best of a sweep for small M), cuBLAS GEMM."""
     n, k = weights[0][0].shape
@@ -89,7 +93,10 @@ def bench_point(
     io_bytes = w_bytes + m * k + xs.numel() * 4 + m * n * 2
 
     def triton_us(cfg: GemmConfig) -> float:
-        run = lambda i: fp8_block_gemm_triton(xq, xs, *weights[i % len(weights)], config=cfg)  # noqa: E731
+        def run(i: int) -> torch.Tensor:
+            w, ws = weights[i % len(weights)]
+            return fp8_block_gemm_triton(xq, xs, w, ws, config=cfg)
+
         return graph_us(run, calls, reps)
 
     quant_us = graph_us(lambda i: quant_per_token_group_fp8(x), 4, reps)

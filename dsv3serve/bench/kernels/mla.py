@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,15 +37,15 @@ from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
 MLA_BATCHES = (1, 32, 64, 128)
 MLA_CONTEXTS = (1024, 4096, 16384)
 KERNELS = ("flashinfer", "triton-bf16", "triton-fp8", "triton-fp8mma")
-_W8 = {"num_warps": 8, "dv_split": 1, "ctas_per_sm": 1}
+_W8 = FP8MLAConfig(num_warps=8, dv_split=1, ctas_per_sm=1)
 FP8_CONFIGS = {  # name: FP8MLAConfig; spills are ptxas's (sm_90a, triton 3.6), not timed yet
     "n32w4dv2": FP8MLAConfig(),  # the default: 241 registers, no spills, 2 programs an SM
     "n32w4dv2s3": FP8MLAConfig(num_stages=3),
     "n64w4dv2": FP8MLAConfig(block_n=64),  # spills ~120 B
-    "n32w8": FP8MLAConfig(**_W8),  # 247 registers, no spills
-    "n32w8s3": FP8MLAConfig(num_stages=3, **_W8),
-    "n64w8": FP8MLAConfig(block_n=64, **_W8),  # spills ~90 B
-    "n32w8pf": FP8MLAConfig(prefetch=True, **_W8),  # spills ~230 B
+    "n32w8": _W8,  # 247 registers, no spills
+    "n32w8s3": replace(_W8, num_stages=3),
+    "n64w8": replace(_W8, block_n=64),  # spills ~90 B
+    "n32w8pf": replace(_W8, prefetch=True),  # spills ~230 B
 }
 MAX_COPIES = 64
 DIMS = MLADims(128, 512, 128, 64, 128, 192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
@@ -123,7 +124,9 @@ def _pool(
     for layer in range(copies):
         if pool.is_fp8:  # e4m3 of N(0, 1) values, with scales like the pool writes
             pool.kv_buffer(layer).copy_(torch.randn(pool.kv_buffer(layer).shape, device="cuda"))
-            pool.scale_buffer(layer).uniform_(0.005, 0.02)
+            scales = pool.scale_buffer(layer)
+            assert scales is not None  # an fp8 pool has them
+            scales.uniform_(0.005, 0.02)
         else:
             pool.kv_buffer(layer).normal_()
     return pool

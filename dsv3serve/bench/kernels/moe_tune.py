@@ -30,6 +30,7 @@ import argparse
 import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,7 +80,9 @@ def block_ms(tokens: int, experts: int, top_k: float, quick: bool) -> tuple[int,
     return (16, 32, 64) if rows <= 32 else (32, 64, 128)
 
 
-def _best(time_one, candidates: list[GemmTile]) -> tuple[float, GemmTile | None]:
+def _best(
+    time_one: Callable[[GemmTile], float], candidates: list[GemmTile]
+) -> tuple[float, GemmTile | None]:
     best: tuple[float, GemmTile | None] = (float("inf"), None)
     for tile in candidates:
         try:

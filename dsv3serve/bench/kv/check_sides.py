@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -31,11 +31,14 @@ from kv_transfer.dist_wire import (
     connect_store,
     host_store,
     make_group,
+    post_recv,
+    post_send,
     teardown_group,
 )
 from kv_transfer.pages import digest_pages, gather_pages, scatter_pages
 
 Args = dict[str, Any]
+KVDType = Literal["auto", "fp8_e4m3"]  # EngineConfig.kv_cache_dtype
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
 
@@ -52,7 +55,7 @@ def recv(conn: Connection, timeout_s: float) -> dict[str, Any]:
     return msg
 
 
-def make_engine(device: str, kv_cache_dtype: str) -> Engine:
+def make_engine(device: str, kv_cache_dtype: KVDType) -> Engine:
     """The tiny model, as the engine tests build it (no activation quantisation)."""
     cfg = EngineConfig(
         model="tiny",
@@ -128,7 +131,7 @@ def guarded(side: Callable[[Connection, Args], Any], conn: Connection, args: Arg
 
 
 # ---- prefill side ----------------------------------------------------------------------
-def _prefill_tokens(conn: Connection, args: Args, kv_cache_dtype: str) -> None:
+def _prefill_tokens(conn: Connection, args: Args, kv_cache_dtype: KVDType) -> None:
     engine = make_engine(args["prefill_device"], kv_cache_dtype)
     connector = create_kv_connector("torch_dist", engine.runner.pool, timeout_s=args["timeout"])
     for i, ids in enumerate(prompts(args["num_prompts"], seed=len(kv_cache_dtype))):
@@ -169,7 +172,7 @@ def _p2p_sender(conn: Connection, args: Args, nbytes: int) -> None:
     group = make_group(store, 0, 0, _backend(args), "127.0.0.1", args["timeout"])
     buf = torch.empty(nbytes, dtype=torch.uint8, device=args["prefill_device"])
     for _ in range(args["bw_iters"] + 1):
-        wait_work(group.send([buf], 1, 0), _backend(args), args["timeout"])
+        wait_work(post_send(group, [buf], 1), _backend(args), args["timeout"])
     recv(conn, args["timeout"])
     teardown_group(group, _backend(args))
 
@@ -227,7 +230,7 @@ def _with_first(first: int, streamed: list[int]) -> list[int]:
     return streamed if len(streamed) == GREEDY.max_new_tokens else [first, *streamed]
 
 
-def _decode_tokens(conn: Connection, args: Args, kv_cache_dtype: str) -> list[dict[str, Any]]:
+def _decode_tokens(conn: Connection, args: Args, kv_cache_dtype: KVDType) -> list[dict[str, Any]]:
     engine = make_engine(args["decode_device"], kv_cache_dtype)
     colocated = make_engine(args["decode_device"], kv_cache_dtype)
     connector = create_kv_connector("torch_dist", engine.runner.pool, timeout_s=args["timeout"])
@@ -280,14 +283,14 @@ def _decode_bandwidth(conn: Connection, args: Args) -> dict[str, Any]:
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
     copy_s = _timed(lambda: dst.copy_(src), iters, (src_device, dst_device))
     scatter_s = _timed(lambda: scatter_pages(pool, dst_pages, dst), iters, (dst_device,))
-    seconds = {"receive": statistics.median(seconds), "p2p": p2p_s, "copy": copy_s}
-    seconds["scatter"] = scatter_s
+    medians = {"receive": statistics.median(seconds), "p2p": p2p_s, "copy": copy_s}
+    medians["scatter"] = scatter_s
     return {
         "layers": 61, "kv_dim": 576, "dtype": "bfloat16", "tokens": args["bw_tokens"],
         "page_size": args["bw_page_size"], "pages": handle.num_pages, "nbytes": nbytes,
         "pages_bit_exact": exact, "iters": iters,
-    } | {f"{k}_seconds_median": v for k, v in seconds.items()} | {
-        f"{k}_gbps": nbytes / v / 1e9 for k, v in seconds.items()
+    } | {f"{k}_seconds_median": v for k, v in medians.items()} | {
+        f"{k}_gbps": nbytes / v / 1e9 for k, v in medians.items()
     }  # fmt: skip
 
 
@@ -297,7 +300,7 @@ def _p2p_receiver(conn: Connection, args: Args, nbytes: int) -> float:
     store = connect_store(Address("127.0.0.1", port, _backend(args), ""), args["timeout"])
     group = make_group(store, 0, 1, _backend(args), "127.0.0.1", args["timeout"])
     buf = torch.empty(nbytes, dtype=torch.uint8, device=args["decode_device"])
-    once = lambda: wait_work(group.recv([buf], 0, 0), _backend(args), args["timeout"])  # noqa: E731
+    once = lambda: wait_work(post_recv(group, [buf], 0), _backend(args), args["timeout"])  # noqa: E731
     seconds = _timed(once, args["bw_iters"], (args["decode_device"],))
     send(conn, kind="done")
     teardown_group(group, _backend(args))

@@ -151,7 +151,9 @@ def profile_graphs(
         result["draft_step"] = {"skipped": "no NextN layer (--no-mtp)"}
         return result
     timer = SpecGraphTimer(runner, warmup, iters)
-    calls = {"draft_step": lambda: timer.chain_call(1, context, 2)[0]}
+    calls: dict[str, Callable[[], Callable[[], object]]] = {
+        "draft_step": lambda: timer.chain_call(1, context, 2)[0]
+    }
     if num_steps > 2:
         calls["chain"] = lambda: timer.chain_call(1, context, num_steps)[0]
     calls["verify"] = lambda: timer.verify_call(1, context, num_steps)

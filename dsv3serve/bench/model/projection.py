@@ -19,7 +19,9 @@ def _layer_index(part: str) -> int | None:
 def project_full_depth(parts: dict[str, float], cfg: ModelConfig) -> float:
     """``parts`` (ms or bytes by part: ``layer{i}`` and the rest) with the layers replaced by
     3 x the mean dense layer + 58 x the mean MoE layer; the other parts are kept as measured."""
-    dense, moe, other = [], [], 0.0
+    dense: list[float] = []
+    moe: list[float] = []
+    other = 0.0
     for part, value in parts.items():
         index = _layer_index(part)
         if index is None:

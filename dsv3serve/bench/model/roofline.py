@@ -119,7 +119,7 @@ def decode_roofline(
     kv = kv_read_bytes(pool, batch_size, context)
     parts = {
         f"layer{i}": layer_weight_bytes(layer, batch_size) + kv
-        for i, layer in enumerate(model.layers)
+        for i, layer in enumerate(model.decoder_layers)
     }
     parts["head"] = float(head_bytes(model, batch_size))
     return Roofline(parts, copy_TBps)

@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,7 @@ def measure_mtp(bench: ModelBench, decode_rows: list[dict[str, Any]]) -> dict[st
         decode = found[0] if found and "error" not in found[0] else bench.decode(*key)
         return bench.spec_costs(bs, decode)
 
-    rows = [guarded({"batch_size": bs}, lambda bs=bs: measure(bs)) for bs in plan.mtp_batch_sizes]
+    rows = [guarded({"batch_size": bs}, partial(measure, bs)) for bs in plan.mtp_batch_sizes]
     return spec_summary(rows, plan.mtp_context, plan.mtp_steps)
 
 
@@ -194,9 +195,7 @@ def _resolve_device(name: str) -> torch.device:
 
 def measure_prefill(bench: ModelBench) -> list[dict[str, Any]]:
     """One row per prefill length."""
-    return [
-        guarded({"input_len": n}, lambda n=n: bench.prefill(n)) for n in bench.plan.prefill_lens
-    ]
+    return [guarded({"input_len": n}, partial(bench.prefill, n)) for n in bench.plan.prefill_lens]
 
 
 def measure_decode(bench: ModelBench) -> list[dict[str, Any]]:
@@ -204,8 +203,7 @@ def measure_decode(bench: ModelBench) -> list[dict[str, Any]]:
     plan = bench.plan
     points = [(b, c) for c in plan.decode_contexts for b in plan.decode_batch_sizes]
     return [
-        guarded({"batch_size": b, "context": c}, lambda b=b, c=c: bench.decode(b, c))
-        for b, c in points
+        guarded({"batch_size": b, "context": c}, partial(bench.decode, b, c)) for b, c in points
     ]
 
 

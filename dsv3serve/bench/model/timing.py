@@ -31,30 +31,31 @@ class Marks:
         self.device = device
         self.cuda = device.type == "cuda"
         self._names: list[str] = []
-        self._stamps: list[torch.cuda.Event | float] = []
+        self._events: list[torch.cuda.Event] = []  # on CUDA
+        self._times: list[float] = []  # elsewhere
 
     def reset(self) -> None:
         """Forget the previous step's stamps."""
-        self._names, self._stamps = [], []
+        self._names, self._events, self._times = [], [], []
 
     def mark(self, name: str) -> None:
         """Stamp the start of part ``name`` (and the end of the part before it)."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._stamps.append(event)
+            self._events.append(event)
         else:
-            self._stamps.append(time.perf_counter())
+            self._times.append(time.perf_counter())
         self._names.append(name)
 
     def parts_ms(self) -> dict[str, float]:
         """Milliseconds from each stamp to the next, by the earlier stamp's name; waits for
         the device. The last stamp only closes the part before it."""
         if self.cuda:
-            self._stamps[-1].synchronize()
-            ms = [a.elapsed_time(b) for a, b in zip(self._stamps, self._stamps[1:], strict=False)]
+            self._events[-1].synchronize()
+            ms = [a.elapsed_time(b) for a, b in zip(self._events, self._events[1:], strict=False)]
         else:
-            ms = [1e3 * (b - a) for a, b in zip(self._stamps, self._stamps[1:], strict=False)]
+            ms = [1e3 * (b - a) for a, b in zip(self._times, self._times[1:], strict=False)]
         return dict(zip(self._names, ms, strict=False))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import sys
 import time
@@ -82,7 +83,7 @@ def connect(address: str) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
 
 
 async def inject(events: tuple[ChaosEvent, ...], app: str, start: float) -> list[Kill]:

@@ -38,9 +38,10 @@ def _first_pair(entry: Any) -> tuple[str, str] | None:
     if not isinstance(turns, list) or len(turns) < 2:
         return None
     texts = [t.get("value") if isinstance(t, dict) else None for t in turns[:2]]
-    if not all(isinstance(t, str) and t for t in texts):
+    first, second = texts
+    if not (isinstance(first, str) and first and isinstance(second, str) and second):
         return None
-    return texts[0], texts[1]
+    return first, second
 
 
 def load_sharegpt(path: Path) -> list[tuple[str, str]]:

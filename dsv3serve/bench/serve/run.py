@@ -14,7 +14,7 @@ import math
 import platform
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -52,7 +52,7 @@ class Target:
 
 async def arrivals(
     requests: list[BenchRequest], rate: float, seed: int
-) -> AsyncIterator[BenchRequest]:
+) -> AsyncGenerator[BenchRequest, None]:
     """Yield ``requests`` with exponential gaps of mean ``1 / rate`` s (none for inf)."""
     rng = random.Random(seed)
     for i, req in enumerate(requests):

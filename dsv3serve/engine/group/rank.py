@@ -24,16 +24,18 @@ def attach_leader(engine: Engine) -> GroupLeader | DPGroupLeader:
     DP attention also gives the engine one scheduler per DP rank. Speculative decoding runs
     its forwards on every rank: broadcast under TP, split by DP rank under DP attention.
     """
-    parallel, spec = engine.cfg.parallel, engine.spec
+    parallel, spec, runner = engine.cfg.parallel, engine.spec, engine.runner
+    if not isinstance(runner, ModelRunner):
+        raise TypeError(f"attach_leader: expected the engine's ModelRunner, found {runner!r}")
     if parallel.enable_dp_attention:
         scheduler = DPScheduler(engine.scheduler.config, parallel.dp_size)
-        leader: GroupLeader | DPGroupLeader = DPGroupLeader(engine.runner, scheduler)
+        leader: GroupLeader | DPGroupLeader = DPGroupLeader(runner, scheduler)
         dp_forwards = (
             None if spec is None else DPSpecForwards(spec.runner, spec.draft, parallel.dp_size)
         )
         engine.use_runner(leader, scheduler, spec_forwards=dp_forwards)
     else:
-        leader = GroupLeader(engine.runner, parallel.world_size)
+        leader = GroupLeader(runner, parallel.world_size)
         forwards = None if spec is None else GroupSpecForwards(spec.runner, spec.draft)
         engine.use_runner(leader, spec_forwards=forwards)
     return leader

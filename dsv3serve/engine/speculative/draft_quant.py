@@ -38,7 +38,9 @@ def requantize_draft(layer: NextNLayer, mode: DraftQuant, dtype: torch.dtype) ->
     layer.block.plan_fusion()  # the fused paths follow the new weight precision
 
 
-def _convert(module: nn.Module, weight: str, scale: str, mode: DraftQuant, dtype: torch.dtype):
+def _convert(
+    module: nn.Module, weight: str, scale: str, mode: DraftQuant, dtype: torch.dtype
+) -> None:
     w: torch.Tensor = getattr(module, weight)
     s: torch.Tensor | None = getattr(module, scale)
     if (mode == "fp8") == (s is not None):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 
 import torch
 
@@ -112,7 +113,7 @@ class DraftChainGraphs:
                 self._load_hidden(self._hidden[:0], size)
                 for step, graphs in enumerate(self._graphs):
                     batch = self._load_step(step, [], size)
-                    graphs.capture(size, lambda s=step, b=batch: self._forward_step(s, b))
+                    graphs.capture(size, partial(self._forward_step, step, batch))
             logger.info("captured draft-chain CUDA graphs for batch sizes %s", self.sizes)
 
     @property
@@ -170,7 +171,7 @@ class DraftChainGraphs:
         self._load_hidden(hidden, size)
         batch = self._load_step(0, steps[0], size)
         for step, graphs in enumerate(self._graphs):
-            graphs.run(size, lambda s=step, b=batch: self._forward_step(s, b))
+            graphs.run(size, partial(self._forward_step, step, batch))
             if step + 1 < self.chain:
                 batch = self._load_step(step + 1, steps[step + 1], size)
         self.runs += 1

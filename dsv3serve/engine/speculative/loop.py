@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv3serve.engine.model_runner import ModelRunner
-from dsv3serve.engine.scheduler.sequence import ScheduledItem
+from dsv3serve.engine.scheduler.sequence import ScheduledItem, Sequence
 from dsv3serve.engine.speculative.draft_quant import DraftQuant
 from dsv3serve.engine.speculative.extend_graphs import ExtendGraphs
 from dsv3serve.engine.speculative.forwards import SpecForwards, make_draft, spec_graphs_for
@@ -117,8 +117,8 @@ class SpecDecoder:
     @torch.inference_mode()
     def propose(self, items: list[ScheduledItem]) -> dict[str, list[int]]:
         """Draft tokens for each decode item with lookahead and a current draft state."""
-        rows = [(item, self._fresh_state(item)) for item in items if item.num_lookahead]
-        rows = [(item, st) for item, st in rows if st is not None]
+        fresh = [(item, self._fresh_state(item)) for item in items if item.num_lookahead]
+        rows = [(item, st) for item, st in fresh if st is not None]
         drafts = {item.seq_id: [st.token] for item, st in rows}
         if not rows:
             return drafts
@@ -170,7 +170,10 @@ class SpecDecoder:
         self, items: list[ScheduledItem], drafts: dict[str, list[int]]
     ) -> TargetPass:
         """The target over every item's new tokens, decode items with their drafts."""
-        spans, rows, starts, offset = [], [], [], 0
+        spans: list[SeqSpan] = []
+        rows: list[int] = []
+        starts: list[int] = []
+        offset = 0
         for item in items:
             tokens = item.token_ids + drafts.get(item.seq_id, [])
             spans.append(self._span(item, tokens, item.start, item.sample))
@@ -202,7 +205,10 @@ class SpecDecoder:
         if graphs is not None and self._extend_graphable(items, target, graphs):
             self._extend_graphed(items, target, graphs)
             return
-        spans, rows, ready, owners = [], [], [], []
+        spans: list[SeqSpan] = []
+        rows: list[int] = []
+        ready: list[Sequence] = []
+        owners: list[int] = []
         for item, first_row in zip(items, target.row_starts, strict=True):
             seq = item.seq
             new = seq.num_computed_tokens - item.start
@@ -218,8 +224,8 @@ class SpecDecoder:
                 ready.append(seq)
         if not spans:
             return
-        last, next_tokens = self.forwards.draft_from_target(spans, target.hidden, rows, owners)
-        tokens = next_tokens.tolist()
+        last, drafted = self.forwards.draft_from_target(spans, target.hidden, rows, owners)
+        tokens = drafted.tolist()
         for seq, token, hidden in zip(ready, tokens, last, strict=True):
             self._states[seq.seq_id] = DraftState(seq.num_tokens, token, hidden.clone())
 
