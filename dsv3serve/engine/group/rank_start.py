@@ -31,7 +31,7 @@ def rank_context(method: str | None = None) -> BaseContext:
     chosen = method or Settings.from_env().worker_multiproc_method
     ctx = mp.get_context(chosen)
     if chosen == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # type: ignore[attr-defined]
+        ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
