@@ -5,7 +5,8 @@
 # Stages:
 #   tests  : the fused kernels' GPU tests (add + RMSNorm + FP8 quant; the MLA q/kv norms and
 #            RoPE inside the KV-cache write; the FP8 GEMM), and the model's fused paths
-#            against their reference ops
+#            against their reference ops; then those fused kernels' times beside their
+#            reference ops (`bench kernels --only fused`)
 #   bench  : `bench model` graphed decode at batch 1, ctx 1024, 1 dense + 2 MoE layers, in
 #            three states: fusions off, the fused add + norm + quant alone, every fusion on
 #            (DSV3SERVE_FUSED_NORM_QUANT / DSV3SERVE_FUSED_MLA = 0 0, 1 0, 1 1): ms and ratio
@@ -62,7 +63,10 @@ stage_tests() {
     tests/kernels/test_norm_quant_gpu.py tests/model/test_fused_norm_quant_gpu.py \
     tests/kernels/test_mla_fusion_gpu.py tests/model/test_fused_mla_gpu.py \
     tests/kernels/test_fp8_kernels_gpu.py tests/moe/test_router_logits_gpu.py
-  grep -E "norm_quant|mla_norm|rope_kv|relative|passed|failed|Error" "$OUT/gpu_tests.log" | tail -25
+  grep -E "relative|passed|failed|Error" "$OUT/gpu_tests.log" | tail -25
+  run fused_kernels 60 python3 -m dsv3serve.cli bench kernels --only fused \
+    --json "$OUT/fused_kernels.json"
+  tail -8 "$OUT/fused_kernels.log"
 }
 stage_ops() {
   run layer_ops 160 python3 benchmarks/count_layer_ops.py --out "$OUT/layer_ops.json"

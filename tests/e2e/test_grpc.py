@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -23,6 +24,7 @@ import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from ray.serve._private.logging_utils import get_serve_logs_dir
 from refusal_util import first_refusal
 from serving_util import (
     TINY_ENGINE,
@@ -36,9 +38,11 @@ from serving_util import (
 )
 
 from router.api.grpc_api import grpc_code
+from router.api.grpc_stream_end import DROPPED_AT_WRITE
 from router.launch import grpc_example
 from router.proto import generate_pb2 as pb
 from router.proto.generate_pb2_grpc import GenerationStub
+from workers.protocol import WorkerStats
 
 APP = "grpcpd"
 META = [("application", APP)]
@@ -343,6 +347,16 @@ def test_cancel_mid_stream_aborts_on_both_workers(served: Served) -> None:
     )  # the router saw the cancellation, not a failure
 
 
+def dropped_at_write() -> int:
+    """Calls the proxy logged as dropped at a write (``router.api.grpc_stream_end``) so far."""
+    logs = Path(get_serve_logs_dir()).glob("proxy_*.log")
+    return sum(path.read_text(errors="replace").count(DROPPED_AT_WRITE) for path in logs)
+
+
+def held_pages(stats: WorkerStats) -> int:
+    return stats.num_pages - stats.free_pages - stats.evictable_pages
+
+
 @pytest.mark.parametrize("ending", ["cancel", "deadline"])
 def test_a_call_ended_while_the_proxy_waits_to_write_frees_pages(
     served: Served, ending: str
@@ -352,19 +366,27 @@ def test_a_call_ended_while_the_proxy_waits_to_write_frees_pages(
     cancel or the deadline). Serve then closes its handler there without cancelling the
     replica's response (Ray 2.60, ``proxy.py`` ``send_request_to_replica``), and the router
     stream ran on to ``max_tokens`` with its pages held; ``router.api.grpc_proxy`` cancels
-    it. (Fails without ``cancel_replica_call``: decode-0 still holds the request.)"""
+    it. (Fails without ``cancel_replica_call``: decode-0 still holds the request.) The
+    proxy's log line for a call dropped at a write shows that the call did end there.
+
+    The window is 1 KiB and each token's message, with its 20 top logprobs, a few hundred
+    bytes: once decode-0 holds 4 pages of 16 tokens (some 45 generated), the proxy's
+    writes have long been waiting."""
     window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
     request = pb.GenerateRequest(
         text=PROMPT, sampling=pb.SamplingOptions(max_tokens=4000, ignore_eos=True, logprobs=20)
     )
-    timeout = 5.0 if ending == "deadline" else None
+    timeout = 10.0 if ending == "deadline" else None
+    dropped_before = dropped_at_write()
     with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}", options=window) as channel:
         stream = GenerationStub(channel).GenerateStream(request, metadata=META, timeout=timeout)
         try:
-            next(stream)
-            time.sleep(3)  # not reading: the window fills and the proxy's write waits
+            next(stream)  # then not reading: the window fills and the proxy's write waits
+            assert wait_until(lambda: held_pages(worker_stats(APP, "decode-0")) >= 4, 8)
             busy = worker_stats(APP, "decode-0")
             assert busy.live_requests == 1, busy
+            if ending == "deadline":  # still not reading (that would let the write go on)
+                assert wait_until(stream.done, 2 * timeout)
         finally:
             if ending == "cancel":
                 stream.cancel()
@@ -373,6 +395,7 @@ def test_a_call_ended_while_the_proxy_waits_to_write_frees_pages(
                 pass
     wanted = Code.CANCELLED if ending == "cancel" else Code.DEADLINE_EXCEEDED
     assert info.value.code() == wanted
+    assert wait_until(lambda: dropped_at_write() > dropped_before, 10), "not dropped at a write"
     assert_pages_return()
 
 

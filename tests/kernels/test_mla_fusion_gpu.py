@@ -1,12 +1,10 @@
 """The MLA fusion kernels against their torch references on a GPU, at DeepSeek-V3's widths
 (q_lora_rank 1536, kv_lora_rank 512, rope 64, 128 heads) and decode-to-prefill token
-counts, on fresh random inputs with NaN-poisoned outputs; prints their time beside the
-reference ops'. Bounds in tests/support/mla_fusion_cases.py."""
+counts, on fresh random inputs with NaN-poisoned outputs. Bounds in
+tests/support/mla_fusion_cases.py; their time beside the reference ops':
+``dsv3serve bench kernels --only fused``."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from functools import partial
 
 import pytest
 import torch
@@ -60,28 +58,3 @@ def test_quantized_q_feeds_q_b_proj(t: int) -> None:
     unfused = fp8_block_gemm(normed, wq, ws).float()
     rel = float((fused - unfused).norm() / unfused.norm())
     assert rel < 1e-2, f"expected fused GEMM input == unfused within 1%, got {rel:.3e}"
-
-
-def test_kernel_time_report() -> None:
-    """Not a gate: µs per call at batch 1 and 64, fused kernel beside the reference ops."""
-    g = torch.Generator().manual_seed(SEED)
-    for t in (1, 64):
-        packed, q_w, kv_w = qkv_inputs(t, Q, R, P, "cuda", g)
-        args = (*packed.split([Q, R + P], -1), q_w, kv_w, 1e-6, 1e-6, True)
-        for name, norms in (("fused", qkv_a_rmsnorm_triton), ("ref", qkv_a_rmsnorm_ref)):
-            print(f"mla_norm {name} t={t}: {_time_us(partial(norms, *args)):.1f} us")
-        case = rope_inputs(t, R, P, HEADS, torch.bfloat16, "cuda", g)
-        for name, write in (("fused", rope_kv_write_triton), ("ref", rope_kv_write_ref)):
-            print(f"rope_kv_write {name} t={t}: {_time_us(partial(case.run, write)):.1f} us")
-
-
-def _time_us(fn: Callable[[], object], iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters

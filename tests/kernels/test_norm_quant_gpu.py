@@ -1,6 +1,7 @@
 """The fused add + RMSNorm + FP8 quantisation kernel against its torch reference on a GPU,
-at DeepSeek-V3's hidden size (7168) and decode-to-prefill row counts; prints its bandwidth.
-Bounds in tests/support/norm_quant_cases.py."""
+at DeepSeek-V3's hidden size (7168) and decode-to-prefill row counts. Bounds in
+tests/support/norm_quant_cases.py; its time and bandwidth: ``dsv3serve bench kernels --only
+fused``."""
 
 from __future__ import annotations
 
@@ -43,26 +44,3 @@ def test_quantized_output_feeds_the_gemm(m: int) -> None:
     unfused = fp8_block_gemm(out.normed, wq, ws).float()
     rel = float((fused - unfused).norm() / unfused.norm())
     assert rel < 1e-2, f"expected fused GEMM input == unfused within 1%, got {rel:.3e}"
-
-
-def test_kernel_bandwidth_report() -> None:
-    """Not a gate: prints µs and GB/s at batch 1 and 64 beside the unfused reference."""
-    g = torch.Generator().manual_seed(SEED)
-    for m in (1, 64):
-        x, r, w = random_inputs(m, HIDDEN, True, "cuda", g)
-        moved = m * HIDDEN * (2 + 2 + 2 + 1) + m * (HIDDEN // 128) * 4
-        for name, fn in (("fused", add_rmsnorm_quant_triton), ("ref", add_rmsnorm_quant_ref)):
-            us = _time_us(lambda fn=fn, x=x, r=r, w=w: fn(x, r, w, 1e-6))
-            print(f"norm_quant {name} m={m}: {us:.1f} us, {moved / us / 1e3:.1f} GB/s")
-
-
-def _time_us(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters

@@ -100,9 +100,25 @@ def test_a_request_that_raises_gives_its_place_back() -> None:
 
 
 def test_without_a_budget_the_door_counts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More generation requests at once than a burst takes (:data:`BURST_ARRIVALS`), all
+    held inside: every one goes straight on, none is counted in flight, no burst starts."""
     monkeypatch.delenv(PROXY_ADMISSION_ENV, raising=False)
-    door = ProxyAdmission(HeldProxyApp())
-    assert door.limit is None
+    arrivals = BURST_ARRIVALS + 4
+
+    async def run() -> tuple[int | None, int, int, bool, list[int]]:
+        inner = HeldProxyApp()
+        door = ProxyAdmission(inner)
+        held = [asyncio.create_task(call(door)) for _ in range(arrivals)]
+        for _ in range(3):  # let every task reach the inner app (none waits on a burst)
+            await asyncio.sleep(0)
+        seen = (door.limit, inner.calls, door.in_flight, door.arrivals.in_burst)
+        inner.release.set()
+        return *seen, [status(await task) for task in held]
+
+    limit, entered, in_flight, in_burst, statuses = asyncio.run(run())
+    assert limit is None
+    assert entered == arrivals and in_flight == 0 and not in_burst
+    assert statuses == [200] * arrivals
 
 
 def test_the_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from dsv3serve.attention.base import AttentionBackend, MLADims
-from dsv3serve.bench.kernels.timing import graph_us
+from dsv3serve.bench.kernels.timing import eager_us, graph_us
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.mla_decode import MLADecodeConfig, decode_bytes
 from dsv3serve.kernels.mla_decode_fp8 import FP8MLAConfig, decode_flops
@@ -172,7 +172,7 @@ def bench_point(
         us, timing = graph_us(call, max(layers, 4), replays), "cuda-graph"
     except Exception as err:  # a capture failure: time eagerly, and say so
         print(f"CUDA graph capture failed ({err}); timing eager calls")
-        us, timing = _eager_us(call, max(layers, 4), replays), "eager"
+        us, timing = eager_us(call, max(layers, 4), replays), "eager"
     row_bytes = bytes_per_page(1, 1, pool.dtype, DIMS.kv_cache_dim)
     read = decode_bytes(batch.kv_slots.numel(), row_bytes, q_latent, DIMS.kv_lora_rank)
     read += q_pe.numel() * q_pe.element_size()
@@ -192,20 +192,6 @@ def bench_point(
         "TFLOPs": flops / us / 1e6,
         "timing": timing,
     }
-
-
-def _eager_us(fn: Any, calls: int, replays: int) -> float:
-    """Median time of one call from rows of eager calls between CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        for i in range(calls):
-            fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] * 1e3 / calls
 
 
 def bench_mla(args: argparse.Namespace, ceil: dict) -> dict[str, Any]:

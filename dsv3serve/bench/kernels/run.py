@@ -1,8 +1,9 @@
-"""``dsv3serve bench kernels``: the FP8 kernels, the fused MoE, the router gate and MLA decode
-attention on DeepSeek-V3 shapes, against the same run's ceilings (device copy bandwidth, bf16
-and per-tensor fp8 GEMM peaks at 8192^3). ``--only fp8,moe,gate,mla`` picks the sections
-(FP8: :mod:`dsv3serve.bench.kernels.fp8`; MoE and gate: :mod:`dsv3serve.bench.kernels.moe`;
-MLA: :mod:`dsv3serve.bench.kernels.mla`; timing: :mod:`dsv3serve.bench.kernels.timing`).
+"""``dsv3serve bench kernels``: the FP8 kernels, the fused MoE, the router gate, MLA decode
+attention and the fused norm kernels on DeepSeek-V3 shapes, against the same run's ceilings
+(device copy bandwidth, bf16 and per-tensor fp8 GEMM peaks at 8192^3).
+``--only fp8,moe,gate,mla,fused`` picks the sections (FP8: :mod:`dsv3serve.bench.kernels.fp8`;
+MoE and gate: :mod:`dsv3serve.bench.kernels.moe`; MLA: :mod:`dsv3serve.bench.kernels.mla`;
+fused norms: :mod:`dsv3serve.bench.kernels.fused`; timing: :mod:`dsv3serve.bench.kernels.timing`).
 This module is the subcommand's registry: it imports the sections, none imports it.
 """
 
@@ -16,11 +17,11 @@ from typing import Any
 
 import torch
 
-from dsv3serve.bench.kernels import fp8, mla, moe
+from dsv3serve.bench.kernels import fp8, fused, mla, moe
 from dsv3serve.bench.kernels.timing import measure_ceilings
 from dsv3serve.kernels.fp8_quant import HAS_TRITON
 
-SECTIONS = ("fp8", "moe", "gate", "mla")
+SECTIONS = ("fp8", "moe", "gate", "mla", "fused")
 
 
 def _environment() -> dict[str, Any]:
@@ -52,6 +53,8 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         result["gate"] = moe.run_gate(args)
     if "mla" in args.only:
         result["mla"] = mla.bench_mla(args, ceil)
+    if "fused" in args.only:
+        result["fused"] = fused.run_fused(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if "fp8" in args.only:
         fp8.print_table(ceil, result["rows"])
@@ -62,6 +65,8 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         moe.print_gate(result["gate"])
     if "mla" in args.only:
         mla.print_mla_table(ceil, result["mla"])
+    if "fused" in args.only:
+        fused.print_fused(result["fused"])
     return result
 
 
@@ -82,13 +87,15 @@ def _run(args: argparse.Namespace) -> int:
 def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     """Add ``kernels`` to the ``bench`` subparsers (``bench``: argparse's subparsers action)."""
     p = bench.add_parser(
-        "kernels", help="FP8 quant and block GEMM, fused MoE, router gate vs the GPU's ceilings"
+        "kernels",
+        help="FP8 quant and block GEMM, fused MoE, router gate, MLA decode, fused norms vs the "
+        "GPU's ceilings",
     )
     p.add_argument(
         "--only",
         type=parse_sections,
         default=list(SECTIONS),
-        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla (default: all)",
+        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla, fused (default: all)",
     )
     p.add_argument("--m", type=int, nargs="+", default=list(fp8.DEFAULT_MS), help="batch rows")
     p.add_argument("--shapes", nargs="+", default=list(fp8.SHAPES), choices=list(fp8.SHAPES))
@@ -97,5 +104,6 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", default="bench_kernels.json", help="where to write results")
     moe.add_moe_args(p)
     mla.add_mla_args(p)
+    fused.add_fused_args(p)
     p.set_defaults(func=_run)
     return p

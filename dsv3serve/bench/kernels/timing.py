@@ -44,6 +44,21 @@ def graph_us(fn: Call, calls: int, replays: int) -> float:
     return statistics.median(times) * 1e3 / calls
 
 
+def eager_us(fn: Call, calls: int, replays: int) -> float:
+    """Median time of one call from rows of eager calls between CUDA events (where
+    :func:`graph_us` cannot capture them; the host's launch overhead is then included)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) * 1e3 / calls
+
+
 def _copy_us(nbytes: int, replays: int, per_replay: int = 4) -> float:
     """Eager device-to-device copies between events: captured in a graph, the copy becomes a
     memcpy node, which ran about 20% slower on an H100 than torch's eager copy."""

@@ -68,6 +68,30 @@ def test_second_pass_loads_prefixes_back_instead_of_recomputing() -> None:
 
 
 def test_a_full_host_tier_drops_its_least_recent_pages() -> None:
+    """One request at a time over a 3-page pool: each new prompt pushes the oldest cached
+    page to a 3-page host tier. ``sx`` caches a chain of two pages (s, x); ``q``, ``z``,
+    ``w``, ``v``, ``u`` one page each. x goes to the host first, then s (a host-only page
+    with a host child: not droppable yet), q, and the tier is full. Making room for z drops
+    x, the least recent droppable page, which leaves s droppable; making room for w drops
+    s (used before q). A first-in first-out tier (by the order pages became droppable)
+    drops x then q; a most-recent-first one drops q then z."""
+    engine, _ = _engine(3, num_pages=3, max_running_requests=1)
+    prompts = {"sx": [10, 11, 12, 13, 20, 21, 22, 23, 1]}
+    for name, first in (("q", 30), ("z", 40), ("w", 50), ("v", 60), ("u", 70)):
+        prompts[name] = [first, first + 1, first + 2, first + 3, 1]
+    arrivals = {step: [Sequence(name, p, 1)] for step, (name, p) in enumerate(prompts.items())}
+    engine.run(arrivals)
+    assert outputs(arrivals) == expected(arrivals)
+    kv = engine.scheduler.kv
+    tiers = {name: kv.peek_prefix_tiers(prompt, "") for name, prompt in prompts.items()}
+    on_host, on_device = (0, 4), (4, 0)
+    dropped = (0, 0)
+    assert tiers == dict(sx=dropped, q=on_host, z=on_host, w=on_host, v=on_device, u=on_device)
+    assert kv.tier_stats.dropped_pages == 2 and kv.host_tier is not None
+    assert kv.host_tier.used_pages == 3
+
+
+def test_a_full_host_tier_still_saves_prefill() -> None:
     on_tokens, _, engine = _second_pass_prefill(host_pages=12, reverse=True)
     off_tokens, _, _ = _second_pass_prefill(host_pages=0, reverse=True)
     stats = engine.scheduler.kv.tier_stats
