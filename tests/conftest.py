@@ -36,32 +36,28 @@ from fresh_seed import draw_session_seed  # noqa: E402  (tests/support is on the
 draw_session_seed()  # in xdist's controller before it starts its workers: they inherit it
 
 
-# Modules that start a Ray cluster (in this process or a child): under pytest-xdist
-# (``--dist loadgroup``) they run one after another on one worker, while the other workers
-# take the rest. They are collected first, so that their long run starts at once. Two
-# clusters at once would share two cores, and ``ray.init("auto")`` (``test_chaos_connect``)
-# must find exactly one.
-RAY_MODULES = ("e2e/", "bench/test_chaos_connect.py", "router/test_launch.py")
+# Tests that start a Ray cluster (in this process or a child): under pytest-xdist they are
+# one unit of work, run one after another on one worker (``ray_group_scheduling``).
+RAY_MODULES = ("tests/e2e/", "tests/bench/test_chaos_connect.py", "tests/router/test_launch.py")
 RAY_TESTS = ("test_deploy_configs.py::test_serve_command_starts_the_default_pd_app_and_answers",)
 
 
-def _starts_ray(item: pytest.Item) -> bool:
-    where = Path(item.path).relative_to(_TESTS).as_posix()
-    return where.startswith(RAY_MODULES) or item.nodeid.split("[")[0].endswith(RAY_TESTS)
+def starts_ray(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` (relative to the repository root) starts a Ray cluster."""
+    return nodeid.startswith(RAY_MODULES) or nodeid.split("[")[0].endswith(RAY_TESTS)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``-n N``: the Ray tests as one unit of work, the rest a module at a time."""
+    if config.getoption("dist") not in ("load", "loadscope", "loadgroup"):
+        return None
+    from ray_group_scheduling import ray_scheduler
+
+    return ray_scheduler(starts_ray)(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The Ray modules form one xdist group, first in order; GPU tests skip cleanly without
-    a CUDA device."""
-    ray = [item for item in items if _starts_ray(item)]
-    for item in ray:
-        item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = ray + [item for item in items if not _starts_ray(item)]
-    _skip_gpu_tests(items)
-
-
-def _skip_gpu_tests(items: list[pytest.Item]) -> None:
+    """GPU tests skip cleanly where there is no CUDA device."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
