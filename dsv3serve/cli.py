@@ -87,6 +87,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="no dsv3serve:moe_dispatch_* metrics: EP dispatch / combine record no CUDA events",
     )
     p.add_argument(
+        "--disable-any-whitespace",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="structured JSON output (json_schema, json_object, tool-call arguments) without "
+        "whitespace between elements (default); --no-disable-any-whitespace allows any",
+    )
+    p.add_argument(
         "--hf-overrides",
         type=json.loads,
         default=None,
