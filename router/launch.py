@@ -16,6 +16,7 @@ from router.api.admission import admission_limit
 from router.api.proxy_admission import PROXY_ADMISSION_ENV
 from router.api.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from router.config import ConfigError, ServingConfig
+from router.launch_cluster import patient_node_lookup
 from router.launch_start import (
     APP_START_S,
     PROXY_START_S,
@@ -160,21 +161,22 @@ def init_local_ray(admission: int | None = None) -> None:
     loopback, no dashboard, our proxy middleware (``use_proxy_middleware``, with the
     door's budget ``admission``) and patient proxy readiness checks
     (``use_patient_proxy_checks``); raises RuntimeError when it could not be kept on
-    loopback, StartupError when it did not start (Ray gives its raylet a fixed 30 s to
-    register, which a host whose cores are taken can miss)."""
+    loopback, StartupError when it did not start (its node gets ``NODE_START_S`` to
+    register with the GCS: ``launch_cluster.patient_node_lookup``)."""
     use_loopback_ray()
     use_proxy_middleware(admission)
     use_patient_proxy_checks()
     import ray
 
     try:
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, 4),
-            include_dashboard=False,
-            _node_ip_address=LOOPBACK,
-            ignore_reinit_error=True,
-        )
-    except Exception as exc:  # Ray raises a bare Exception when its raylet is late
+        with patient_node_lookup():
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, 4),
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                ignore_reinit_error=True,
+            )
+    except Exception as exc:  # Ray raises a bare Exception when its node is late
         raise StartupError(f"the local Ray cluster did not start: {exc}") from exc
     _check_loopback_node()
 
