@@ -18,6 +18,7 @@ from dsv3serve.kvcache.sizing import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from dsv3serve.parallel.args import add_layout_args
 from dsv3serve.plan.cli import add_plan_parser
 from dsv3serve.settings import export_compile_caches
+from router.launch_start import APP_START_S, PROXY_START_S
 
 if TYPE_CHECKING:
     from dsv3serve.engine.engine import Engine
@@ -92,6 +93,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--disable-moe-dispatch-metrics",
         action="store_true",
         help="no dsv3serve:moe_dispatch_* metrics: EP dispatch / combine record no CUDA events",
+    )
+    p.add_argument(
+        "--disable-any-whitespace",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="structured JSON output (json_schema, json_object, tool-call arguments) without "
+        "whitespace between elements (default); --no-disable-any-whitespace allows any",
     )
     p.add_argument(
         "--hf-overrides",
@@ -200,6 +208,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.check,
         grpc_port=args.grpc_port,
         reasoning_parser=args.reasoning_parser,
+        start_bound_s=args.start_timeout,
     )
 
 
@@ -222,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split <think> reasoning into reasoning_content (sets router.reasoning_parser "
         "of every app in the file)",
+    )
+    serve.add_argument(
+        "--start-timeout",
+        type=float,
+        default=APP_START_S,
+        help=f"seconds Serve's proxy (at most {PROXY_START_S:g}) and then each app (every "
+        "replica built) may take to start before serve stops and names what is not up "
+        "(default %(default)g)",
     )
     _cache_arg(serve)
     serve.set_defaults(func=_cmd_serve)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -17,9 +16,20 @@ from router.api.admission import admission_limit
 from router.api.proxy_admission import PROXY_ADMISSION_ENV
 from router.api.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from router.config import ConfigError, ServingConfig, app_args, deploy_applications
+from router.launch_cluster import patient_node_lookup
+from router.launch_start import (
+    APP_START_S,
+    PROXY_START_S,
+    StartupError,
+    deploy_app,
+    say,
+    start_serve,
+    use_patient_proxy_checks,
+    wait_running,
+)
 from router.launch_stop import graceful_bound_s, start_drain_board, stop_and_exit
+from router.launch_usage import APP_NAME, check, check_grpc, usage_text
 
-APP_NAME = "dsv3serve"
 GRPC_SERVICER = "router.api.grpc_proxy.add_generation_servicer"
 DEFAULT_GRPC_PORT = 9000
 
@@ -150,58 +160,70 @@ def http_options(data: JSONObject, port: int | None = None) -> JSONObject:
 
 def init_local_ray(admission: int | None = None) -> None:
     """Start a local Ray cluster with every Ray port (GCS, raylet, workers, agents) on
-    loopback, no dashboard, and our proxy middleware (``use_proxy_middleware``, with the
-    door's budget ``admission``); raises RuntimeError when it could not be kept on
-    loopback."""
+    loopback, no dashboard, our proxy middleware (``use_proxy_middleware``, with the
+    door's budget ``admission``) and patient proxy readiness checks
+    (``use_patient_proxy_checks``); raises RuntimeError when it could not be kept on
+    loopback, StartupError when it did not start (its node gets ``NODE_START_S`` to
+    register with the GCS: ``launch_cluster.patient_node_lookup``)."""
     use_loopback_ray()
     use_proxy_middleware(admission)
+    use_patient_proxy_checks()
     import ray
 
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, 4),
-        include_dashboard=False,
-        _node_ip_address=LOOPBACK,
-        ignore_reinit_error=True,
-    )
+    try:
+        with patient_node_lookup():
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, 4),
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                ignore_reinit_error=True,
+            )
+    except Exception as exc:  # Ray raises a bare Exception when its node is late
+        raise StartupError(f"the local Ray cluster did not start: {exc}") from exc
     _check_loopback_node()
 
 
-def start(data: JSONObject, port: int | None = None, grpc_port: int | None = None) -> str:
+def start(
+    data: JSONObject,
+    port: int | None = None,
+    grpc_port: int | None = None,
+    app_bound_s: float = APP_START_S,
+) -> str:
     """Start a local Ray cluster (``init_local_ray``), HTTP (on loopback unless the file
     names a host), gRPC when the file has ``grpc_options``, and every app; returns the
-    HTTP URL."""
+    HTTP URL once Serve's proxy is HEALTHY (``start_serve``, within ``PROXY_START_S`` or
+    ``app_bound_s`` if less) and every app RUNNING (each within ``app_bound_s``).
+
+    Raises StartupError naming what did not start within its bound."""
     apps = deploy_applications(data)
     configs = [ServingConfig.parse(app_args(app)) for app in apps]
     init_local_ray(admission_limit(cfg.router for cfg in configs))
-    from ray import serve
-
     from router.app import build_app
 
     http = http_options(data, port)
     start_drain_board()
-    serve.start(http_options=http, grpc_options=grpc_options(data, grpc_port))
+    took = start_serve(http, grpc_options(data, grpc_port), min(PROXY_START_S, app_bound_s))
+    say(f"Serve's proxy is up ({took:.0f} s); starting the app")
     autoscaled: list[JSONObject] = []
     for app, cfg in zip(apps, configs, strict=True):
         if cfg.slo is not None:
             autoscaled.append(app)
             continue
-        serve.run(
-            build_app(cfg),
-            name=json_str(app.get("name", APP_NAME), "name"),
-            route_prefix=json_str(app.get("route_prefix", "/"), "route_prefix"),
-        )
+        name = json_str(app.get("name", APP_NAME), "name")
+        route_prefix = json_str(app.get("route_prefix", "/"), "route_prefix")
+        deploy_app(build_app(cfg), name, route_prefix, app_bound_s)
     if autoscaled:
-        deploy_autoscaled(autoscaled)
+        deploy_autoscaled(autoscaled, app_bound_s)
     return f"http://{http['host']}:{http['port']}"
 
 
-def deploy_autoscaled(apps: list[JSONObject], timeout_s: float = 900.0) -> None:
+def deploy_autoscaled(apps: list[JSONObject], bound_s: float = APP_START_S) -> None:
     """Deploy application entries whose ``args`` set ``slo`` through one Serve deploy
     config (Ray 2.60 takes an application-level ``autoscaling_policy`` only there; a
     later config replaces these apps), each with its policy filled in
     (``router.autoscale.app``); wait until they run.
 
-    Raises RuntimeError when one fails to deploy or is not running within ``timeout_s``."""
+    Raises StartupError when one fails to deploy or is not running within ``bound_s``."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
@@ -215,90 +237,7 @@ def deploy_autoscaled(apps: list[JSONObject], timeout_s: float = 900.0) -> None:
         raise RuntimeError("deploy_autoscaled: expected a running Serve controller, found none")
     client.deploy_apps(ServeDeploySchema.model_validate({"applications": entries}))
     for entry in entries:
-        wait_running(entry["name"], timeout_s)
-
-
-def wait_running(name: str, timeout_s: float) -> None:
-    """Block until Serve reports application ``name`` RUNNING; RuntimeError when it
-    reports DEPLOY_FAILED, or after ``timeout_s``."""
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(name)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
-        time.sleep(1.0)
-    raise RuntimeError(f"application {name!r} not running after {timeout_s:.0f} s")
-
-
-def usage_text(url: str, model: str, grpc_port: int | None = None, app: str = APP_NAME) -> str:
-    """What to print once the app is up: the URLs and example calls."""
-    body = (
-        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
-        '"max_tokens": 32}'
-    )
-    text = (
-        f"dsv3serve is up at {url}\n\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"    -d '{body}'\n\n"
-        f"  {sys.executable} -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "/v1', "
-        "api_key='none'); print(c.chat.completions.create(model='" + model + "', "
-        "messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32)"
-        '.choices[0].message.content)"\n\n'
-    )
-    if grpc_port is not None:
-        text += (
-            f"gRPC (dsv3serve.v1.Generation, router/proto/generate.proto) on port {grpc_port}:\n\n"
-            f"  {grpc_example(grpc_port, app)}\n\n"
-            "With an API key set, add -H 'Authorization: Bearer <key>' (curl), "
-            "api_key='<key>' (openai)\nor ('authorization', 'Bearer <key>') to the gRPC "
-            "metadata.\n\n"
-        )
-    return text + "Ctrl-C stops it."
-
-
-def grpc_example(port: int, app: str = APP_NAME, python: str = sys.executable) -> str:
-    """A shell command that streams one chat completion over gRPC with the grpcio and
-    stubs the project installs (no grpcurl needed) and prints its text."""
-    code = (
-        "import grpc; from router.proto import generate_pb2 as pb, generate_pb2_grpc as rpc; "
-        f"stub = rpc.GenerationStub(grpc.insecure_channel('127.0.0.1:{port}')); "
-        "request = pb.ChatRequest(messages=[pb.ChatMessage(role='user', content='Hello!')], "
-        "sampling=pb.SamplingOptions(max_tokens=32)); "
-        "print(''.join(m.choice.text for m in stub.ChatCompleteStream(request, "
-        f"metadata=[('application', '{app}')])))"
-    )
-    return f'{python} -c "{code}"'
-
-
-def check_grpc(port: int, app: str, api_key: str) -> str:
-    """The gRPC Health of the app on ``127.0.0.1:port``: its ``status`` ("ok")."""
-    import grpc
-
-    from router.proto import generate_pb2, generate_pb2_grpc
-
-    metadata = [("application", app), ("authorization", f"Bearer {api_key}")]
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        reply = stub.Health(generate_pb2.HealthRequest(), metadata=metadata, timeout=30)
-    return reply.status
-
-
-def check(url: str, model: str, api_key: str) -> str:
-    """One chat completion through the app with the openai client; returns its text."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key=api_key)
-    reply = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Hello, who are you?"}],
-        max_tokens=16,
-        temperature=0,
-    )
-    return reply.choices[0].message.content or ""
+        wait_running(entry["name"], bound_s)
 
 
 def check_line(url: str, data: JSONObject, grpc_port: int | None) -> str:
@@ -339,9 +278,12 @@ def run(
     check_only: bool,
     grpc_port: int | None = None,
     reasoning_parser: str | None = None,
+    start_bound_s: float = APP_START_S,
 ) -> NoReturn:
     """Serve until Ctrl-C or SIGTERM (or, with ``check_only``, answer one request), then
-    stop the local cluster and exit the process (``stop_and_exit``): 0, or 1 after an error.
+    stop the local cluster and exit the process (``stop_and_exit``): 0, or 1 after an error
+    (one line naming what did not start, when Serve's proxy or an app was not up within
+    its bound: ``start_bound_s``, at most ``PROXY_START_S`` for the proxy).
 
     Raises ConfigError, before anything starts, for an invalid deploy file.
     """
@@ -353,7 +295,7 @@ def run(
     bound_s = graceful_bound_s(data)
     code = 1
     try:
-        url = start(data, port, grpc_port)
+        url = start(data, port, grpc_port, start_bound_s)
         # SIGTERM stops it as Ctrl-C does; set after ray.init, which installs a handler
         # of its own that aborts the process.
         signal.signal(signal.SIGTERM, _interrupt)
@@ -368,6 +310,8 @@ def run(
         code = 0
     except KeyboardInterrupt:
         code = 0
+    except StartupError as exc:
+        say(f"not started: {exc}")
     except Exception:
         traceback.print_exc()
     stop_and_exit(code, bound_s)

@@ -60,11 +60,14 @@ def drain(bound_s: float) -> None:
 
 def stop_local_cluster(bound_s: float = 0.0) -> None:
     """Drain (``drain``: new requests get 503, running ones get at most ``bound_s``, the
-    rest end with an error event), stop Serve, then the local Ray cluster. A second
-    Ctrl-C or SIGTERM skips the rest of the graceful part."""
+    rest end with an error event), stop Serve, then the local Ray cluster; nothing when
+    the cluster never started. A second Ctrl-C or SIGTERM skips the rest of the graceful
+    part."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return  # no cluster started (serve.shutdown would start one only to ask)
     print(
         f"dsv3serve: stopping, letting requests in flight finish for at most {bound_s:g} s "
         "(Ctrl-C again to stop at once)",

@@ -50,6 +50,10 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(16384, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    # structured output (vLLM's name): JSON of json_schema, json_object and tool-call
+    # arguments holds no whitespace between elements but ", " and ": "; off (vLLM's
+    # default), any whitespace, which a weak model can spend max_tokens on
+    disable_any_whitespace: bool = True
     # backends
     attention_backend: Literal["torch", "flashinfer"] = "torch"
     moe_backend: Literal["torch", "triton"] = "torch"  # triton: fused kernels on CUDA
@@ -248,5 +252,6 @@ FLAG_FIELDS = (  # engine flags (dsv3serve.cli) named exactly as their EngineCon
     "speculative_num_draft_tokens",
     "speculative_draft_model_quantization",
     "disable_moe_dispatch_metrics",
+    "disable_any_whitespace",
     *PARALLEL_FIELDS,
 )

@@ -88,10 +88,13 @@ class EngineCore:
         sampler: Sampler,
         tokenizer: Tokenizer,
         vocab_size: int,
+        any_whitespace: bool = False,
     ) -> None:
+        """``any_whitespace``: structured JSON output may hold free whitespace
+        (``GrammarCompiler``); off, it is compact."""
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, any_whitespace=any_whitespace)
         self.metrics: Metrics | None = None
         self.states: dict[str, SeqState] = {}
         self.on_prefilled: Callable[[Sequence], None] = _ignore

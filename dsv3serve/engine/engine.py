@@ -89,7 +89,10 @@ class Engine:
             quant = cfg.speculative_draft_model_quantization
             self.spec = SpecDecoder(runner, cfg.spec_num_steps, quant)
         vocab = self.model_cfg.vocab_size
-        self._core = EngineCore(self.scheduler, runner, self.sampler, self.tokenizer, vocab)
+        self._core = EngineCore(
+            self.scheduler, runner, self.sampler, self.tokenizer, vocab,
+            any_whitespace=not cfg.disable_any_whitespace,
+        )  # fmt: skip
         self._states = self._core.states  # the same dict, read by tests and the worker host
         self._pd = PDHooks(self._core, self.spec, cfg.page_size)
         self._overlap: OverlapLoop | None = None

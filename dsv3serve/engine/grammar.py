@@ -6,6 +6,12 @@ strict) in a bounded LRU cache; an invalid constraint raises ``InvalidRequestErr
 400 for the client) saying what is wrong. xgrammar and the vocabulary tables load on the
 first constrained request, so engines that never see one pay nothing.
 
+JSON is compact unless the compiler is built with ``any_whitespace`` (the engine's
+``disable_any_whitespace`` off): ``json_schema``, ``json_object`` and the ``json_schema``
+contents of structural tags (tool-call arguments, ``compact_tags.py``) allow no whitespace
+between elements but the separators ``", "`` and ``": "``, so a model cannot spend its
+tokens on whitespace.
+
 :class:`GrammarState` is one sequence's matcher. It accepts the sequence's committed
 output tokens lazily (``sync``), so every step loop advances it the same way: before a
 step samples a row, the row's matcher catches up with the row's output, then writes the
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsv3serve.engine.compact_tags import compact_structural_tag
 from dsv3serve.engine.intake import InvalidRequestError
 from dsv3serve.sampling.constraint import Constraint
 from dsv3serve.tokenizer.tokenizer import Tokenizer
@@ -45,11 +52,21 @@ def full_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one model's vocabulary; see the module docstring."""
+    """Compiles constraints for one model's vocabulary; see the module docstring.
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+    ``any_whitespace``: JSON may hold any whitespace between elements (xgrammar's and
+    vLLM's default); off, it is compact.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        cache_size: int = 256,
+        any_whitespace: bool = False,
+    ) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.cache_size = cache_size
+        self.cache_size, self.any_whitespace = cache_size, any_whitespace
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
         self._compiler: XGrammarCompiler | None = None
         self._info: TokenizerInfo | None = None
@@ -78,7 +95,8 @@ class GrammarCompiler:
         A JSON state (``json_schema``, ``json_object``) also bans every token holding a raw
         control character (U+0000..U+001F): JSON strings may not contain them, and
         xgrammar's rule for length-bounded strings lets them through; compact JSON needs
-        none elsewhere.
+        none elsewhere (with ``any_whitespace``, whitespace between elements is then
+        spaces only: newline, tab and CR are control characters).
         """
         compiled = self.compile(constraint)  # xgrammar is imported by now
         import xgrammar
@@ -106,17 +124,18 @@ class GrammarCompiler:
         try:
             if c.kind == "json_schema":
                 return compiler.compile_json_schema(
-                    c.text, any_whitespace=False, strict_mode=c.strict
+                    c.text, any_whitespace=self.any_whitespace, strict_mode=c.strict
                 )
             if c.kind == "json_object":  # OpenAI's contract: an object, never a bare value
                 return compiler.compile_json_schema(
-                    _ANY_OBJECT, any_whitespace=False, strict_mode=False
+                    _ANY_OBJECT, any_whitespace=self.any_whitespace, strict_mode=False
                 )
             if c.kind == "regex":
                 return compiler.compile_regex(c.text)
             if c.kind == "ebnf":
                 return compiler.compile_grammar(c.text, root_rule_name="root")
-            return compiler.compile_structural_tag(c.text)
+            tag = c.text if self.any_whitespace else compact_structural_tag(c.text)
+            return compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequestError(f"invalid {c.kind}: {_clean(exc)}") from None
 

@@ -7,7 +7,9 @@ JSON form of ``xgrammar.StructuralTag``, which ``xgrammar.Grammar.from_structura
 compiles, and which SGLang takes as ``response_format: {"type": "structural_tag"}``);
 the router hands it to the engine as ``SamplingParams.constraint``, a ``structural_tag``
 :class:`~dsv3serve.sampling.constraint.Constraint` holding the tag's JSON text. Only plain
-JSON is built here: no xgrammar import.
+JSON is built here: no xgrammar import. The tag states the format, not the whitespace
+inside the arguments: the engine compiles them compact unless its
+``disable_any_whitespace`` is off (``dsv3serve/engine/compact_tags.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from dsv3serve.tokenizer.chat_template import (
 )
 from router.api.chat_tools import NamedToolChoice, ToolChoice, ToolDef
 
-MAX_WHITESPACE = 16  # longest whitespace run inside arguments (a random model may loop)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -37,11 +38,7 @@ def _call_tag(tool: ToolDef, follow_schema: bool) -> JSONObject:
     return {
         "type": "tag",
         "begin": f"{TOOL_CALL_BEGIN}{CALL_TYPE}{TOOL_SEP}{function.name}{HEADER_END}",
-        "content": {
-            "type": "json_schema",
-            "json_schema": schema,
-            "max_whitespace_cnt": MAX_WHITESPACE,
-        },
+        "content": {"type": "json_schema", "json_schema": schema},
         "end": ARGUMENTS_END,
     }
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from serve_process import start_serve
 from serving_util import free_port
-from test_launch_stop import drain, start_serve
 
 from router.launch import local_pd_config
 
@@ -94,8 +94,7 @@ def refused_while_draining(url: str, streams: list[Stream]) -> httpx.Response:
 def test_sigterm_drains_streams_refuses_new_requests_and_exits(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_serve(port, short_bound_config(tmp_path))
-    drain(proc)
+    proc = start_serve(port, short_bound_config(tmp_path), "--grpc-port", str(free_port()))
     streams = [Stream(8) for _ in range(5)] + [Stream(4000) for _ in range(5)]
     threads = [threading.Thread(target=s.run, args=(url,), daemon=True) for s in streams]
     try:

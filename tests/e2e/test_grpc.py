@@ -39,7 +39,7 @@ from serving_util import (
 
 from router.api.grpc_api import grpc_code
 from router.api.grpc_stream_end import DROPPED_AT_WRITE
-from router.launch import grpc_example
+from router.launch_usage import grpc_example
 from router.proto import generate_pb2 as pb
 from router.proto.generate_pb2_grpc import GenerationStub
 from workers.protocol import WorkerStats

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,16 +20,15 @@ import httpx
 import psutil
 import pytest
 import yaml
+from serve_process import start_serve
 from serving_util import free_port, wait_until
 
 from router.launch import local_pd_config
 
 pytestmark = pytest.mark.slow
 
-STARTUP_S = 240
 STOP_S = 60  # serve.shutdown's own bound is 30 s; the rest is Ray's
 STREAMS = 8
-SERVE = "import sys; from dsv3serve.cli import main; sys.exit(main())"
 
 
 def one_router_config(tmp_path: Path) -> Path:
@@ -39,29 +37,6 @@ def one_router_config(tmp_path: Path) -> Path:
     path = tmp_path / "one-router.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def start_serve(port: int, config: Path) -> subprocess.Popen[str]:
-    args = [sys.executable, "-c", SERVE, "serve", "--config", str(config), "--port", str(port)]
-    args.append("--grpc-port")
-    proc = subprocess.Popen(
-        [*args, str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.monotonic() + STARTUP_S
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "Ctrl-C stops it." in line:
-            return proc
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"dsv3serve serve did not come up (exit {proc.poll()})")
-
-
-def drain(proc: subprocess.Popen[str]) -> None:
-    """Keep reading its output so it never blocks on a full pipe."""
-    assert proc.stdout is not None
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
 
 
 def stream_forever(url: str, stop: threading.Event) -> None:
@@ -105,8 +80,8 @@ def test_serve_exits_on_ctrl_c_after_its_router_replica_was_killed_mid_stream(
     traffic: tuple[str, threading.Event], tmp_path: Path
 ) -> None:
     url, stop = traffic
-    proc = start_serve(int(url.rsplit(":", 1)[1]), one_router_config(tmp_path))
-    drain(proc)
+    port = int(url.rsplit(":", 1)[1])
+    proc = start_serve(port, one_router_config(tmp_path), "--grpc-port", str(free_port()))
     try:
         for _ in range(STREAMS):
             threading.Thread(target=stream_forever, args=(url, stop), daemon=True).start()

@@ -7,7 +7,14 @@ import json
 import subprocess
 import sys
 
-from router.launch import http_options, local_pd_config, usage_text
+import pytest
+import ray
+
+from router.api.proxy_admission import PROXY_ADMISSION_ENV
+from router.api.proxy_middleware import PROXY_CALLBACK_ENV
+from router.launch import LOOPBACK_RAY_ENV, http_options, init_local_ray, local_pd_config
+from router.launch_start import PROXY_READY_ENV, StartupError
+from router.launch_usage import usage_text
 
 # In a fresh interpreter (ray must not be imported before the launcher sets it up):
 # start the cluster as `dsv3serve serve` does, run one task so a worker exists, then list
@@ -66,3 +73,18 @@ def test_printed_python_example_runs_an_interpreter_with_openai() -> None:
     assert interpreter == sys.executable
     done = subprocess.run([interpreter, "-c", "import openai"], capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_local_cluster_that_did_not_start_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray 2.60 gives its raylet a fixed 30 s to register and raises a bare Exception after
+    it (seen on a 2-core box another test run kept busy); the launcher names the cluster."""
+    for key in (*LOOPBACK_RAY_ENV, PROXY_CALLBACK_ENV, PROXY_ADMISSION_ENV, PROXY_READY_ENV):
+        monkeypatch.setenv(key, "")  # restored after the test: init_local_ray sets them
+        monkeypatch.delenv(key)
+
+    def late_raylet(**options: object) -> None:
+        raise Exception("The current node timed out during startup.")  # as Ray words it
+
+    monkeypatch.setattr(ray, "init", late_raylet)
+    with pytest.raises(StartupError, match="the local Ray cluster did not start: The current"):
+        init_local_ray()
