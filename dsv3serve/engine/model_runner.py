@@ -23,6 +23,7 @@ from dsv3serve.engine.group.rank_parts import RankParts, agree_on_pages, check_f
 from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kvcache.pool import (
+    FP8Scales,
     MLAKVPool,
     bytes_per_page,
     cuda_kv_budget_bytes,
@@ -35,7 +36,7 @@ from dsv3serve.parallel.deepep_sizes import planned_deepep
 from dsv3serve.plan.planner import PlanSettings, reserves
 
 if TYPE_CHECKING:
-    from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+    from dsv3serve.attention.base import CudaGraphLimits
 
 logger = logging.getLogger(__name__)
 # "1": run the CUDA-graph decode path (padding, static buffers, group-agreed sizes) without
@@ -226,10 +227,13 @@ class ModelRunner:
         return kv_slots(pages, self.cfg.page_size, num_tokens)
 
     def _graph_limits(self) -> CudaGraphLimits:
-        from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+        from dsv3serve.attention.base import CudaGraphLimits
 
-        max_bs = self._graph_max_bs()
-        return CudaGraphLimits(max_bs, min(max_bs * self.pool.num_pages, 1 << 24))
+        c = self.cfg  # a sequence holds at most the longest request plus a verify's drafts
+        longest = (c.max_model_len or self.model_cfg.max_position_embeddings) + c.spec_num_steps + 1
+        return CudaGraphLimits.for_pool(
+            self._graph_max_bs(), self.pool.num_pages, c.page_size, longest
+        )
 
     def _graph_max_bs(self) -> int:
         """No graph larger than the scheduler's batch can ever be."""
@@ -237,6 +241,10 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
+
+    def _fp8_scales(self) -> FP8Scales:
+        """The scale layout the attention backend reads an fp8 pool in."""
+        return attention_backend_class(self.cfg.attention_backend, self._kv_dtype()).fp8_scales
 
     def _reserved_bytes(self) -> int:
         """What the planner sets aside beside the KV (``dsv3serve.plan``): the decode graphs,
@@ -265,7 +273,8 @@ class ModelRunner:
             budget = cuda_kv_budget_bytes(
                 free, total, self.cfg.mem_fraction_static, self._reserved_bytes()
             )
-            per_page = bytes_per_page(layers, page, self._kv_dtype(), self.model_cfg.kv_cache_dim)
+            kv_dim, token_scales = self.model_cfg.kv_cache_dim, self._fp8_scales() == "token"
+            per_page = bytes_per_page(layers, page, self._kv_dtype(), kv_dim, token_scales)
             num_pages = budget // per_page
         else:
             num_pages = pages_for_memory_fraction(
@@ -284,6 +293,7 @@ class ModelRunner:
             self._kv_dtype(),
             self.device,
             compute_dtype=self.dtype,
+            fp8_scales=self._fp8_scales(),
         )
 
     @property
