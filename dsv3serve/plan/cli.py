@@ -25,6 +25,13 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument(
+        "--attention-backend",
+        default="flashinfer",
+        choices=["torch", "flashinfer", "flashmla"],
+        help="fp8 pools: flashmla keeps one scale per layer (576 bytes a token-layer), the "
+        "others one per token (580)",
+    )
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
@@ -108,6 +115,7 @@ def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
+        attention_backend=args.attention_backend,
         **_hicache(args),
     )
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from dsv3serve.bench.kernels.mla import FP8_CONFIGS, KERNELS, add_mla_args, print_mla_table
+from dsv3serve.bench.kernels.mla import FP8_CONFIGS, KERNELS, add_mla_args
+from dsv3serve.bench.kernels.mla_report import print_mla_table
 
 
 def _row(kernel: str, us: float, config: dict | None = None) -> dict:
     return {
         "kernel": kernel,
-        "kv_dtype": "bf16" if kernel in ("flashinfer", "triton-bf16") else "fp8",
+        "kv_dtype": "bf16" if kernel in ("flashinfer", "triton-bf16", "flashmla-bf16") else "fp8",
         "config": config,
         "batch": 64,
         "context": 4096,
@@ -43,3 +44,14 @@ def test_table_without_flashinfer(capsys) -> None:
     mla = {"flashinfer": None, "page_size": 64, "rows": [_row("triton-fp8", 300.0)]}
     print_mla_table({"copy_TBps": 4.0}, mla)
     assert capsys.readouterr().out.splitlines()[-1].split()[-1] == "-"
+
+
+def test_flashmla_rows_by_default_with_their_ratio_to_flashinfer(capsys) -> None:
+    assert {"flashmla-bf16", "flashmla-fp8"} <= set(KERNELS)
+    rows = [_row("flashinfer", 134.5), _row("flashmla-bf16", 123.5), _row("flashmla-fp8", 116.7)]
+    mla = {"flashinfer": "0.6", "flash_mla": "1.0.0", "page_size": 64, "rows": rows}
+    print_mla_table({"copy_TBps": 4.0}, mla)
+    lines = capsys.readouterr().out.splitlines()
+    assert "flash_mla 1.0.0" in lines[0]
+    assert lines[-1].split()[:2] == ["flashmla-fp8", "fp8"] and " 1.15 " in lines[-1]
+    assert rows[1]["x_flashinfer"] == 134.5 / 123.5

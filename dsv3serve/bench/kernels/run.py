@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dsv3serve.bench.kernels import fp8, mla, moe
+from dsv3serve.bench.kernels import fp8, mla, mla_report, moe
 from dsv3serve.bench.kernels.timing import measure_ceilings
 from dsv3serve.kernels.fp8_quant import HAS_TRITON
 
@@ -61,7 +61,7 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     if "gate" in args.only:
         moe.print_gate(result["gate"])
     if "mla" in args.only:
-        mla.print_mla_table(ceil, result["mla"])
+        mla_report.print_mla_table(ceil, result["mla"])
     return result
 
 
