@@ -13,7 +13,7 @@ from dsv3serve.json_types import JSONObject
 from dsv3serve.parallel.args import add_layout_args, layout_from_args
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.shard import RankLayout
-from dsv3serve.plan.gemm import gemm_json, gemm_report
+from dsv3serve.plan.gemm import device_table, gemm_json, gemm_report
 from dsv3serve.plan.planner import Plan, PlanError, plan
 from dsv3serve.plan.report import plan_json, plan_table
 
@@ -134,13 +134,14 @@ def _hicache(args: argparse.Namespace) -> dict[str, float | int | None]:
 def _print(p: Plan, args: argparse.Namespace, fits: bool) -> None:
     cfg = model_config(args.model, args.hf_overrides)
     layout, max_m = RankLayout(p.parallel, 0), _max_m(args)
+    table = device_table(args.gpu_name)
     if args.json:
         data = plan_json(p, args.model, fits)
-        data["gemm_backends"] = gemm_json(cfg, layout, max_m, args.gpu_name)
+        data["gemm_backends"] = gemm_json(cfg, layout, max_m, args.gpu_name, table)
         print(json.dumps(data, indent=2))
         return
     print(plan_table(p, args.model))
-    print("\n".join(gemm_report(cfg, layout, max_m, args.gpu_name)))
+    print("\n".join(gemm_report(cfg, layout, max_m, args.gpu_name, table)))
     print("fits" if fits else "does not fit")
 
 

@@ -25,6 +25,7 @@ from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
 from dsv3serve.parallel.shard import RankLayout, placement_of
 
 _ATTN = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
+ASSUMED = "DeepGEMM runs where the table wins if it passes its self-check"
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -64,10 +65,9 @@ def gemm_json(
     layout: RankLayout | None,
     max_m: int,
     device: str | None,
-    config_dir: Path = CONFIG_DIR,
+    table: DeepGemmTable | None,
 ) -> JSONObject:
     """:func:`gemm_report` as data (DeepGEMM assumed to pass its self-check)."""
-    table = load_table(device, config_dir) if device is not None else None
     shapes = dense_gemm_shapes(cfg, layout)
     return {
         "device": device,
@@ -84,20 +84,23 @@ def _ranges_json(n: int, k: int, max_m: int, table: DeepGemmTable | None) -> lis
     return [{"first_m": lo, "last_m": hi, "backend": b} for lo, hi, b in ranges]
 
 
+def device_table(device: str | None, config_dir: Path = CONFIG_DIR) -> DeepGemmTable | None:
+    """The shipped table of a GPU named as torch names it (None: no GPU named, or none)."""
+    return load_table(device, config_dir) if device is not None else None
+
+
 def gemm_report(
     cfg: ModelConfig,
     layout: RankLayout | None,
     max_m: int,
     device: str | None,
-    deepgemm_state: str | None = None,
-    config_dir: Path = CONFIG_DIR,
+    table: DeepGemmTable | None,
+    deepgemm: tuple[bool, str] | None = None,
 ) -> list[str]:
     """The header and one line per linear; ``device`` a GPU name (None: no table consulted);
-    ``deepgemm_state``: the self-check's verdict where known (None: assumed to pass)."""
-    table = load_table(device, config_dir) if device is not None else None
-    usable = deepgemm_state is None or deepgemm_state.startswith("DeepGEMM passed")
-    state = deepgemm_state or "DeepGEMM runs where the table wins if it passes its self-check"
+    ``deepgemm``: (usable, verdict) of the self-check where it ran (None: assumed to pass)."""
+    usable, note = deepgemm or (True, ASSUMED)
     name = normalize_device_name(device) if device is not None else None
-    lines = [table_note(name, table, state)]
+    lines = [table_note(name, table, note)]
     shapes = dense_gemm_shapes(cfg, layout)
     return lines + ["  " + s for s in route_lines(shapes, max_m, table, usable and bool(table))]

@@ -12,7 +12,7 @@ from dsv3serve.kernels.gemm_table import Measured, table_path, write_section
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.shard import RankLayout
 from dsv3serve.plan.cli import model_config
-from dsv3serve.plan.gemm import dense_gemm_shapes, gemm_json, gemm_report
+from dsv3serve.plan.gemm import dense_gemm_shapes, device_table, gemm_json, gemm_report
 
 V3 = model_config("deepseek-v3")
 
@@ -35,20 +35,21 @@ def test_tp8_shapes_follow_the_shard_rule() -> None:
 
 
 def test_report_without_and_with_a_table(tmp_path: Path) -> None:
-    lines = gemm_report(V3, None, 8192, "NVIDIA H200", config_dir=tmp_path)
+    lines = gemm_report(V3, None, 8192, "NVIDIA H200", device_table("NVIDIA H200", tmp_path))
     assert "no measured DeepGEMM table" in lines[0]
     o_proj = next(s for s in lines if "self_attn.o_proj" in s)
     assert o_proj.endswith("triton M 1-63, cublas M 64-8192")
     pts = [Measured(m, 10.0, "cublas", 12.0) for m in (1024, 2048, 4096, 8192)]
     env = {"date": "2026-12-06"}
     write_section(table_path("NVIDIA H200", tmp_path), "dense", {"N=7168,K=16384": pts}, env)
-    lines = gemm_report(V3, None, 8192, "NVIDIA H200", config_dir=tmp_path)
+    table = device_table("NVIDIA H200", tmp_path)
+    lines = gemm_report(V3, None, 8192, "NVIDIA H200", table)
     assert "measured 2026-12-06" in lines[0]
     o_proj = next(s for s in lines if "self_attn.o_proj" in s)
     assert o_proj.endswith("triton M 1-63, cublas M 64-1023, deepgemm M 1024-8192")
-    unusable = gemm_report(V3, None, 8192, "NVIDIA H200", "DeepGEMM unusable (x)", tmp_path)
+    unusable = gemm_report(V3, None, 8192, "NVIDIA H200", table, (False, "DeepGEMM unusable"))
     assert "deepgemm" not in next(s for s in unusable if "self_attn.o_proj" in s)
-    data = gemm_json(V3, None, 8192, "NVIDIA H200", tmp_path)
+    data = gemm_json(V3, None, 8192, "NVIDIA H200", table)
     last = data["linears"]["self_attn.o_proj"]["ranges"][-1]
     assert last == {"first_m": 1024, "last_m": 8192, "backend": "deepgemm"}
 
