@@ -48,8 +48,10 @@ stage_build() {
   else
     DG_NO_CHECK=1 timeout -k 10 "${BUILD_S:-400}" bash benchmarks/deepgemm/build.sh build \
       .deepgemm "$OUT" "$SITE" > "$LOGS/build.log" 2>&1
-    say "build rc=$? ($(grep -o '"build_seconds": [0-9.]*' "$OUT/deepgemm_build.json" 2>/dev/null))"
+    local rc=$?
+    say "build rc=$rc ($(grep -o '"build_seconds": [0-9.]*' "$OUT/deepgemm_build.json" 2>/dev/null))"
     grep -E "error|Error" "$LOGS/build.log" | head -8 | cut -c1-300 | tee -a "$OUT/summary.log"
+    [ "$rc" -eq 0 ] || tail -4 "$LOGS/build.log" | cut -c1-300 | tee -a "$OUT/summary.log"
   fi
   python3 -c 'import torch, deep_gemm; print(deep_gemm.__file__)' > "$LOGS/import.log" 2>&1 ||
     { say "deep_gemm does not import: $(tail -1 "$LOGS/import.log")"; return 1; }

@@ -45,9 +45,12 @@
 # cubin's kernel with $CUDA_HOME/bin/cuobjdump, which a CUDA assembled from pip wheels (nvcc,
 # runtime, cccl: the CPU box's /usr/local/cuda-13.0) lacks: the pack brings it
 # (nvidia-cuda-cuobjdump, 0.3 MB) and the build installs it beside nvcc when missing. The host
-# build needs nvrtc.h and cublasLt.h, and links -lcuda -lnvrtc: looked up in $CUDA_HOME, else
-# in torch's nvidia/*/ wheels and the driver's libcuda.so.1 (unversioned links made in a
-# temporary dir).
+# build needs nvrtc.h, cublasLt.h, and (through torch's ATen/cuda/CUDAContext.h) cusparse.h and
+# cusolverDn.h, and links -lcuda -lnvrtc: looked up in $CUDA_HOME, else in torch's nvidia/*/
+# wheels (nvidia/cu13/include, .../lib) and the driver's libcuda.so.1 (unversioned links made
+# in a temporary dir). csrc/python_api.cpp passed `g++ -fsyntax-only` on the CPU box against
+# torch 2.13's headers (C++17 and C++20), CUDA 13.0's, the pip 13.0 wheels' nvrtc / cublas /
+# cusparse / cusolver headers and the packed CUTLASS and fmt; not built or linked there.
 set -euo pipefail
 
 DEEPGEMM_REF="${DEEPGEMM_REF:-v2.1.1.post3}"
@@ -179,7 +182,7 @@ PY
 find_cuda_home() {  # the toolkit with bin/nvcc and include/cuda.h (a wrapper nvcc on PATH
   # would make torch guess its parent's parent, e.g. /usr/local)
   local c
-  for c in "${CUDA_HOME:-}" /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; do
+  for c in "${CUDA_HOME:-}" /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(type -P nvcc)")")")"; do
     if [[ -n "$c" && -x "$c/bin/nvcc" && -f "$c/include/cuda.h" ]]; then echo "$c"; return; fi
   done
   echo "no CUDA toolkit with bin/nvcc and include/cuda.h (set CUDA_HOME)" >&2; exit 1
@@ -200,11 +203,12 @@ cuda_env() {  # cuda_env DIR WORK: headers, link names and cuobjdump for the bui
   local dir="$1" work="$2" h found lib
   CUDA_HOME="$(find_cuda_home)"; export CUDA_HOME
   echo "CUDA_HOME=$CUDA_HOME"
-  for h in nvrtc.h cublasLt.h; do
+  for h in nvrtc.h cublasLt.h cusparse.h cusolverDn.h; do  # the last two: torch's CUDAContext.h
     if [[ ! -f "$CUDA_HOME/include/$h" ]]; then
       found="$(in_site "nvidia/*/include/$h")"
       [[ -n "$found" ]] || { echo "no $h in $CUDA_HOME/include nor torch's nvidia wheels" >&2; exit 1; }
-      export CPATH="$(dirname "$found")${CPATH:+:$CPATH}"
+      case ":${CPATH:-}:" in *":$(dirname "$found"):"*) ;;
+        *) export CPATH="$(dirname "$found")${CPATH:+:$CPATH}" ;; esac
       echo "$h: $found"
     fi
   done
@@ -215,6 +219,7 @@ cuda_env() {  # cuda_env DIR WORK: headers, link names and cuobjdump for the bui
         found="$(ldconfig -p | awk '/libcuda\.so\.1 .*x86-64/ {print $NF; exit}')"
       else
         found="$(in_site "nvidia/*/lib/libnvrtc.so.*[0-9]")"
+        [[ -n "$found" ]] || found="$(ldconfig -p | awk '/libnvrtc\.so\.[0-9]+ .*x86-64/ {print $NF; exit}')"
       fi
       [[ -n "$found" ]] || { echo "no lib$lib.so to link" >&2; exit 1; }
       ln -sf "$found" "$work/lib/lib$lib.so"
@@ -234,7 +239,9 @@ install_cuobjdump() {  # beside nvcc (and beside the nvcc on PATH, where DeepGEM
     bin="$(find "$work/cuobjdump" -name cuobjdump -type f | head -1)"
     chmod +x "$bin"
   fi
-  for target in "$CUDA_HOME/bin" "$(dirname "$(command -v nvcc)")"; do
+  local on_path
+  on_path="$(type -P nvcc || true)"
+  for target in "$CUDA_HOME/bin" ${on_path:+"$(dirname "$on_path")"}; do
     if [[ ! -x "$target/cuobjdump" ]]; then
       cp "$bin" "$target/cuobjdump" && echo "installed cuobjdump into $target"
     fi
