@@ -18,6 +18,7 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.future_tokens import FutureTokens
+from dsv3serve.engine.gemm_log import log_gemm_backends
 from dsv3serve.engine.graph_capture import GraphPool
 from dsv3serve.engine.group.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.scheduler.sequence import ScheduledItem
@@ -102,6 +103,11 @@ class ModelRunner:
             p = self.parts
             self.model = DeepseekV3ForCausalLM(model_cfg, opts, p.comm, p.dispatcher, p.eplb)
         load_weights(self.model, model_dir, cfg.load_format, self.parts.layout)
+        max_m = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
+        log_gemm_backends(
+            model_cfg, self.parts.layout, self.device, self.dtype, cfg.fp8_act_quant,
+            max_m or cfg.max_num_batched_tokens,
+        )  # fmt: skip
         self.eplb = None if p.eplb is None else EplbRuntime(p.eplb, cfg.parallel, model_cfg)
         if self.eplb is not None:
             self.eplb.fill(self.model)

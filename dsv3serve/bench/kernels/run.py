@@ -3,6 +3,8 @@ attention on DeepSeek-V3 shapes, against the same run's ceilings (device copy ba
 and per-tensor fp8 GEMM peaks at 8192^3). ``--only fp8,moe,gate,mla`` picks the sections
 (FP8: :mod:`dsv3serve.bench.kernels.fp8`; MoE and gate: :mod:`dsv3serve.bench.kernels.moe`;
 MLA: :mod:`dsv3serve.bench.kernels.mla`; timing: :mod:`dsv3serve.bench.kernels.timing`).
+``deepgemm`` (DeepGEMM against cuBLAS / Triton, :mod:`dsv3serve.bench.kernels.deepgemm_run`)
+runs only when named: its kernels JIT-compile for minutes on first use.
 This module is the subcommand's registry: it imports the sections, none imports it.
 """
 
@@ -16,11 +18,12 @@ from typing import Any
 
 import torch
 
-from dsv3serve.bench.kernels import fp8, mla, mla_report, moe
+from dsv3serve.bench.kernels import deepgemm_run, fp8, mla, mla_report, moe
 from dsv3serve.bench.kernels.timing import measure_ceilings
 from dsv3serve.kernels.fp8_quant import HAS_TRITON
 
-SECTIONS = ("fp8", "moe", "gate", "mla")
+SECTIONS = ("fp8", "moe", "gate", "mla", "deepgemm")
+DEFAULT_SECTIONS = ("fp8", "moe", "gate", "mla")
 
 
 def _environment() -> dict[str, Any]:
@@ -52,6 +55,8 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         result["gate"] = moe.run_gate(args)
     if "mla" in args.only:
         result["mla"] = mla.bench_mla(args, ceil)
+    if "deepgemm" in args.only:
+        result["deepgemm"] = deepgemm_run.run_deepgemm(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if "fp8" in args.only:
         fp8.print_table(ceil, result["rows"])
@@ -62,7 +67,18 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         moe.print_gate(result["gate"])
     if "mla" in args.only:
         mla_report.print_mla_table(ceil, result["mla"])
+    if "deepgemm" in args.only:
+        deepgemm_run.print_deepgemm(result["deepgemm"])
+        _write_deepgemm_table(args, result)
     return result
+
+
+def _write_deepgemm_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.write_deepgemm_table is None:
+        return
+    path = Path(args.write_deepgemm_table or deepgemm_run.default_table_path())
+    env = {**result["environment"], "ceilings": result["ceilings"]}
+    deepgemm_run.write_deepgemm_table(result["deepgemm"], path, env)
 
 
 def parse_sections(text: str) -> list[str]:
@@ -87,8 +103,9 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         type=parse_sections,
-        default=list(SECTIONS),
-        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla (default: all)",
+        default=list(DEFAULT_SECTIONS),
+        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla, deepgemm "
+        "(default: all but deepgemm)",
     )
     p.add_argument("--m", type=int, nargs="+", default=list(fp8.DEFAULT_MS), help="batch rows")
     p.add_argument("--shapes", nargs="+", default=list(fp8.SHAPES), choices=list(fp8.SHAPES))
@@ -97,5 +114,6 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", default="bench_kernels.json", help="where to write results")
     moe.add_moe_args(p)
     mla.add_mla_args(p)
+    deepgemm_run.add_deepgemm_args(p)
     p.set_defaults(func=_run)
     return p
