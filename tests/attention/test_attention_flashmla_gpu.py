@@ -91,12 +91,16 @@ def test_mixed_new_token_counts_bf16() -> None:
 
 def test_planned_metadata_gives_what_the_kernels_own_schedule_gives() -> None:
     """bf16: the metadata ``plan`` builds once per step against an empty FlashMLASchedMeta,
-    which makes the kernel schedule the call itself."""
+    which makes the kernel schedule the call itself. (Run 1 failed here with both outputs
+    all NaN: the test did not write the new token's latent, so every sequence read its
+    NaN-poisoned last row.)"""
     case = make_case(DIMS, [1] * 8, _context_lens(8, 3), "cuda", PAGE)
     attn = FlashMLAAttention(case.pool, DIMS)
     attn.plan(case.batch)
+    attn.save_latent(0, case.new_latents)  # else each sequence's last row stays NaN
     q = torch.randn(8, DIMS.num_heads, DIMS.kv_cache_dim, device="cuda").to(torch.bfloat16)
     got = attn.forward_absorbed(q[..., :512], q[..., 512:], 0, DIMS.softmax_scale)
+    assert torch.isfinite(got).all(), "non-finite output: a poisoned row was read"
     [launch] = attn._launches
     kv = case.pool.kv_buffer(0).view(-1, PAGE, 1, DIMS.kv_cache_dim)
     own, _ = flash_mla.flash_mla_with_kvcache(
