@@ -1,7 +1,7 @@
 """What the FlashMLA backend needs of ``sgl-flash-mla``: the import (lazy, with a message
 saying what to install), the layouts its dense decode kernels read (checked before use), and
-the per-tensor e4m3 quantisation of ``q`` its FP8 kernel takes. No ``flash_mla`` import at
-module load."""
+the fixed scale of the e4m3 ``q`` its FP8 kernel takes. No ``flash_mla`` import at module
+load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsv3serve.attention.base import MLADims
-from dsv3serve.kvcache.pool import FP8_E4M3_MAX
 
 if TYPE_CHECKING:
     from dsv3serve.kvcache.pool import MLAKVPool
@@ -22,7 +21,7 @@ logger = logging.getLogger(__name__)
 FLASH_MLA_VERSION = "1.0.0"  # sgl-flash-mla
 PAGE_SIZE = 64  # the only page size FlashMLA's kernels read
 LATENT_DIM, ROPE_DIM = 512, 64
-_MIN_AMAX = 1e-12  # floor of a quantised tensor's absolute maximum (all-zero q)
+DEFAULT_Q_SCALE = 1.0  # e4m3 q = clamp(q / q_scale, +-448): SGLang's unit descale_q
 
 
 @dataclass(frozen=True)
@@ -80,12 +79,3 @@ def check_flashmla(pool: MLAKVPool, dims: MLADims) -> None:
         )
     if not pool.is_fp8 and pool.dtype != torch.bfloat16:
         raise ValueError(f"attention backend 'flashmla' needs a bf16 or fp8 pool, got {pool.dtype}")
-
-
-def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as e4m3 with one scale: ``(e4m3(clamp(x / s, +-448)), s)``, ``s`` a [1] float32
-    device tensor, ``max(amax(|x|), 1e-12) / 448`` (the largest value maps to 448). All on
-    the device: no host sync."""
-    scale = (x.abs().amax().float().clamp_min(_MIN_AMAX) / FP8_E4M3_MAX).reshape(1)
-    q = (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q.to(torch.float8_e4m3fn), scale
