@@ -1,9 +1,11 @@
 """Print the FlashMLA device run's decode comparison from its ``bench model`` JSONs.
 
-    python benchmarks/flashmla_summary.py NAME=bench_model.json [NAME=...]
+    python benchmarks/flashmla_summary.py [--merge OUT.json] NAME=bench_model.json [NAME=...]
 
 Per (batch, context): each run's eager step, graphed step (batch <= the graph limit) and
 61-layer projection in ms, and each run's time over the first run's (below 1: faster).
+``--merge``: also write the runs' JSONs as one object keyed by NAME (a device run returns
+few files).
 """
 
 from __future__ import annotations
@@ -33,8 +35,20 @@ def _cell(value: float | None, base: float | None) -> str:
     return f"{value:9.3f}{ratio:>9}"
 
 
+def _merge(pairs: list[list[str]], out: str) -> None:
+    found = {
+        name: json.loads(Path(path).read_text()) for name, path in pairs if Path(path).exists()
+    }
+    Path(out).write_text(json.dumps(found, indent=1))
+
+
 def main(args: list[str]) -> None:
+    merge = None
+    if args[:1] == ["--merge"]:
+        merge, args = args[1], args[2:]
     pairs = [a.split("=", 1) for a in args]
+    if merge:
+        _merge(pairs, merge)
     runs = [(name, _rows(path)) for name, path in pairs if Path(path).exists()]
     if not runs:
         print("no bench model JSON found")

@@ -9,9 +9,13 @@ our bf16-dot Triton kernel (:mod:`dsv3serve.kernels.mla_decode`) on bf16 and fp8
 configs of ``FP8_CONFIGS`` (``--mla-fp8-configs``), and FlashMLA's decode kernels
 (``flashmla-bf16``; ``flashmla-fp8``: e4m3 q and KV, one scale per layer; skipped where
 ``flash_mla`` does not import). Each point plans once, then
-times ``forward_absorbed`` as the model calls it, in a CUDA graph (see
+times ``forward_absorbed`` as the model calls it (``q_latent`` and ``q_pe`` two tensors,
+as the W_UK product and the rotary op give them), in a CUDA graph (see
 ``kernels.graph_us``); consecutive calls read different layers of the pool, together
-over 4x the L2 cache, so each call reads its KV from device memory.
+over 4x the L2 cache, so each call reads its KV from device memory. The
+``flashmla-bf16-kernel`` / ``flashmla-fp8-kernel`` rows time FlashMLA's kernel alone on the
+same pool and batch, ``q`` packed before timing (:mod:`.mla_flashmla`): a backend row's
+time over its kernel row's is what the backend adds.
 
 Bandwidth: bytes moved at least (the cached latents of every sequence, 576 values per
 token, with fp8 its float32 scale; plus q and the bf16 output) over the time, as a
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,8 +51,10 @@ KERNELS = (
     "triton-fp8mma",
     "flashmla-bf16",
     "flashmla-fp8",
+    "flashmla-bf16-kernel",
+    "flashmla-fp8-kernel",
 )
-FP8_KERNELS = ("triton-fp8", "triton-fp8mma", "flashmla-fp8")
+FP8_KERNELS = ("triton-fp8", "triton-fp8mma", "flashmla-fp8", "flashmla-fp8-kernel")
 _W8 = {"num_warps": 8, "dv_split": 1, "ctas_per_sm": 1}
 FP8_CONFIGS = {  # name: FP8MLAConfig; spills are ptxas's (sm_90a, triton 3.6), not timed yet
     "n32w4dv2": FP8MLAConfig(),  # the default: 241 registers, no spills, 2 programs an SM
@@ -81,7 +88,8 @@ def add_mla_args(p: argparse.ArgumentParser) -> None:
         choices=list(KERNELS),
         default=list(KERNELS),
         help="flashinfer on a bf16 pool; our bf16-dot Triton kernel on a bf16 or fp8 pool; "
-        "the FP8 tensor-core kernel on an fp8 pool; FlashMLA on a bf16 or fp8 pool",
+        "the FP8 tensor-core kernel on an fp8 pool; FlashMLA on a bf16 or fp8 pool, through "
+        "the backend or (-kernel) its kernel alone",
     )
     p.add_argument(
         "--mla-fp8-configs",
@@ -123,7 +131,7 @@ def decode_batch(
     return ForwardBatch.build(spans, device)
 
 
-def _pool(
+def bench_pool(
     batch_size: int,
     context: int,
     page_size: int,
@@ -150,6 +158,14 @@ def _pool(
     return pool
 
 
+def kernel_pool(kernel: str, batch_size: int, context: int, page_size: int) -> MLAKVPool:
+    """The pool ``kernel``'s rows read: e4m3 for the fp8 kernels (one scale per layer for
+    FlashMLA, per token for Triton), else bf16."""
+    dtype = torch.float8_e4m3fn if kernel in FP8_KERNELS else torch.bfloat16
+    scales: FP8Scales = "layer" if kernel.startswith("flashmla") else "token"
+    return bench_pool(batch_size, context, page_size, dtype, scales)
+
+
 Config = MLADecodeConfig | FP8MLAConfig
 
 
@@ -169,6 +185,30 @@ def _backend(kernel: str, pool: MLAKVPool, index: str, cfg: Config) -> Attention
     return TritonMLAAttention(pool, DIMS, config=cfg, fp8_kernel="dequant")
 
 
+def timed_call(
+    kernel: str,
+    batch: ForwardBatch,
+    pool: MLAKVPool,
+    index: str,
+    cfg: Config,
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+) -> tuple[Callable[[int], Any], str]:
+    """``call(i)`` (one decode attention call over layer ``i`` mod the pool's layers), and
+    the row's index mode."""
+    if kernel.endswith("-kernel"):
+        from dsv3serve.bench.kernels.mla_flashmla import bare_call
+
+        return bare_call(batch, pool, q_latent, q_pe, DIMS.softmax_scale), "page"
+    attn = _backend(kernel, pool, index, cfg)
+    attn.plan(batch)
+
+    def call(i: int) -> torch.Tensor:
+        return attn.forward_absorbed(q_latent, q_pe, i % pool.num_layers, DIMS.softmax_scale)
+
+    return call, getattr(attn, "index_mode", "")
+
+
 def bench_point(
     batch: ForwardBatch,
     pool: MLAKVPool,
@@ -180,16 +220,11 @@ def bench_point(
 ) -> dict[str, Any]:
     """Time one decode attention call; bandwidth as a share of the copy ceiling."""
     cfg = cfg or MLADecodeConfig()
-    attn = _backend(kernel, pool, index, cfg)
-    attn.plan(batch)
     bs, heads = batch.batch_size, DIMS.num_heads
-    q = torch.randn(bs, heads, DIMS.kv_cache_dim, device="cuda").to(torch.bfloat16)
-    q_latent, q_pe = q.split([DIMS.kv_lora_rank, DIMS.qk_rope_head_dim], -1)
+    q_latent = torch.randn(bs, heads, DIMS.kv_lora_rank, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(bs, heads, DIMS.qk_rope_head_dim, device="cuda").to(torch.bfloat16)
+    call, index_mode = timed_call(kernel, batch, pool, index, cfg, q_latent, q_pe)
     layers = pool.num_layers
-
-    def call(i: int) -> torch.Tensor:
-        return attn.forward_absorbed(q_latent, q_pe, i % layers, DIMS.softmax_scale)
-
     try:
         us, timing = graph_us(call, max(layers, 4), replays), "cuda-graph"
     except Exception as err:  # a capture failure: time eagerly, and say so
@@ -206,7 +241,7 @@ def bench_point(
         "config": vars(cfg) if kernel.startswith("triton") else None,
         "batch": bs,
         "context": batch.kv_indptr[1],
-        "index": getattr(attn, "index_mode", ""),
+        "index": index_mode,
         "us": us,
         "bytes_read": read,
         "TBps": tbps,
@@ -292,9 +327,7 @@ def _kernel_rows(
     kernel: str, batch: ForwardBatch, bs: int, context: int, args: argparse.Namespace, ceil: dict
 ) -> list[dict[str, Any]]:
     """One kernel's rows at one (batch, context): index modes or Triton configs."""
-    dtype = torch.float8_e4m3fn if kernel in FP8_KERNELS else torch.bfloat16
-    scales: FP8Scales = "layer" if kernel.startswith("flashmla") else "token"
-    pool = _pool(bs, context, args.mla_page_size, dtype, scales)
+    pool = kernel_pool(kernel, bs, context, args.mla_page_size)
     if kernel == "flashinfer":
         points: list[tuple[str, Config | None]] = [(index, None) for index in args.mla_index]
     elif kernel.startswith("flashmla"):

@@ -16,12 +16,12 @@ def print_mla_table(ceil: dict, mla: dict) -> None:
         f"target >= {TARGET_PCT:.0f}% at batch >= 32"
     )
     add_flashinfer_ratios(mla["rows"])
-    head = f"{'kernel':>13} {'kv':>4} {'batch':>5} {'context':>7} {'index':>5}"
+    head = f"{'kernel':>20} {'kv':>4} {'batch':>5} {'context':>7} {'index':>5}"
     print(f"{head} {'us':>9} {'TB/s':>6} {'%copy':>6} {'TFLOP/s':>7} {'xfi':>5}  config")
     for r in mla["rows"]:
         ratio = f"{r['x_flashinfer']:5.2f}" if r.get("x_flashinfer") else f"{'-':>5}"
         print(
-            f"{r['kernel']:>13} {r['kv_dtype']:>4} {r['batch']:>5} {r['context']:>7} "
+            f"{r['kernel']:>20} {r['kv_dtype']:>4} {r['batch']:>5} {r['context']:>7} "
             f"{r['index']:>5} {r['us']:>9.1f} {r['TBps']:>6.2f} {r['pct_copy_bw']:>6.1f} "
             f"{r.get('TFLOPs', 0.0):>7.0f} {ratio}  {_config_text(r.get('config'))}"
         )
