@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 
+from dsv3serve.attention import attention_backend_class
 from dsv3serve.config import ModelConfig
 from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
@@ -68,6 +69,7 @@ class PlanExtras(TypedDict, total=False):
     hicache_ratio: float | None
     hicache_size: int | None
     max_running_requests: int
+    attention_backend: str
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class PlanSettings:
     hicache_ratio: float | None = None
     hicache_size: int | None = None
     max_running_requests: int = 256
+    attention_backend: str = "flashinfer"  # decides an fp8 pool's scale layout
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static <= 1 or self.gpu_memory_gb <= 0:
@@ -273,10 +276,15 @@ def kv_layers(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: KVCacheDType) -> int:
-    """Every KV layer's 576-value latent (bf16, or e4m3 + a float32 scale) for one token."""
+def kv_bytes_per_token(
+    cfg: ModelConfig, kv_cache_dtype: KVCacheDType, attention_backend: str = "flashinfer"
+) -> int:
+    """Every KV layer's 576-value latent for one token: bf16, or e4m3 plus a float32 scale
+    per token, or e4m3 alone (half the bf16 bytes) where ``attention_backend`` reads an fp8
+    pool with one scale per layer (``flashmla``)."""
     dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
-    return bytes_per_page(kv_layers(cfg), 1, dtype, cfg.kv_cache_dim)
+    token_scales = attention_backend_class(attention_backend, dtype).fp8_scales == "token"
+    return bytes_per_page(kv_layers(cfg), 1, dtype, cfg.kv_cache_dim, token_scales)
 
 
 def reserves(s: PlanSettings, world_size: int) -> tuple[int, int]:
@@ -320,7 +328,7 @@ def plan(
         for r in range(parallel.world_size)
     )
     graph, activation = reserves(settings, parallel.world_size)
-    per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype)
+    per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype, settings.attention_backend)
     deepep = planned_deepep(model_cfg, parallel, settings.max_running_requests)
     draft = Plan(parallel, settings, ranks, graph, activation, per_token, 0, 0, deepep)
     result = dataclasses.replace(
