@@ -94,17 +94,3 @@ def measure_ceilings(replays: int) -> dict[str, float]:
         "bf16_gemm_TFLOPs": flops / bf16_us / 1e6,
         "fp8_gemm_TFLOPs": flops / fp8_us / 1e6,
     }
-
-
-def eager_us(fn: Call, calls: int, replays: int) -> float:
-    """Median time of one call from rows of eager calls between CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        for i in range(calls):
-            fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] * 1e3 / calls
