@@ -77,7 +77,8 @@ def create_attention_backend(
             "prefill and extend run flashinfer ragged MHA over latents dequantised to bf16"
         )
     from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
+    from dsv3serve.attention.flashmla_backend import FlashMLAAttention
     from dsv3serve.attention.triton_mla import TritonMLAAttention
 
-    assert issubclass(cls, (FlashInferMLAAttention, TritonMLAAttention))
+    assert issubclass(cls, (FlashInferMLAAttention, FlashMLAAttention, TritonMLAAttention))
     return cls(pool, dims, cuda_graph=cuda_graph)

@@ -22,8 +22,8 @@ def backend_ranges(
 ) -> list[Range]:
     """The backend for every M in ``1 .. max_m`` of an M x N x K GEMM, as ranges."""
     points = table.points("dense", dense_key(n, k)) if table is not None else ()
-    cuts = {1, max_m + 1, CUBLAS_FROM_M.get((n, k), CUBLAS_FROM_M_DEFAULT)}
-    cuts = sorted(c for c in cuts | change_points(points) if 1 <= c <= max_m + 1)
+    fixed = {1, max_m + 1, CUBLAS_FROM_M.get((n, k), CUBLAS_FROM_M_DEFAULT)}
+    cuts = sorted(c for c in fixed | change_points(points) if 1 <= c <= max_m + 1)
     ranges: list[Range] = []
     for lo, nxt in zip(cuts, cuts[1:], strict=False):
         use = deepgemm_usable and table is not None and table.dense_wins(lo, n, k)

@@ -33,7 +33,8 @@ def _local(cfg: ModelConfig, shapes: dict, name: str, layout: RankLayout | None)
     full = shapes[f"{name}.weight"]
     if layout is None:
         return full
-    return placement_of(f"{name}.weight", layout, cfg.n_routed_experts).local_shape(full)
+    n, k = placement_of(f"{name}.weight", layout, cfg.n_routed_experts).local_shape(full)
+    return n, k
 
 
 def dense_gemm_shapes(cfg: ModelConfig, layout: RankLayout | None) -> dict[str, tuple[int, int]]:

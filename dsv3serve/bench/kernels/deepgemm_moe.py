@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -45,7 +46,12 @@ def masked_key(e: int, m: int) -> str:
     return f"E={e},N={MOE_SHAPE['inter']},K={MOE_SHAPE['hidden']},M={m}"
 
 
-def _moe_path(fn, ref_rows, valid, reps: int) -> dict[str, Any]:  # noqa: ANN001
+def _moe_path(
+    fn: Callable[[int], torch.Tensor],
+    ref_rows: torch.Tensor,
+    valid: Callable[[torch.Tensor], torch.Tensor],
+    reps: int,
+) -> dict[str, Any]:
     try:
         err = rel_err(valid(fn(0)), ref_rows)
         us, how = time_call(fn, 2, reps)

@@ -11,6 +11,7 @@ the cache in parallel before the timed run (``benchmarks/run_deepgemm_gpu.sh``).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -71,7 +72,9 @@ def print_deepgemm(result: dict[str, Any]) -> None:
                       result["masked"])  # fmt: skip
 
 
-def _moe_points(rows: list[dict[str, Any]], key) -> dict[str, list[Measured]]:  # noqa: ANN001
+def _moe_points(
+    rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]
+) -> dict[str, list[Measured]]:
     out: dict[str, list[Measured]] = {}
     for r in rows:
         point = measured(r, moe.ERROR_LIMIT)
