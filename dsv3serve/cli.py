@@ -66,11 +66,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="run the shared expert as expert E inside the fused MoE (off = SGLang's "
         "--disable-shared-experts-fusion; auto: where measured faster on this GPU)",
     )
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"])
+    p.add_argument(
+        "--attention-backend",
+        default="torch",
+        choices=["torch", "flashinfer", "flashmla"],
+        help="flashmla: FlashMLA decode and verify (needs --page-size 64 and sgl-flash-mla)",
+    )
     p.add_argument(
         "--disable-cuda-graph",
         action="store_true",
-        help="run decode steps eagerly (graphs need CUDA and --attention-backend flashinfer)",
+        help="run decode steps eagerly (graphs need CUDA and --attention-backend flashinfer "
+        "or flashmla)",
     )
     p.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest captured batch")
     p.add_argument(

@@ -20,7 +20,7 @@ from dsv3serve.kernels.rope_kv import rope_kv_write, rope_ref
 
 if TYPE_CHECKING:
     from dsv3serve.config import ModelConfig
-    from dsv3serve.kvcache.pool import MLAKVPool
+    from dsv3serve.kvcache.pool import FP8Scales, MLAKVPool
 
 # Maps cached latents [S, 576] to per-head keys [S, H, 192] and values [S, H, 128].
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -51,18 +51,52 @@ class MLADims(MLAHeadShape):
         )
 
 
+@dataclass(frozen=True)
+class CudaGraphLimits:
+    """Sizes of the preallocated buffers of a backend's CUDA-graph-safe absorbed path, for
+    batches of up to ``max_batch_size`` sequences.
+
+    ``max_kv_indices``: the most page ids (or slots, in the token fallback) of one batch.
+    flashinfer gives each (slot, batch size) used its own wrapper (8 MiB device + 8 MiB
+    pinned host buffers), each slot one set of index buffers (``max_kv_indices`` int32).
+    ``max_pages_per_seq``: the most pages one sequence holds: the width of the FlashMLA
+    backend's block table per slot (``max_batch_size`` rows, int32); 0: ``max_kv_indices``.
+    """
+
+    max_batch_size: int
+    max_kv_indices: int
+    max_pages_per_seq: int = 0
+
+    @classmethod
+    def for_pool(
+        cls, max_batch_size: int, num_pages: int, page_size: int, max_seq_tokens: int
+    ) -> CudaGraphLimits:
+        """Limits for batches over a pool of ``num_pages`` pages whose sequences hold at most
+        ``max_seq_tokens`` tokens (index buffers capped at 2**24 entries)."""
+        per_seq = min(num_pages, -(-max_seq_tokens // page_size))
+        return cls(max_batch_size, min(max_batch_size * num_pages, 1 << 24), per_seq)
+
+    @property
+    def block_table_width(self) -> int:
+        """Columns of a fixed block table: ``max_pages_per_seq``, else ``max_kv_indices``."""
+        return self.max_pages_per_seq or self.max_kv_indices
+
+
 class AttentionBackend(ABC):
     """MLA attention over a paged latent KV cache.
 
     Capabilities (class attributes, so callers can ask before building one):
     ``supports_cuda_graphs``: decode batches may be captured into CUDA graphs (plans into
-    fixed device buffers); ``serves_fp8_pool``: reads an fp8 pool (e4m3 rows with
-    per-token scales); ``materialises_scores``: a prefill holds the dense float32
-    attention scores [heads, L, L] in memory.
+    fixed device buffers); ``serves_fp8_pool``: reads an fp8 pool; ``fp8_scales``: the
+    scale granularity of the fp8 pool it reads (``"token"``: a float32 scale per token,
+    ``"layer"``: one per layer; :class:`~dsv3serve.kvcache.pool.MLAKVPool`);
+    ``materialises_scores``: a prefill holds the dense float32 attention scores
+    [heads, L, L] in memory.
     """
 
     supports_cuda_graphs: ClassVar[bool] = False
     serves_fp8_pool: ClassVar[bool] = True
+    fp8_scales: ClassVar[FP8Scales] = "token"
     materialises_scores: ClassVar[bool] = False
 
     @abstractmethod
@@ -129,7 +163,7 @@ def write_roped_latent(
     :func:`~dsv3serve.kernels.rope_kv.rope_kv_write` (the kernel on CUDA, else its
     reference, which writes what ``pool.write`` writes)."""
     kv, scales = pool.kv_buffer(layer_id), pool.scale_buffer(layer_id)
-    q = rope_kv_write(latent, cos, sin, slots, kv, scales, q_pe)
+    q = rope_kv_write(latent, cos, sin, slots, kv, scales, q_pe, pool.layer_inv_scale(layer_id))
     assert q is not None
     return q
 

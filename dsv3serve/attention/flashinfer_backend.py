@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dsv3serve.attention.base import ExpandKV, MLADims, PooledAttentionBackend
+from dsv3serve.attention.base import (
+    CudaGraphLimits,
+    ExpandKV,
+    MLADims,
+    PooledAttentionBackend,
+)
 from dsv3serve.attention.flashinfer_graph_plan import GraphIndexBuffers, can_replan, replan
 from dsv3serve.attention.flashinfer_meta import (
     KVIndex,
@@ -91,19 +95,6 @@ def check_pool(pool: MLAKVPool, dims: MLADims) -> None:
             f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + qk_rope_head_dim"
             f" = {dims.kv_cache_dim}"
         )
-
-
-@dataclass(frozen=True)
-class CudaGraphLimits:
-    """Sizes of the preallocated buffers of the CUDA-graph-safe absorbed path.
-
-    ``max_kv_indices``: the most page ids (or slots, in the token fallback) of one batch.
-    Each (slot, batch size) used gets its own wrapper (8 MiB device + 8 MiB pinned host
-    buffers), each slot one set of index buffers (``max_kv_indices`` int32).
-    """
-
-    max_batch_size: int
-    max_kv_indices: int
 
 
 class _MLAWrappers:

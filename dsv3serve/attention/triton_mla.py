@@ -133,6 +133,8 @@ class TritonMLAAttention(PooledAttentionBackend):
                 f"KV pool rows are {pool.kv_dim} wide, expected kv_lora_rank + "
                 f"qk_rope_head_dim = {dims.kv_cache_dim}"
             )
+        if pool.is_fp8 and not pool.token_scales:
+            raise ValueError("TritonMLAAttention reads fp8 pools with per-token scales only")
         if fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel: expected one of {FP8_KERNELS}, got {fp8_kernel!r}")
         self.pool, self.dims, self.paged = pool, dims, paged

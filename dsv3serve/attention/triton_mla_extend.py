@@ -1,6 +1,7 @@
 """The MHA form (prefill / extend) of :class:`~dsv3serve.attention.triton_mla.TritonMLAAttention`
-on CUDA: flashinfer's ragged prefill over latents that ``MLAKVPool.read`` returns in the
-pool's compute dtype (bf16; an fp8 pool dequantises only the slots a step reads).
+and :class:`~dsv3serve.attention.flashmla_backend.FlashMLAAttention`: flashinfer's ragged
+prefill over latents that ``MLAKVPool.read`` returns in the pool's compute dtype (bf16; an
+fp8 pool, of either scale layout, dequantises only the slots a step reads).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class FlashInferExtendBackend(AttentionBackend):
         self._extend = FlashInferExtend(
             fi, workspace, dims, pool.compute_dtype, max_prefix_chunk_tokens
         )
-        self._planned: torch.cuda.Event | None = None
+        self._planned: torch.Event | None = None
 
     def plan(self, batch: ForwardBatch) -> None:
         # flashinfer stages plan data in pinned buffers copied asynchronously: wait for the
@@ -46,8 +47,9 @@ class FlashInferExtendBackend(AttentionBackend):
         if self._planned is not None:
             self._planned.synchronize()
         self._extend.plan(batch)
-        self._planned = torch.cuda.Event()
-        self._planned.record()
+        if self.pool.device.type == "cuda":  # (CPU tests run a stand-in flashinfer)
+            self._planned = torch.Event(device=self.pool.device)
+            self._planned.record()
 
     def save_latent(self, layer_id: int, latent: torch.Tensor) -> None:
         raise NotImplementedError("the owning backend saves latents")

@@ -14,7 +14,9 @@ DTypeName = Literal["auto", "bfloat16", "float32"]
 PARALLEL_FIELDS = tuple(ParallelConfig.model_fields)
 # What each attention backend needs of the device, declared where the config is validated
 # (the router validates configs without torch, so it cannot ask the backend classes).
-ATTENTION_NEEDS_CUDA_BF16: dict[str, bool] = {"torch": False, "flashinfer": True}
+ATTENTION_NEEDS_CUDA_BF16: dict[str, bool] = {"torch": False, "flashinfer": True, "flashmla": True}
+# Page sizes a backend's kernels read (absent: any).
+ATTENTION_PAGE_SIZES: dict[str, tuple[int, ...]] = {"flashmla": (64,)}
 DEFAULT_SPEC_STEPS = 3  # DeepSeek-V3 MTP: 3 chained steps, 4 draft tokens (as SGLang)
 DEFAULT_HICACHE_RATIO = 2.0  # host tier / device pool, as SGLang's default
 
@@ -55,11 +57,12 @@ class EngineConfig(BaseModel):
     # default), any whitespace, which a weak model can spend max_tokens on
     disable_any_whitespace: bool = True
     # backends
-    attention_backend: Literal["torch", "flashinfer"] = "torch"
+    # flashmla: FlashMLA decode / verify (page_size 64), flashinfer prefill; opt-in only
+    attention_backend: Literal["torch", "flashinfer", "flashmla"] = "torch"
     moe_backend: Literal["torch", "triton"] = "torch"  # triton: fused kernels on CUDA
     shared_experts_fusion: Literal["auto", "on", "off"] = "auto"  # see dsv3serve.moe.shared
     attn_impl: Literal["auto", "mha", "absorb"] = "auto"
-    # CUDA graphs for decode steps (CUDA with the flashinfer attention backend only)
+    # CUDA graphs for decode steps (CUDA with the flashinfer or flashmla attention backend)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = Field(64, ge=1, description="largest captured decode batch")
     fp8_act_quant: bool = True
@@ -144,6 +147,12 @@ class EngineConfig(BaseModel):
 
     def _check_attention(self) -> None:
         name = self.attention_backend
+        sizes = ATTENTION_PAGE_SIZES.get(name)
+        if sizes is not None and self.page_size not in sizes:
+            raise ValueError(
+                f"attention_backend {name!r}: found page_size {self.page_size}, expected "
+                f"{' or '.join(map(str, sizes))} (the pages its kernels read)"
+            )
         if not ATTENTION_NEEDS_CUDA_BF16.get(name, False):
             return
         if not self.device.startswith("cuda"):

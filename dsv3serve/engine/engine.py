@@ -41,7 +41,6 @@ from dsv3serve.engine.speculative.forwards import SpecForwards
 from dsv3serve.engine.speculative.loop import SpecDecoder
 from dsv3serve.engine.speculative.stats import SpecStats
 from dsv3serve.kvcache.host_pool import HostKVPool
-from dsv3serve.kvcache.pool import bytes_per_page
 from dsv3serve.kvcache.radix_cache import PrefixMatch
 from dsv3serve.metrics import EngineState, Metrics, with_tier_state
 from dsv3serve.settings import export_compile_caches
@@ -313,8 +312,7 @@ def scheduler_state(s: Scheduler, **extra: int) -> EngineState:
 
 def _host_pool(cfg: EngineConfig, runner: ModelRunner) -> HostKVPool | None:
     pool = runner.pool
-    page_bytes = bytes_per_page(pool.num_layers, pool.page_size, pool.dtype, pool.kv_dim)
-    pages = cfg.host_tier_pages(runner.num_pages, page_bytes)
+    pages = cfg.host_tier_pages(runner.num_pages, pool.page_nbytes)
     return HostKVPool(pool, pages) if pages else None
 
 

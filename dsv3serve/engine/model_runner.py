@@ -18,12 +18,13 @@ from dsv3serve.engine.config import EngineConfig
 from dsv3serve.engine.cuda_graph import DecodeGraphs, capture_sizes
 from dsv3serve.engine.eplb_runtime import EplbRuntime
 from dsv3serve.engine.future_tokens import FutureTokens
+from dsv3serve.engine.gemm_log import log_gemm_backends
 from dsv3serve.engine.graph_capture import GraphPool
 from dsv3serve.engine.group.rank_parts import RankParts, agree_on_pages, check_fits, rank_parts
 from dsv3serve.engine.kv_size import agreed_size, rank_kv_size
 from dsv3serve.engine.scheduler.sequence import ScheduledItem
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
-from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
+from dsv3serve.kvcache.pool import FP8Scales, MLAKVPool, bytes_per_page
 from dsv3serve.kvcache.sizing import KVSize
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM, ModelOptions
 from dsv3serve.model.weights import load_weights
@@ -32,7 +33,7 @@ from dsv3serve.parallel.deepep_sizes import planned_deepep
 from dsv3serve.plan.planner import PlanSettings, reserves
 
 if TYPE_CHECKING:
-    from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+    from dsv3serve.attention.base import CudaGraphLimits
 
 logger = logging.getLogger(__name__)
 # "1": run the CUDA-graph decode path (padding, static buffers, group-agreed sizes) without
@@ -100,6 +101,11 @@ class ModelRunner:
             p = self.parts
             self.model = DeepseekV3ForCausalLM(model_cfg, opts, p.comm, p.dispatcher, p.eplb)
         load_weights(self.model, model_dir, cfg.load_format, self.parts.layout)
+        max_m = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
+        log_gemm_backends(
+            model_cfg, self.parts.layout, self.device, self.dtype, cfg.fp8_act_quant,
+            max_m or cfg.max_num_batched_tokens,
+        )  # fmt: skip
         self.eplb = None if p.eplb is None else EplbRuntime(p.eplb, cfg.parallel, model_cfg)
         if self.eplb is not None:
             self.eplb.fill(self.model)
@@ -226,10 +232,13 @@ class ModelRunner:
         return kv_slots(pages, self.cfg.page_size, num_tokens)
 
     def _graph_limits(self) -> CudaGraphLimits:
-        from dsv3serve.attention.flashinfer_backend import CudaGraphLimits
+        from dsv3serve.attention.base import CudaGraphLimits
 
-        max_bs = self._graph_max_bs()
-        return CudaGraphLimits(max_bs, min(max_bs * self.pool.num_pages, 1 << 24))
+        c = self.cfg  # a sequence holds at most the longest request plus a verify's drafts
+        longest = (c.max_model_len or self.model_cfg.max_position_embeddings) + c.spec_num_steps + 1
+        return CudaGraphLimits.for_pool(
+            self._graph_max_bs(), self.pool.num_pages, c.page_size, longest
+        )
 
     def _graph_max_bs(self) -> int:
         """No graph larger than the scheduler's batch can ever be."""
@@ -237,6 +246,10 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self.cfg.kv_cache_dtype == "fp8_e4m3" else self.dtype
+
+    def _fp8_scales(self) -> FP8Scales:
+        """The scale layout the attention backend reads an fp8 pool in."""
+        return attention_backend_class(self.cfg.attention_backend, self._kv_dtype()).fp8_scales
 
     def _reserved_bytes(self) -> int:
         """What the planner sets aside beside the KV (``dsv3serve.plan``): the decode graphs,
@@ -258,9 +271,9 @@ class ModelRunner:
 
     def _kv_size(self) -> KVSize:
         """The pool's size, agreed with the group and logged with its reason."""
-        kv_dim = self.model_cfg.kv_cache_dim
+        kv_dim, token_scales = self.model_cfg.kv_cache_dim, self._fp8_scales() == "token"
         page_bytes = bytes_per_page(
-            self.model.num_kv_layers, self.cfg.page_size, self._kv_dtype(), kv_dim
+            self.model.num_kv_layers, self.cfg.page_size, self._kv_dtype(), kv_dim, token_scales
         )
         own = rank_kv_size(
             self.cfg,
@@ -283,6 +296,7 @@ class ModelRunner:
             self._kv_dtype(),
             self.device,
             compute_dtype=self.dtype,
+            fp8_scales=self._fp8_scales(),
         )
 
     @property

@@ -1,8 +1,12 @@
-"""Optional DeepGEMM FP8 block GEMM: used only where ``import deep_gemm`` works and a self-check
-passes; otherwise never chosen, and a debug log says why.
+"""Optional DeepGEMM FP8 block GEMM: the ``auto`` dispatch runs it only for shapes where this
+GPU's measured table (:mod:`dsv3serve.kernels.gemm_table`) says it is at least 1.05x faster
+than the GEMM that would run instead, and only where ``import deep_gemm`` works and a
+self-check passes. When the table wants it and it is unusable, a WARNING says why, once per
+reason, and cuBLAS / Triton run as without a table. How to build it: docs/deepgemm.md.
 
-There is no official wheel (``/work/shared/GPU.md``: a repackaged sdist built on an H200 and
-segfaulted in its first call), so the check is defensive: on CUDA the real module is first
+There is no wheel for our torch (``benchmarks/deepgemm/build.sh`` builds it from source; an
+older repackaged sdist built on an H200 segfaulted in its first call), so the check is
+defensive: on CUDA the real module is first
 exercised in a child process (``python -m dsv3serve.kernels.deepgemm``), so a crash costs the
 child, not the server; then the same small GEMM runs in-process and is compared with the
 torch reference by relative error (``SELF_CHECK_RTOL``). The result is cached per device.
@@ -28,6 +32,7 @@ import functools
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -40,6 +45,7 @@ from dsv3serve.kernels.fp8_ref import (
     quant_per_token_group,
     quant_weight_block,
 )
+from dsv3serve.kernels.gemm_table import DeepGemmTable, load_table
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +137,47 @@ def deepgemm_status(device_type: str, index: int = 0) -> DeepGemmStatus:
         child = _probe_in_child(device) if device.type == "cuda" and on_disk else None
         reason = child or self_check(module, device) or ""
     status = DeepGemmStatus(module is not None and not reason, reason or "self-check passed")
-    log.debug("DeepGEMM on %s: %s (%s)", device, "used" if status.usable else "not used", reason)
+    if status.usable:
+        log.info("DeepGEMM on %s passed its self-check", device)
+    else:
+        _warn_unusable(reason)
     return status
+
+
+@functools.cache
+def _warn_unusable(reason: str) -> None:
+    """One WARNING per distinct reason (every device of a process fails the same way)."""
+    log.warning(
+        "DeepGEMM not used: %s; where a measured GEMM table prefers it, cuBLAS / Triton run "
+        "instead (build it: docs/deepgemm.md)",
+        reason,
+    )
+
+
+@functools.cache
+def cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table_for(device: torch.device) -> DeepGemmTable | None:
+    """The measured table of ``device``'s GPU model (None off CUDA or without one)."""
+    if device.type != "cuda":
+        return None
+    return load_table(cuda_device_name(device.index or 0))
+
+
+def dense_pick(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether ``auto`` runs DeepGEMM for an M x N x K GEMM on ``device``: its GPU's table
+    says DeepGEMM wins there and it passed its self-check (:func:`picks`)."""
+    return picks(table_for(device), m, n, k, lambda: usable_on(device))
+
+
+def picks(table: DeepGemmTable | None, m: int, n: int, k: int, usable: Callable[[], bool]) -> bool:
+    """The rule: the table wins at M x N x K and then (only then, so a GPU whose table never
+    wants DeepGEMM never probes it) ``usable()``."""
+    if table is None or not supported(n, k) or not table.dense_wins(m, n, k):
+        return False
+    return usable()
 
 
 def deepgemm_module() -> ModuleType:

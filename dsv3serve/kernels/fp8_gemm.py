@@ -13,8 +13,9 @@ weights stream from memory once; up to M = 32 it swaps the operands (``W_tile @ 
 the weight rows fill the MMA's 64-row side; split-K adds programs where the N tiles alone
 cannot fill the SMs. At larger M, cuBLAS block scaling through
 ``torch.nn.functional.scaled_mm`` is faster. DeepGEMM (:mod:`dsv3serve.kernels.deepgemm`)
-is optional: where it imports and passes its self-check, ``auto`` runs it instead of cuBLAS;
-elsewhere it is never chosen.
+is optional: ``auto`` runs it only where this GPU's measured table
+(:mod:`dsv3serve.kernels.gemm_table`) says it beat the kernel above by >= 1.05x at that
+N x K and M, and only if it imports and passes its self-check.
 """
 
 from __future__ import annotations
@@ -264,15 +265,14 @@ def is_large_m(m: int, n: int, k: int) -> bool:
 
 
 def choose_backend(
-    m: int, n: int, k: int, deepgemm_usable: bool = False
+    m: int, n: int, k: int, use_deepgemm: bool = False
 ) -> Literal["triton", "cublas", "deepgemm"]:
-    """The GEMM the ``auto`` dispatch runs for an M x N x K problem on CUDA: Triton at decode
-    M, else cuBLAS, or DeepGEMM in cuBLAS's place where it passed its self-check (no timing of
-    it exists yet: ``dsv3serve bench kernels`` on a machine with DeepGEMM should refine this)."""
-    large_m = is_large_m(m, n, k)
-    if large_m and deepgemm_usable and deepgemm.supported(n, k):
+    """The GEMM the ``auto`` dispatch runs for an M x N x K problem on CUDA: DeepGEMM where
+    ``use_deepgemm`` (:func:`deepgemm.dense_pick`: measured faster here, self-check passed),
+    else Triton at decode M and cuBLAS from :func:`is_large_m` on."""
+    if use_deepgemm and deepgemm.supported(n, k):
         return "deepgemm"
-    return "cublas" if large_m and cublas_supported(n, k) else "triton"
+    return "cublas" if is_large_m(m, n, k) and cublas_supported(n, k) else "triton"
 
 
 def fp8_block_gemm_deepgemm(
@@ -300,8 +300,8 @@ def fp8_block_gemm(
         return fp8_block_linear_ref(x, w, w_scale_inv)
     m, k = x.shape
     if backend == "auto":
-        n = w.shape[0]  # DeepGEMM is probed only where it could be picked: large M
-        backend = choose_backend(m, n, k, is_large_m(m, n, k) and deepgemm.usable_on(x.device))
+        n = w.shape[0]  # DeepGEMM is probed only where its table would pick it
+        backend = choose_backend(m, n, k, deepgemm.dense_pick(m, n, k, x.device))
     xq, xs = quant_per_token_group_fp8(x, m_major_scales=backend in ("cublas", "deepgemm"))
     return _run_backend(backend, xq, xs, w, w_scale_inv)
 
@@ -315,7 +315,7 @@ def fp8_block_gemm_quantized(
     ``(1, M)``, the layout every backend takes). Returns bf16 [M, N]."""
     m, k = xq.shape
     n = w.shape[0]
-    backend = choose_backend(m, n, k, is_large_m(m, n, k) and deepgemm.usable_on(xq.device))
+    backend = choose_backend(m, n, k, deepgemm.dense_pick(m, n, k, xq.device))
     return _run_backend(backend, xq, xs, w, w_scale_inv)
 
 

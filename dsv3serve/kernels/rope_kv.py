@@ -8,9 +8,10 @@ Inputs, per new token ``t`` (T tokens; DeepSeek-V3: R 512, P 64, H 128 heads):
 - ``cos``, ``sin`` [T, P/2] float32, contiguous: the step's YaRN rotary factors at each
   token's position (:meth:`dsv3serve.layers.rotary.RotaryEmbedding.cos_sin`, once per step);
 - ``slots`` [T] int32/int64: the cache row of each token (``page * page_size + offset``);
-- ``kv_buffer`` [pages, page_size, R + P] (bf16, float32 or e4m3) with, for e4m3 only,
-  ``scale_buffer`` [pages, page_size] float32 (:class:`dsv3serve.kvcache.pool.MLAKVPool`'s
-  layout, both contiguous);
+- ``kv_buffer`` [pages, page_size, R + P] (bf16, float32 or e4m3) with, for e4m3, either
+  ``scale_buffer`` [pages, page_size] float32 (per-token scales) or ``layer_inv_scale`` [1]
+  float32 (a ``"layer"`` pool's ``1 / s``) (:class:`dsv3serve.kvcache.pool.MLAKVPool`'s
+  layouts, all contiguous);
 - ``q_pe`` [T, H, P] bf16, any token and head strides, unit stride along P (a view of
   ``q_b_proj``'s output), or None.
 
@@ -19,8 +20,9 @@ RoPE rotates interleaved pairs ``(x0, x1), (x2, x3), ...`` in place:
 :class:`~dsv3serve.layers.rotary.RotaryEmbedding`). Each cache row becomes ``[c_kv |
 rope(k_pe)]``; in an e4m3 pool it is stored as the pool does it: ``s = max(amax *
 fl32(1/448), 1e-12)`` over the row's 576 bf16 values, ``e4m3(clamp(x / s, +-448))`` (an IEEE
-division), and ``s`` in the scale buffer. Returns the rotated ``q_pe`` as a new contiguous
-[T, H, P] tensor.
+division), and ``s`` in the scale buffer; in a ``"layer"`` pool as
+``e4m3(clamp(x * inv, +-448))`` with the layer's ``inv = 1 / s``. Returns the rotated
+``q_pe`` as a new contiguous [T, H, P] tensor.
 
 It replaces the two rotations (each a handful of elementwise kernels), the concatenation
 and the cache's scatter (and, for e4m3, its amax and quantisation) with one launch.
@@ -65,13 +67,20 @@ def _rope_pairs_body(base, cs, sn, pairs, mask, out_ty: tl.constexpr):
 
 def _write_row_body(lat, cs, sn, kv_row, s_ptr, slot, R, P,
                     RB: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
-                    QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):  # fmt: skip
-    """One cache row: the latent as it is, the rope key rotated; e4m3 with its scale."""
+                    LAYER: tl.constexpr, QMAX: tl.constexpr,
+                    MIN_SCALE: tl.constexpr):  # fmt: skip
+    """One cache row: the latent as it is, the rope key rotated; e4m3 with its scale
+    (``LAYER``: ``s_ptr`` holds the layer's inverse scale, nothing is stored there)."""
     rc, half = tl.arange(0, RB), tl.arange(0, HALF)
     rmask, pmask = rc < R, half < P // 2
     c = tl.load(lat + rc, mask=rmask, other=0.0)
     re, ro = _rope_pairs(lat + R, cs, sn, half, pmask, lat.dtype.element_ty)
-    if FP8:
+    if FP8 and LAYER:
+        inv = tl.load(s_ptr)
+        c = tl.minimum(tl.maximum(c.to(tl.float32) * inv, -QMAX), QMAX)
+        re = tl.minimum(tl.maximum(re.to(tl.float32) * inv, -QMAX), QMAX)
+        ro = tl.minimum(tl.maximum(ro.to(tl.float32) * inv, -QMAX), QMAX)
+    elif FP8:
         amax = tl.max(tl.abs(c.to(tl.float32)), axis=0)
         amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(re), tl.abs(ro)).to(tl.float32), 0))
         s = tl.maximum(amax * (1.0 / QMAX), MIN_SCALE)  # the pool's multiply, not a division
@@ -89,7 +98,7 @@ def _rope_kv_body(
     lat_ptr, cos_ptr, sin_ptr, slot_ptr, kv_ptr, s_ptr, q_ptr, qo_ptr, R, P, H,
     stride_qt, stride_qh,
     RB: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr, FP8: tl.constexpr,
-    HAS_Q: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    LAYER: tl.constexpr, HAS_Q: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, head blocks): program (t, 0) writes token t's cache row; program (t, b)
     rotates heads [b*HB, (b+1)*HB) of its q_pe."""
@@ -102,7 +111,7 @@ def _rope_kv_body(
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         kv_row = kv_ptr + slot * (R + P)
         _write_row(lat_ptr + tok * (R + P), cs, sn, kv_row, s_ptr, slot, R, P,
-                   RB, HALF, FP8, QMAX, MIN_SCALE)  # fmt: skip
+                   RB, HALF, FP8, LAYER, QMAX, MIN_SCALE)  # fmt: skip
     if HAS_Q:
         heads = hb * HB + tl.arange(0, HB)
         mask = (heads < H)[:, None] & pmask[None, :]
@@ -126,6 +135,7 @@ def _check(
     kv_buffer: torch.Tensor,
     scale_buffer: torch.Tensor | None,
     q_pe: torch.Tensor | None,
+    layer_inv_scale: torch.Tensor | None,
 ) -> None:
     t, width = latent.shape
     assert latent.is_contiguous(), "expected a contiguous latent [T, R + P]"
@@ -135,7 +145,16 @@ def _check(
         f"expected a contiguous cache of rows {width} wide, got {list(kv_buffer.shape)}"
     )
     fp8 = kv_buffer.dtype == torch.float8_e4m3fn
-    assert fp8 == (scale_buffer is not None), "expected a scale buffer exactly for an e4m3 pool"
+    scaled = (scale_buffer is not None) + (layer_inv_scale is not None)
+    assert scaled == int(fp8), (
+        "expected exactly one of a scale buffer and a layer inverse scale for an e4m3 pool, "
+        "neither for another"
+    )
+    if layer_inv_scale is not None:
+        assert layer_inv_scale.shape == (1,) and layer_inv_scale.dtype == torch.float32, (
+            f"expected a [1] float32 layer inverse scale, got {layer_inv_scale.dtype} "
+            f"{list(layer_inv_scale.shape)}"
+        )
     if q_pe is not None:
         p = cos.shape[1] * 2
         assert q_pe.dim() == 3 and q_pe.shape[0] == t and q_pe.shape[2] == p, (
@@ -152,9 +171,10 @@ def rope_kv_write_triton(
     kv_buffer: torch.Tensor,
     scale_buffer: torch.Tensor | None,
     q_pe: torch.Tensor | None,
+    layer_inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The Triton kernel (any device Triton runs on, the CPU interpreter included)."""
-    _check(latent, cos, slots, kv_buffer, scale_buffer, q_pe)
+    _check(latent, cos, slots, kv_buffer, scale_buffer, q_pe, layer_inv_scale)
     t, width = latent.shape
     p = cos.shape[1] * 2
     heads = q_pe.shape[1] if q_pe is not None else 0
@@ -166,14 +186,14 @@ def rope_kv_write_triton(
     hb = min(HEADS_PER_PROGRAM, triton.next_power_of_2(max(heads, 1)))
     grid = (t, max(1, -(-heads // hb)))
     q_in = q_pe if q_pe is not None else latent
+    scales = next((s for s in (scale_buffer, layer_inv_scale) if s is not None), cos)
     _rope_kv_kernel[grid](
-        latent, cos, sin, slots, kv_buffer,
-        scale_buffer if scale_buffer is not None else cos, q_in,
+        latent, cos, sin, slots, kv_buffer, scales, q_in,
         q_out if q_out is not None else latent, width - p, p, heads,
         q_in.stride(0), q_in.stride(1) if q_pe is not None else 0,
         RB=triton.next_power_of_2(width - p), HALF=triton.next_power_of_2(p // 2), HB=hb,
-        FP8=scale_buffer is not None, HAS_Q=q_pe is not None, QMAX=CACHE_FP8_MAX,
-        MIN_SCALE=CACHE_MIN_SCALE, num_warps=4,
+        FP8=scales is not cos, LAYER=layer_inv_scale is not None, HAS_Q=q_pe is not None,
+        QMAX=CACHE_FP8_MAX, MIN_SCALE=CACHE_MIN_SCALE, num_warps=4,
     )  # fmt: skip
     return q_out
 
@@ -186,15 +206,19 @@ def rope_kv_write_ref(
     kv_buffer: torch.Tensor,
     scale_buffer: torch.Tensor | None,
     q_pe: torch.Tensor | None,
+    layer_inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The same from reference ops: :func:`rope_ref` on both rope parts, the concatenation,
     and the pool's own write (``MLAKVPool.write``'s scatter and e4m3 quantisation)."""
-    _check(latent, cos, slots, kv_buffer, scale_buffer, q_pe)
+    _check(latent, cos, slots, kv_buffer, scale_buffer, q_pe, layer_inv_scale)
     p = cos.shape[1] * 2
     r = latent.shape[1] - p
     rows = torch.cat([latent[:, :r], rope_ref(latent[:, r:], cos, sin)], -1)
     flat = kv_buffer.view(-1, latent.shape[1])
-    if scale_buffer is None:
+    if layer_inv_scale is not None:
+        q = (rows.float() * layer_inv_scale[0]).clamp(-CACHE_FP8_MAX, CACHE_FP8_MAX)
+        flat[slots] = q.to(flat.dtype)
+    elif scale_buffer is None:
         flat[slots] = rows.to(flat.dtype)
     else:
         values = rows.float()
@@ -214,10 +238,12 @@ def rope_kv_write(
     kv_buffer: torch.Tensor,
     scale_buffer: torch.Tensor | None,
     q_pe: torch.Tensor | None = None,
+    layer_inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Write the new tokens' cache rows with RoPE applied to their rope key, and return
     ``q_pe`` rotated (None without one). The kernel on CUDA with Triton, else the reference.
     Shapes, layouts and rounding: see the module docstring."""
+    args = (latent, cos, sin, slots, kv_buffer, scale_buffer, q_pe, layer_inv_scale)
     if HAS_TRITON and latent.is_cuda:
-        return rope_kv_write_triton(latent, cos, sin, slots, kv_buffer, scale_buffer, q_pe)
-    return rope_kv_write_ref(latent, cos, sin, slots, kv_buffer, scale_buffer, q_pe)
+        return rope_kv_write_triton(*args)
+    return rope_kv_write_ref(*args)

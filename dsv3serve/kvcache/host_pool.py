@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
+from dsv3serve.kvcache.pool import MLAKVPool
 
 
 class HostKVPool:
@@ -38,17 +38,14 @@ class HostKVPool:
         self._kv = [_host_zeros(shape, pool.dtype, cuda) for _ in range(pool.num_layers)]
         self._scale = [
             _host_zeros(shape[:2], torch.float32, cuda)
-            for _ in range(pool.num_layers if pool.is_fp8 else 0)
+            for _ in range(pool.num_layers if pool.token_scales else 0)
         ]
         self._stream = torch.cuda.Stream(pool.device) if cuda else None
 
     @property
     def nbytes(self) -> int:
         """Host bytes held by the buffers, scales included."""
-        pool = self.pool
-        return self.num_pages * bytes_per_page(
-            pool.num_layers, pool.page_size, pool.dtype, pool.kv_dim
-        )
+        return self.num_pages * self.pool.page_nbytes
 
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Copy device page ``device_pages[i]`` into host page ``host_pages[i]``."""

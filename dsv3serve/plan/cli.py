@@ -14,7 +14,9 @@ from dsv3serve.json_types import JSONObject
 from dsv3serve.kvcache.sizing import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from dsv3serve.parallel.args import add_layout_args, layout_from_args
 from dsv3serve.parallel.config import ParallelConfig
+from dsv3serve.parallel.shard import RankLayout
 from dsv3serve.plan.cpu import CpuSettings, cpu_plan, cpu_plan_json, cpu_plan_table
+from dsv3serve.plan.gemm import device_table, gemm_json, gemm_report
 from dsv3serve.plan.planner import Plan, PlanError, plan
 from dsv3serve.plan.report import plan_json, plan_table
 
@@ -41,6 +43,13 @@ def add_plan_parser(sub: Any) -> None:
         help="cpu: the KV cap per host, shared by the group's ranks",
     )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument(
+        "--attention-backend",
+        default="flashinfer",
+        choices=["torch", "flashinfer", "flashmla"],
+        help="fp8 pools: flashmla keeps one scale per layer (576 bytes a token-layer), the "
+        "others one per token (580)",
+    )
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
@@ -67,6 +76,12 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--enable-hierarchical-cache", action="store_true", help="add a host tier")
     p.add_argument("--hicache-ratio", type=float, default=None, help="host / device KV (2.0)")
     p.add_argument("--hicache-size", type=int, default=None, help="host tier per rank, GB")
+    p.add_argument(
+        "--gpu-name",
+        default=None,
+        help="the GPU as torch names it (e.g. 'NVIDIA H200'): which FP8 GEMM runs where by "
+        "its measured DeepGEMM table (dsv3serve/kernels/configs/)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=run_plan)
 
@@ -157,6 +172,7 @@ def _plan(args: argparse.Namespace, parallel: ParallelConfig) -> Plan:
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
+        attention_backend=args.attention_backend,
         **_hicache(args),
     )
 
@@ -180,8 +196,19 @@ def _hicache(args: argparse.Namespace) -> HostTierSize:
 
 
 def _print(p: Plan, args: argparse.Namespace, fits: bool) -> None:
+    cfg = model_config(args.model, args.hf_overrides)
+    layout, max_m = RankLayout(p.parallel, 0), _max_m(args)
+    table = device_table(args.gpu_name)
     if args.json:
-        print(json.dumps(plan_json(p, args.model, fits), indent=2))
+        data = plan_json(p, args.model, fits)
+        data["gemm_backends"] = gemm_json(cfg, layout, max_m, args.gpu_name, table)
+        print(json.dumps(data, indent=2))
         return
     print(plan_table(p, args.model))
+    print("\n".join(gemm_report(cfg, layout, max_m, args.gpu_name, table)))
     print("fits" if fits else "does not fit")
+
+
+def _max_m(args: argparse.Namespace) -> int:
+    """The most rows one GEMM sees: a prefill chunk (16384 tokens unchunked)."""
+    return args.chunked_prefill_size if args.chunked_prefill_size > 0 else 16384

@@ -1,32 +1,33 @@
 """Per-rank device memory of a parallel layout, from the config alone, refused if it won't fit.
 
-Weights: the checkpoint's tensors (names, full shapes and dtypes written from the published
-spec by :func:`~dsv3serve.model.tiny.checkpoint_shapes`, no file read), each rank's part
-taken by :func:`~dsv3serve.parallel.shard_tensors.local_tensors`, the loader's own code.
-Then the KV cache gets what is left of ``gpu_memory_gb * mem_fraction_static`` after the
-weights, the absorbed MLA weights ``post_load`` derives, and the reserves below.
+Weights: the checkpoint's tensors (:mod:`dsv3serve.plan.checkpoint`: names, full shapes and
+dtypes written from the published spec by :func:`~dsv3serve.model.tiny.checkpoint_shapes`, no
+file read), each rank's part taken by :func:`~dsv3serve.parallel.shard_tensors.local_tensors`,
+the loader's own code. Then the KV cache gets what is left of ``gpu_memory_gb *
+mem_fraction_static`` after the weights, the absorbed MLA weights ``post_load`` derives, and
+the reserves below.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 
+from dsv3serve.attention import attention_backend_class
 from dsv3serve.config import ModelConfig
 from dsv3serve.kvcache.pool import bytes_per_page
-from dsv3serve.model.tiny import checkpoint_shapes, is_quantized
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11
 from dsv3serve.parallel.config import ParallelConfig
 from dsv3serve.parallel.deepep_sizes import DeepEPBytes, planned_deepep
 from dsv3serve.parallel.shard import RankLayout, check_model
-from dsv3serve.parallel.shard_tensors import SCALE_SUFFIX, TensorInfo, local_tensors
+from dsv3serve.parallel.shard_tensors import TensorInfo, local_tensors
+from dsv3serve.plan.checkpoint import KINDS, checkpoint_infos, kind_of, nextn_shared_names
 
 GB = 1e9  # decimal, as GPU memory is quoted (H200: 141 GB)
 # Device memory a bf16 full-width DeepSeek-V3 rank used beyond weights + KV pool with decode
@@ -38,17 +39,7 @@ GRAPH_BYTES_PER_BS = 12_000_000
 ACTIVATION_BYTES_PER_PREFILL_TOKEN = 310_000
 # Not measured here: NCCL / DeepEP buffers of a group of more than one rank (a guess).
 COLLECTIVE_RESERVE_BYTES = 1_000_000_000
-KINDS = (
-    "attention",
-    "dense_mlp",
-    "routed_experts",
-    "shared_expert",
-    "embedding",
-    "lm_head",
-    "nextn",
-)
 KVCacheDType = Literal["auto", "fp8_e4m3"]
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class PlanError(ValueError):
@@ -68,6 +59,7 @@ class PlanExtras(TypedDict, total=False):
     hicache_ratio: float | None
     hicache_size: int | None
     max_running_requests: int
+    attention_backend: str
 
 
 @dataclass(frozen=True)
@@ -88,6 +80,7 @@ class PlanSettings:
     hicache_ratio: float | None = None
     hicache_size: int | None = None
     max_running_requests: int = 256
+    attention_backend: str = "flashinfer"  # decides an fp8 pool's scale layout
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static <= 1 or self.gpu_memory_gb <= 0:
@@ -191,51 +184,6 @@ class Plan:
         return self.host_kv_tokens * self.kv_bytes_per_token
 
 
-def checkpoint_infos(cfg: ModelConfig) -> dict[str, TensorInfo]:
-    """Every tensor of the model's checkpoint with full shape and dtype, no file needed:
-    FP8 e4m3 projections with a float32 ``weight_scale_inv`` per block, bf16 elsewhere,
-    float32 ``e_score_correction_bias``."""
-    if cfg.q_lora_rank is None:
-        raise ValueError("the planner needs q_lora_rank (DeepSeek-V3/R1), found None")
-    block = cfg.weight_block_size if cfg.quant_method == "fp8" else None
-    infos: dict[str, TensorInfo] = {}
-    for name, shape in checkpoint_shapes(dataclasses.asdict(cfg)).items():
-        if name.endswith("e_score_correction_bias"):
-            infos[name] = TensorInfo(shape, "F32")
-        elif block is not None and is_quantized(name):
-            infos[name] = TensorInfo(shape, "F8_E4M3")
-            blocks = tuple(-(-size // b) for size, b in zip(shape, block, strict=True))
-            infos[f"{name}{SCALE_SUFFIX}"] = TensorInfo(blocks, "F32")
-        else:
-            infos[name] = TensorInfo(shape, "BF16")
-    return infos
-
-
-def nextn_shared_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The NextN layer's copies of embedding and head: the model shares the main ones and
-    does not load these (``DeepseekV3ForCausalLM.ignored_checkpoint_names``)."""
-    if not cfg.num_nextn_predict_layers:
-        return ()
-    mtp = f"model.layers.{cfg.num_hidden_layers}"
-    return (f"{mtp}.embed_tokens.", f"{mtp}.shared_head.head.")
-
-
-def kind_of(name: str, num_hidden_layers: int) -> str:
-    """The table row of a checkpoint tensor (norms and the router gate go with their kind)."""
-    m = _LAYER.match(name)
-    if m and int(m.group(1)) >= num_hidden_layers:
-        return "nextn"
-    if name.startswith("model.embed_tokens."):
-        return "embedding"
-    if name.startswith(("lm_head.", "model.norm.")):
-        return "lm_head"
-    if ".mlp.shared_experts." in name:
-        return "shared_expert"
-    if ".mlp.experts." in name or ".mlp.gate." in name:
-        return "routed_experts"
-    return "dense_mlp" if ".mlp." in name else "attention"
-
-
 def rank_plan(
     infos: dict[str, TensorInfo], layout: RankLayout, cfg: ModelConfig, skip: tuple[str, ...]
 ) -> RankPlan:
@@ -273,10 +221,15 @@ def kv_layers(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: KVCacheDType) -> int:
-    """Every KV layer's 576-value latent (bf16, or e4m3 + a float32 scale) for one token."""
+def kv_bytes_per_token(
+    cfg: ModelConfig, kv_cache_dtype: KVCacheDType, attention_backend: str = "flashinfer"
+) -> int:
+    """Every KV layer's 576-value latent for one token: bf16, or e4m3 plus a float32 scale
+    per token, or e4m3 alone (half the bf16 bytes) where ``attention_backend`` reads an fp8
+    pool with one scale per layer (``flashmla``)."""
     dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
-    return bytes_per_page(kv_layers(cfg), 1, dtype, cfg.kv_cache_dim)
+    token_scales = attention_backend_class(attention_backend, dtype).fp8_scales == "token"
+    return bytes_per_page(kv_layers(cfg), 1, dtype, cfg.kv_cache_dim, token_scales)
 
 
 def reserves(s: PlanSettings, world_size: int) -> tuple[int, int]:
@@ -320,7 +273,7 @@ def plan(
         for r in range(parallel.world_size)
     )
     graph, activation = reserves(settings, parallel.world_size)
-    per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype)
+    per_token = kv_bytes_per_token(model_cfg, kv_cache_dtype, settings.attention_backend)
     deepep = planned_deepep(model_cfg, parallel, settings.max_running_requests)
     draft = Plan(parallel, settings, ranks, graph, activation, per_token, 0, 0, deepep)
     result = dataclasses.replace(

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import dsv3serve.attention.flashmla_backend as flashmla_backend
 import dsv3serve.attention.triton_mla as triton_mla
 from dsv3serve.attention import attention_backend_class, create_attention_backend
-from dsv3serve.attention.base import MLADims
+from dsv3serve.attention.base import CudaGraphLimits, MLADims
 from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
+from dsv3serve.attention.flashmla_backend import FlashMLAAttention
 from dsv3serve.attention.ref import TorchRefAttention
 from dsv3serve.attention.triton_mla import TritonMLAAttention
 from dsv3serve.moe import moe_backend_class
@@ -36,12 +38,21 @@ def test_attention_class_lookup_and_capabilities() -> None:
     assert TorchRefAttention.materialises_scores
     assert not FlashInferMLAAttention.materialises_scores
     assert not TritonMLAAttention.materialises_scores
+    assert TorchRefAttention.fp8_scales == TritonMLAAttention.fp8_scales == "token"
     with pytest.raises(ValueError, match="supported"):
-        attention_backend_class("flashmla", BF16)
+        attention_backend_class("flashmla3", BF16)
+
+
+def test_flashmla_serves_both_pool_dtypes_with_per_layer_fp8_scales() -> None:
+    assert attention_backend_class("flashmla", BF16) is FlashMLAAttention
+    assert attention_backend_class("flashmla", FP8) is FlashMLAAttention
+    assert FlashMLAAttention.supports_cuda_graphs and FlashMLAAttention.serves_fp8_pool
+    assert FlashMLAAttention.fp8_scales == "layer" and not FlashMLAAttention.materialises_scores
 
 
 class FakeTritonMLARecorder:
-    """Stands in for TritonMLAAttention, whose kernels need a GPU: records its arguments."""
+    """Stands in for TritonMLAAttention or FlashMLAAttention, whose kernels need a GPU:
+    records its arguments."""
 
     supports_cuda_graphs = serves_fp8_pool = True
 
@@ -61,6 +72,21 @@ def test_flashinfer_over_fp8_pool_logs_what_runs(monkeypatch, caplog) -> None:
     assert "flashinfer with kv_cache_dtype fp8_e4m3" in message
     assert "Triton MLA kernel over the fp8 pool" in message
     assert "prefill and extend run flashinfer ragged MHA" in message
+
+
+def test_create_flashmla_passes_dims_and_graph_limits(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(flashmla_backend, "FlashMLAAttention", FakeTritonMLARecorder)
+    pool = SimpleNamespace(dtype=FP8, is_fp8=True, device=torch.device("cuda"))  # no GPU here
+    limits = CudaGraphLimits(4, 64, 8)
+    with caplog.at_level(logging.INFO, logger="dsv3serve.attention"):
+        attn = create_attention_backend("flashmla", pool, 512, DIMS, cuda_graph=limits)
+    assert isinstance(attn, FakeTritonMLARecorder) and attn.cuda_graph is limits
+    assert attn.dims is DIMS and not caplog.records  # the flashinfer fp8 note is not logged
+    cpu = SimpleNamespace(dtype=BF16, is_fp8=False, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="'flashmla' needs a CUDA device"):
+        create_attention_backend("flashmla", cpu, 512, DIMS)
+    with pytest.raises(ValueError, match="'flashmla' needs the model's MLADims"):
+        create_attention_backend("flashmla", pool, 512)
 
 
 def test_moe_class_lookup_and_capabilities() -> None:

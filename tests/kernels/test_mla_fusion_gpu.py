@@ -10,7 +10,7 @@ import pytest
 import torch
 from fresh_seed import session_seed
 from mla_fusion_cases import assert_norms_match, poisoned_allocations, qkv_inputs
-from rope_kv_cases import check_against_reference, rope_inputs
+from rope_kv_cases import check_against_reference, check_layer_scaled, rope_inputs
 
 from dsv3serve.kernels.fp8_gemm import fp8_block_gemm, fp8_block_gemm_quantized
 from dsv3serve.kernels.fp8_ref import quant_weight_block
@@ -42,6 +42,16 @@ def test_rope_kv_write_equals_reference_dsv3(seed: int, t: int, dtype: torch.dty
     g = torch.Generator().manual_seed(seed)
     case = rope_inputs(t, R, P, HEADS, dtype, "cuda", g)
     check_against_reference(case, rope_kv_write_triton, rope_kv_write_ref)
+
+
+@pytest.mark.parametrize("seed", [SEED])
+@pytest.mark.parametrize("t", [1, 64, 1000])
+def test_rope_kv_write_into_a_layer_scaled_fp8_pool(seed: int, t: int) -> None:
+    """FlashMLA's fp8 layout: one scale per layer, saturating."""
+    g = torch.Generator().manual_seed(seed)
+    case = rope_inputs(t, R, P, HEADS, torch.float8_e4m3fn, "cuda", g)
+    for write in (rope_kv_write_triton, rope_kv_write_ref):
+        check_layer_scaled(case, write)
 
 
 @pytest.mark.parametrize("t", [1, 64])

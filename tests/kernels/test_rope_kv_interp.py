@@ -16,7 +16,12 @@ from interp_util import INTERPRETING, gpu_like_casts  # noqa: E402
 if not INTERPRETING:
     pytest.skip("needs TRITON_INTERPRET=1 set before pytest starts", allow_module_level=True)
 
-from rope_kv_cases import PAGE_SIZE, check_against_reference, rope_inputs  # noqa: E402
+from rope_kv_cases import (  # noqa: E402
+    PAGE_SIZE,
+    check_against_reference,
+    check_layer_scaled,
+    rope_inputs,
+)
 
 from dsv3serve.kernels.rope_kv import rope_kv_write_ref, rope_kv_write_triton  # noqa: E402
 from dsv3serve.kvcache.pool import MLAKVPool  # noqa: E402
@@ -73,3 +78,11 @@ def test_reference_is_the_models_rotary_and_pool_write() -> None:
         assert q is not None and torch.equal(
             q, RotaryEmbedding.rotate(case.q_pe, case.cos, case.sin)
         )
+
+
+@pytest.mark.parametrize("seed", [SEED])
+def test_layer_scaled_e4m3_rows_are_what_the_pool_writes(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    case = rope_inputs(3, 512, 64, 20, torch.float8_e4m3fn, "cpu", g)
+    for write in (rope_kv_write_triton, rope_kv_write_ref):
+        check_layer_scaled(case, write)

@@ -97,3 +97,34 @@ def test_sizing_helpers() -> None:
         tensors += [t for t in (pool.scale_buffer(i) for i in range(3)) if t is not None]
         assert pool.nbytes == sum(t.numel() * t.element_size() for t in tensors)
         assert pool.nbytes == 5 * bytes_per_page(3, 8, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_layer_scales_round_trip_saturate_and_flush(device: str) -> None:
+    """FlashMLA's layout: one fixed scale per layer; beyond 448 * scale a value saturates
+    (never NaN), below 2^-10 * scale it rounds to zero."""
+    fp8 = torch.float8_e4m3fn
+    pool = MLAKVPool(2, 8, 16, dtype=fp8, device=device, fp8_scales="layer", layer_scale=0.25)
+    assert pool.is_fp8 and not pool.token_scales and pool.scale_buffer(0) is None
+    assert pool.layer_scale(1).tolist() == [0.25] and pool.layer_inv_scale(1).tolist() == [4.0]
+    slots = _random_slots(pool, 20, device)
+    latent = torch.randn(20, MLA_KV_DIM, device=device) * 10  # within 448 * 0.25 = 112
+    latent[0, :4] = torch.tensor([1e4, -1e4, 112.0, 1e-6])
+    pool.write(0, slots, latent)
+    back = pool.read(0, slots).float()
+    assert torch.isfinite(back).all() and back[0, :4].tolist() == [112.0, -112.0, 112.0, 0.0]
+    rest = latent[1:]
+    bound = FP8_REL_TOL * rest.abs() + FP8_SUBNORMAL_ABS * 0.25 + 2.0**-8 * rest.abs()
+    assert ((back[1:] - rest).abs() <= bound).all()
+    assert pool.kv_buffer(1).float().abs().sum() == 0
+
+
+def test_fp8_layer_scale_pool_is_half_the_bf16_bytes() -> None:
+    fp8 = torch.float8_e4m3fn
+    assert bytes_per_page(61, 64, fp8, token_scales=False) == 61 * 64 * 576
+    pool = MLAKVPool(3, 5, 8, dtype=fp8, fp8_scales="layer")
+    assert pool.nbytes * 2 == MLAKVPool(3, 5, 8).nbytes == 5 * pool.page_nbytes * 2
+    with pytest.raises(ValueError, match="fp8_scales: expected one of"):
+        MLAKVPool(1, 2, 4, dtype=fp8, fp8_scales="tensor")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layer_scale: expected a finite value > 0, got 0"):
+        MLAKVPool(1, 2, 4, dtype=fp8, fp8_scales="layer", layer_scale=0.0)

@@ -24,6 +24,7 @@ from dsv3serve.plan.planner import (
     PlanError,
     checkpoint_infos,
     kind_of,
+    kv_bytes_per_token,
     nextn_shared_names,
     plan,
 )
@@ -189,3 +190,18 @@ def test_eplb_redundant_slots_are_counted() -> None:
     assert more["routed_experts"] - base["routed_experts"] == 4 * 58 * expert
     assert more["nextn"] - base["nextn"] == 4 * expert
     assert more["routed_experts"] / GB == pytest.approx(92.2, abs=0.1)
+
+
+def test_fp8_kv_is_half_the_bf16_bytes_with_flashmlas_per_layer_scales() -> None:
+    """flashinfer's fp8 pool (the Triton decode kernel) keeps a float32 scale per token
+    (580 bytes a token-layer); FlashMLA's keeps one per layer (576: half of bf16)."""
+    layers = V3.num_hidden_layers + V3.num_nextn_predict_layers
+    bf16 = kv_bytes_per_token(V3, "auto")
+    assert bf16 == layers * 576 * 2
+    assert kv_bytes_per_token(V3, "fp8_e4m3", "flashinfer") == layers * 580
+    assert kv_bytes_per_token(V3, "fp8_e4m3", "flashmla") * 2 == bf16
+    assert kv_bytes_per_token(V3, "auto", "flashmla") == bf16
+    common = {"gpu_memory_gb": 141, "kv_cache_dtype": "fp8_e4m3"}
+    fi = plan(V3, dp_ep(8), **common)
+    fm = plan(V3, dp_ep(8), **common, attention_backend="flashmla")
+    assert fm.kv_bytes_per_token * 2 == bf16 and fm.kv_tokens > fi.kv_tokens

@@ -44,9 +44,11 @@ class Case:
 
 
 def make_pool(
-    dims: MLADims, num_pages: int, page_size: int, device: str, layers: int = 2
+    dims: MLADims, num_pages: int, page_size: int, device: str, layers: int = 2, **pool_kw
 ) -> MLAKVPool:
-    pool = MLAKVPool(layers, num_pages, page_size, dims.kv_cache_dim, torch.bfloat16, device)
+    """A NaN-poisoned pool (bf16 unless ``pool_kw`` says ``dtype``, ``fp8_scales``, ...)."""
+    pool_kw.setdefault("dtype", torch.bfloat16)
+    pool = MLAKVPool(layers, num_pages, page_size, dims.kv_cache_dim, device=device, **pool_kw)
     for layer in range(layers):
         pool.kv_buffer(layer).fill_(float("nan"))
     return pool
@@ -65,16 +67,17 @@ def make_case(
     decode: bool | None = None,
     aligned: bool = True,
     seed: int = 0,
+    **pool_kw,
 ) -> Case:
     """Sequence ``b`` has ``cached[b]`` tokens in the cache and ``new_tokens[b]`` new ones.
 
     ``aligned``: pages from a shuffled free list (what the engine does); otherwise every
-    token gets a random slot (no page structure).
+    token gets a random slot (no page structure). ``pool_kw``: see :func:`make_pool`.
     """
     rng = random.Random(seed)
     totals = [c + n for c, n in zip(cached, new_tokens, strict=True)]
     need = [-(-t // page_size) for t in totals]
-    pool = make_pool(dims, sum(need) + 3, page_size, device)
+    pool = make_pool(dims, sum(need) + 3, page_size, device, **pool_kw)
     free = list(range(pool.num_pages))
     rng.shuffle(free)
     slots_free = list(range(pool.num_slots))

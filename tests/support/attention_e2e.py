@@ -17,7 +17,7 @@ import torch
 
 from dsv3serve.attention.base import AttentionBackend
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
-from dsv3serve.kvcache.pool import MLAKVPool
+from dsv3serve.kvcache.pool import FP8Scales, MLAKVPool
 from dsv3serve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 DENSE = {"first_k_dense_replace": 99}  # tiny-checkpoint overrides: no MoE layer
@@ -41,16 +41,20 @@ def step_logits(
     decode_steps: int = 3,
     seed: int = 0,
     kv_dtype: torch.dtype | None = None,
+    fp8_scales: FP8Scales = "token",
 ) -> list[torch.Tensor]:
     """Float32 logits of every new token of every step; the pool stores ``kv_dtype``
-    (default: the model's dtype)."""
+    (default: the model's dtype; fp8 with ``fp8_scales``)."""
     device = next(model.parameters()).device
     rng = random.Random(seed)
     schedule = _schedule(prompt_lens, decode_steps)
     total = [sum(step[0][b] for step in schedule) for b in range(len(prompt_lens))]
     pages = [-(-n // page_size) for n in total]
     width, dtype = model.cfg.kv_cache_dim, kv_dtype or model.opts.dtype
-    pool = MLAKVPool(model.num_kv_layers, sum(pages) + 2, page_size, width, dtype, device)
+    num_pages = sum(pages) + 2
+    pool = MLAKVPool(
+        model.num_kv_layers, num_pages, page_size, width, dtype, device, fp8_scales=fp8_scales
+    )
     free = list(range(pool.num_pages))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in pages]

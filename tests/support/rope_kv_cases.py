@@ -85,7 +85,7 @@ def _pool_quantised(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pool.kv_buffer(0).view(-1, d)[:t], scales.view(-1)[:t]
 
 
-def _assert_untouched(kv: torch.Tensor, slots: torch.Tensor) -> None:
+def assert_untouched(kv: torch.Tensor, slots: torch.Tensor) -> None:
     """Rows outside ``slots`` still hold the poison; rows at ``slots`` hold none."""
     flat = kv.view(-1, kv.shape[-1]).view(torch.uint8) if kv.element_size() == 1 else None
     other = torch.ones(kv.shape[0] * kv.shape[1], dtype=torch.bool, device=kv.device)
@@ -106,7 +106,7 @@ def check_against_reference(case: RopeCase, kernel: RopeWrite, ref: RopeWrite) -
     q_out = bf16.run(kernel)
     bf16_ref = bf16.fresh_pool()
     q_ref = bf16_ref.run(ref)
-    _assert_untouched(bf16.kv, case.slots)
+    assert_untouched(bf16.kv, case.slots)
     rows, rows_ref = (c.kv.view(-1, c.kv.shape[-1])[case.slots] for c in (bf16, bf16_ref))
     assert torch.equal(rows[:, :r], rows_ref[:, :r]), "the latent part is not copied as it is"
     magnitude = rope_magnitude(case.latent[:, r:], case.cos, case.sin)
@@ -117,7 +117,7 @@ def check_against_reference(case: RopeCase, kernel: RopeWrite, ref: RopeWrite) -
     if case.scales is not None:
         fp8 = case.fresh_pool()
         fp8.run(kernel)
-        _assert_untouched(fp8.kv, case.slots)
+        assert_untouched(fp8.kv, case.slots)
         q, scale = _pool_quantised(rows)
         got = fp8.kv.view(-1, fp8.kv.shape[-1])[case.slots]
         assert fp8.scales is not None
@@ -126,3 +126,25 @@ def check_against_reference(case: RopeCase, kernel: RopeWrite, ref: RopeWrite) -
         assert fp8.scales.isnan().sum() == fp8.scales.numel() - len(case.slots), (
             "the kernel wrote scales outside its slots"
         )
+
+
+def check_layer_scaled(case: RopeCase, write: RopeWrite, layer_scale: float = 0.25) -> None:
+    """FlashMLA's fp8 layout (one scale per layer, no scale buffer): ``write``'s e4m3 rows
+    are exactly what ``MLAKVPool(fp8_scales="layer").write`` stores for ``write``'s own bf16
+    rows (values past 448 * scale saturate on both), and it touches no other row. Scale
+    0.25 makes the largest of ``rope_inputs``' latents saturate."""
+    d = case.latent.shape[1]
+    bf16 = case.fresh_pool(torch.bfloat16)
+    bf16.run(write)
+    rows = bf16.kv.view(-1, d)[case.slots]
+    fp8 = replace(case.fresh_pool(torch.float8_e4m3fn), scales=None)
+    pool = MLAKVPool(1, fp8.kv.shape[0], PAGE_SIZE, d, torch.float8_e4m3fn, rows.device,
+                     fp8_scales="layer", layer_scale=layer_scale)  # fmt: skip
+    inv = pool.layer_inv_scale(0)
+    q = write(fp8.latent, fp8.cos, fp8.sin, fp8.slots, fp8.kv, None, fp8.q_pe, inv)
+    assert (q is None) == (fp8.q_pe is None)
+    assert_untouched(fp8.kv, case.slots)
+    pool.write(0, case.slots, rows)
+    got = fp8.kv.view(-1, d)[case.slots].view(torch.uint8)
+    want = pool.kv_buffer(0).view(-1, d)[case.slots].view(torch.uint8)
+    assert torch.equal(got, want), f"{write.__name__}: e4m3 rows differ from the pool's"

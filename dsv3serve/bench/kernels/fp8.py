@@ -156,7 +156,7 @@ def print_table(ceil: dict, rows: list[dict]) -> None:
         )
 
 
-def _weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Enough copies of one random block-quantised weight to fill 4x the L2 cache (<= 16)."""
     w, ws = quant_weight_block(torch.randn(n, k, device="cuda") * 0.02)
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
@@ -167,7 +167,7 @@ def _weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def run_fp8(ceil: dict, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for name in args.shapes:
-        weights = _weight_copies(*SHAPES[name])
+        weights = weight_copies(*SHAPES[name])
         for m in args.m:
             rows.append(bench_point(name, weights, m, ceil, args))
             print(json.dumps({k: rows[-1][k] for k in ("shape", "M", "dispatch")}), flush=True)

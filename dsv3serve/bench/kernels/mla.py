@@ -6,15 +6,23 @@ flashinfer (bf16 pool; page or token indices; skipped where flashinfer does not 
 our bf16-dot Triton kernel (:mod:`dsv3serve.kernels.mla_decode`) on bf16 and fp8 pools
 (``triton-bf16``, ``triton-fp8``), and the FP8 tensor-core kernel
 (:mod:`dsv3serve.kernels.mla_decode_fp8`, ``triton-fp8mma``) on the fp8 pool, over the
-configs of ``FP8_CONFIGS`` (``--mla-fp8-configs``). Each point plans once, then
-times ``forward_absorbed`` as the model calls it, in a CUDA graph (see
+configs of ``FP8_CONFIGS`` (``--mla-fp8-configs``), and FlashMLA's decode kernels
+(``flashmla-bf16``; ``flashmla-fp8``: e4m3 q and KV, one scale per layer; skipped where
+``flash_mla`` does not import). Each point plans once, then
+times ``forward_absorbed`` as the model calls it (``q_latent`` and ``q_pe`` two tensors,
+as the W_UK product and the rotary op give them), in a CUDA graph (see
 ``kernels.graph_us``); consecutive calls read different layers of the pool, together
-over 4x the L2 cache, so each call reads its KV from device memory.
+over 4x the L2 cache, so each call reads its KV from device memory. The
+``flashmla-bf16-kernel`` / ``flashmla-fp8-kernel`` rows time FlashMLA's kernel alone on the
+same pool and batch, ``q`` packed before timing (:mod:`.mla_flashmla`): a backend row's
+time over its kernel row's is what the backend adds.
 
 Bandwidth: bytes moved at least (the cached latents of every sequence, 576 values per
 token, with fp8 its float32 scale; plus q and the bf16 output) over the time, as a
-percentage of the same run's device copy bandwidth. TFLOP/s: ``2 * heads * tokens * (2 *
-512 + 64)`` per call (QK^T over 576, PV over 512; padding and duplicated work not counted).
+percentage of the same run's device copy bandwidth; ``x_flashinfer``: flashinfer's time
+(bf16, page indices) at the same point over the row's (above 1: faster). TFLOP/s:
+``2 * heads * tokens * (2 * 512 + 64)`` per call (QK^T over 576, PV over 512; padding and
+duplicated work not counted).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -32,11 +41,21 @@ from dsv3serve.bench.kernels.timing import eager_us, graph_us
 from dsv3serve.forward_batch import ForwardBatch, SeqSpan
 from dsv3serve.kernels.mla_decode import MLADecodeConfig, decode_bytes
 from dsv3serve.kernels.mla_decode_fp8 import FP8MLAConfig, decode_flops
-from dsv3serve.kvcache.pool import MLAKVPool, bytes_per_page
+from dsv3serve.kvcache.pool import FP8Scales, MLAKVPool, bytes_per_page
 
 MLA_BATCHES = (1, 32, 64, 128)
 MLA_CONTEXTS = (1024, 4096, 16384)
-KERNELS = ("flashinfer", "triton-bf16", "triton-fp8", "triton-fp8mma")
+KERNELS = (
+    "flashinfer",
+    "triton-bf16",
+    "triton-fp8",
+    "triton-fp8mma",
+    "flashmla-bf16",
+    "flashmla-fp8",
+    "flashmla-bf16-kernel",
+    "flashmla-fp8-kernel",
+)
+FP8_KERNELS = ("triton-fp8", "triton-fp8mma", "flashmla-fp8", "flashmla-fp8-kernel")
 _W8 = FP8MLAConfig(num_warps=8, dv_split=1, ctas_per_sm=1)
 FP8_CONFIGS = {  # name: FP8MLAConfig; spills are ptxas's (sm_90a, triton 3.6), not timed yet
     "n32w4dv2": FP8MLAConfig(),  # the default: 241 registers, no spills, 2 programs an SM
@@ -70,7 +89,8 @@ def add_mla_args(p: argparse.ArgumentParser) -> None:
         choices=list(KERNELS),
         default=list(KERNELS),
         help="flashinfer on a bf16 pool; our bf16-dot Triton kernel on a bf16 or fp8 pool; "
-        "the FP8 tensor-core kernel on an fp8 pool",
+        "the FP8 tensor-core kernel on an fp8 pool; FlashMLA on a bf16 or fp8 pool, through "
+        "the backend or (-kernel) its kernel alone",
     )
     p.add_argument(
         "--mla-fp8-configs",
@@ -112,24 +132,39 @@ def decode_batch(
     return ForwardBatch.build(spans, device)
 
 
-def _pool(
-    batch_size: int, context: int, page_size: int, dtype: torch.dtype = torch.bfloat16
+def bench_pool(
+    batch_size: int,
+    context: int,
+    page_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8_scales: FP8Scales = "token",
 ) -> MLAKVPool:
     """Enough layers (copies) that one graph's calls read over 4x the L2 cache."""
     pages = batch_size * -(-context // page_size)
-    layer_bytes = pages * bytes_per_page(1, page_size, dtype, DIMS.kv_cache_dim)
+    token_scales = fp8_scales == "token"
+    layer_bytes = pages * bytes_per_page(1, page_size, dtype, DIMS.kv_cache_dim, token_scales)
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     copies = max(1, min(MAX_COPIES, -(-4 * l2 // layer_bytes)))
-    pool = MLAKVPool(copies, pages, page_size, DIMS.kv_cache_dim, dtype, "cuda")
+    pool = MLAKVPool(
+        copies, pages, page_size, DIMS.kv_cache_dim, dtype, "cuda", fp8_scales=fp8_scales
+    )
     for layer in range(copies):
         if pool.is_fp8:  # e4m3 of N(0, 1) values, with scales like the pool writes
             pool.kv_buffer(layer).copy_(torch.randn(pool.kv_buffer(layer).shape, device="cuda"))
-            scales = pool.scale_buffer(layer)
-            assert scales is not None  # an fp8 pool has them
-            scales.uniform_(0.005, 0.02)
+            scales = pool.scale_buffer(layer)  # none with one scale per layer (1.0)
+            if scales is not None:
+                scales.uniform_(0.005, 0.02)
         else:
             pool.kv_buffer(layer).normal_()
     return pool
+
+
+def kernel_pool(kernel: str, batch_size: int, context: int, page_size: int) -> MLAKVPool:
+    """The pool ``kernel``'s rows read: e4m3 for the fp8 kernels (one scale per layer for
+    FlashMLA, per token for Triton), else bf16."""
+    dtype = torch.float8_e4m3fn if kernel in FP8_KERNELS else torch.bfloat16
+    scales: FP8Scales = "layer" if kernel.startswith("flashmla") else "token"
+    return bench_pool(batch_size, context, page_size, dtype, scales)
 
 
 Config = MLADecodeConfig | FP8MLAConfig
@@ -140,11 +175,39 @@ def _backend(kernel: str, pool: MLAKVPool, index: str, cfg: Config) -> Attention
         from dsv3serve.attention.flashinfer_backend import FlashInferMLAAttention
 
         return FlashInferMLAAttention(pool, DIMS, paged=index == "page")
+    if kernel.startswith("flashmla"):
+        from dsv3serve.attention.flashmla_backend import FlashMLAAttention
+
+        return FlashMLAAttention(pool, DIMS)
     from dsv3serve.attention.triton_mla import TritonMLAAttention
 
     if isinstance(cfg, FP8MLAConfig):
         return TritonMLAAttention(pool, DIMS, fp8_config=cfg, fp8_kernel="mma")
     return TritonMLAAttention(pool, DIMS, config=cfg, fp8_kernel="dequant")
+
+
+def timed_call(
+    kernel: str,
+    batch: ForwardBatch,
+    pool: MLAKVPool,
+    index: str,
+    cfg: Config,
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+) -> tuple[Callable[[int], Any], str]:
+    """``call(i)`` (one decode attention call over layer ``i`` mod the pool's layers), and
+    the row's index mode."""
+    if kernel.endswith("-kernel"):
+        from dsv3serve.bench.kernels.mla_flashmla import bare_call
+
+        return bare_call(batch, pool, q_latent, q_pe, DIMS.softmax_scale), "page"
+    attn = _backend(kernel, pool, index, cfg)
+    attn.plan(batch)
+
+    def call(i: int) -> torch.Tensor:
+        return attn.forward_absorbed(q_latent, q_pe, i % pool.num_layers, DIMS.softmax_scale)
+
+    return call, getattr(attn, "index_mode", "")
 
 
 def bench_point(
@@ -158,22 +221,17 @@ def bench_point(
 ) -> dict[str, Any]:
     """Time one decode attention call; bandwidth as a share of the copy ceiling."""
     cfg = cfg or MLADecodeConfig()
-    attn = _backend(kernel, pool, index, cfg)
-    attn.plan(batch)
     bs, heads = batch.batch_size, DIMS.num_heads
-    q = torch.randn(bs, heads, DIMS.kv_cache_dim, device="cuda").to(torch.bfloat16)
-    q_latent, q_pe = q.split([DIMS.kv_lora_rank, DIMS.qk_rope_head_dim], -1)
+    q_latent = torch.randn(bs, heads, DIMS.kv_lora_rank, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(bs, heads, DIMS.qk_rope_head_dim, device="cuda").to(torch.bfloat16)
+    call, index_mode = timed_call(kernel, batch, pool, index, cfg, q_latent, q_pe)
     layers = pool.num_layers
-
-    def call(i: int) -> torch.Tensor:
-        return attn.forward_absorbed(q_latent, q_pe, i % layers, DIMS.softmax_scale)
-
     try:
         us, timing = graph_us(call, max(layers, 4), replays), "cuda-graph"
     except Exception as err:  # a capture failure: time eagerly, and say so
         print(f"CUDA graph capture failed ({err}); timing eager calls")
         us, timing = eager_us(call, max(layers, 4), replays), "eager"
-    row_bytes = bytes_per_page(1, 1, pool.dtype, DIMS.kv_cache_dim)
+    row_bytes = bytes_per_page(1, 1, pool.dtype, DIMS.kv_cache_dim, pool.token_scales)
     read = decode_bytes(batch.kv_slots.numel(), row_bytes, q_latent, DIMS.kv_lora_rank)
     read += q_pe.numel() * q_pe.element_size()
     tbps = read / us / 1e6
@@ -181,10 +239,10 @@ def bench_point(
     return {
         "kernel": kernel,
         "kv_dtype": "fp8" if pool.is_fp8 else "bf16",
-        "config": vars(cfg) if kernel != "flashinfer" else None,
+        "config": vars(cfg) if kernel.startswith("triton") else None,
         "batch": bs,
         "context": batch.kv_indptr[1],
-        "index": getattr(attn, "index_mode", ""),
+        "index": index_mode,
         "us": us,
         "bytes_read": read,
         "TBps": tbps,
@@ -204,6 +262,7 @@ def bench_mla(args: argparse.Namespace, ceil: dict) -> dict[str, Any]:
     except ImportError as err:
         print(f"MLA: flashinfer rows skipped, flashinfer does not import ({err})")
         kernels = [k for k in kernels if k != "flashinfer"]
+    kernels, flash_mla = _with_flash_mla(kernels)
     rows = []
     for context in args.mla_context:
         for bs in args.mla_batch:
@@ -211,13 +270,41 @@ def bench_mla(args: argparse.Namespace, ceil: dict) -> dict[str, Any]:
             for kernel in kernels:
                 rows += _kernel_rows(kernel, batch, bs, context, args, ceil)
             torch.cuda.empty_cache()
+    add_flashinfer_ratios(rows)
     return {
         "flashinfer": version,
+        "flash_mla": flash_mla,
         "page_size": args.mla_page_size,
         "dims": vars(DIMS),
         "target_pct_copy_bw_at_batch_ge_32": TARGET_PCT,
         "rows": rows,
     }
+
+
+def _with_flash_mla(kernels: list[str]) -> tuple[list[str], str | None]:
+    """``kernels`` without the FlashMLA rows where ``flash_mla`` does not import, and its
+    version (None then)."""
+    if not any(k.startswith("flashmla") for k in kernels):
+        return kernels, None
+    try:
+        import flash_mla
+    except (ImportError, OSError) as err:
+        print(f"MLA: flashmla rows skipped, flash_mla does not import ({err})")
+        return [k for k in kernels if not k.startswith("flashmla")], None
+    return kernels, getattr(flash_mla, "__version__", "?")
+
+
+def add_flashinfer_ratios(rows: list[dict[str, Any]]) -> None:
+    """``x_flashinfer`` on every row: flashinfer's (bf16, page indices) time at the same
+    point over the row's; None without a flashinfer row there."""
+    fi = {
+        (r["batch"], r["context"]): r["us"]
+        for r in rows
+        if r["kernel"] == "flashinfer" and r["index"] == "page"
+    }
+    for r in rows:
+        base = fi.get((r["batch"], r["context"]))
+        r["x_flashinfer"] = base / r["us"] if base else None
 
 
 def _triton_configs(args: argparse.Namespace) -> list[MLADecodeConfig]:
@@ -241,10 +328,11 @@ def _kernel_rows(
     kernel: str, batch: ForwardBatch, bs: int, context: int, args: argparse.Namespace, ceil: dict
 ) -> list[dict[str, Any]]:
     """One kernel's rows at one (batch, context): index modes or Triton configs."""
-    fp8 = kernel in ("triton-fp8", "triton-fp8mma")
-    pool = _pool(bs, context, args.mla_page_size, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    pool = kernel_pool(kernel, bs, context, args.mla_page_size)
     if kernel == "flashinfer":
         points: list[tuple[str, Config | None]] = [(index, None) for index in args.mla_index]
+    elif kernel.startswith("flashmla"):
+        points = [("page", None)]
     elif kernel == "triton-fp8mma":
         points = [("page", FP8_CONFIGS[name]) for name in args.mla_fp8_configs]
     else:
@@ -260,35 +348,3 @@ def _kernel_rows(
         print({k: rows[-1][k] for k in keys}, flush=True)
     del pool
     return rows
-
-
-def print_mla_table(ceil: dict, mla: dict) -> None:
-    """One line per row, grouped by (context, batch); ``xfi``: flashinfer's (page indices)
-    time at the same point over the row's (above 1: faster than flashinfer)."""
-    print(
-        f"MLA decode (flashinfer {mla['flashinfer']}, Triton): 128 heads, 512+64, page "
-        f"{mla['page_size']}; copy ceiling {ceil['copy_TBps']:.2f} TB/s; "
-        f"target >= {TARGET_PCT:.0f}% at batch >= 32"
-    )
-    head = f"{'kernel':>13} {'kv':>4} {'batch':>5} {'context':>7} {'index':>5}"
-    print(f"{head} {'us':>9} {'TB/s':>6} {'%copy':>6} {'TFLOP/s':>7} {'xfi':>5}  config")
-    fi = {
-        (r["batch"], r["context"]): r["us"]
-        for r in mla["rows"]
-        if r["kernel"] == "flashinfer" and r["index"] == "page"
-    }
-    for r in mla["rows"]:
-        base = fi.get((r["batch"], r["context"]))
-        ratio = f"{base / r['us']:5.2f}" if base else f"{'-':>5}"
-        print(
-            f"{r['kernel']:>13} {r['kv_dtype']:>4} {r['batch']:>5} {r['context']:>7} "
-            f"{r['index']:>5} {r['us']:>9.1f} {r['TBps']:>6.2f} {r['pct_copy_bw']:>6.1f} "
-            f"{r.get('TFLOPs', 0.0):>7.0f} {ratio}  {_config_text(r.get('config'))}"
-        )
-
-
-def _config_text(cfg: dict | None) -> str:
-    if not cfg:
-        return ""
-    keys = ("block_h", "block_n", "num_warps", "num_stages", "dv_split", "prefetch")
-    return " ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)

@@ -47,7 +47,7 @@ MOE_TOKENS = (1, 8, 32, 128, 512, 4096)
 GATE_TOKENS = (1, 16, 128, 1024, 4096)
 
 
-def _routing(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routing(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     c = MOE_SHAPE
     logits = torch.randn(t, c["e"], device="cuda")
     bias = torch.randn(c["e"], device="cuda") * 0.1
@@ -63,7 +63,7 @@ def _expert_bytes(ex: FusedExperts) -> int:
 def moe_point(ex: FusedExperts, t: int, ceil: dict, replays: int) -> dict[str, Any]:
     """Time one fused MoE call on T tokens; bandwidth over the experts hit, TFLOP/s."""
     c = MOE_SHAPE
-    w, ids = _routing(t)
+    w, ids = routing(t)
     x = torch.randn(t, c["hidden"], device="cuda", dtype=torch.bfloat16)
     experts = ex.stack(False)
     us = graph_us(lambda i: fused_moe(x, w, ids, *experts), 4, replays)
@@ -98,7 +98,7 @@ def shared_mlp(ex: FusedExperts, x: torch.Tensor) -> torch.Tensor:
 
 def shared_point(ex: FusedExperts, t: int, ceil: dict, replays: int) -> dict[str, Any]:
     """Time fused (shared expert as expert E) against routed-only + separate shared MLP."""
-    w, ids = _routing(t)
+    w, ids = routing(t)
     x = torch.randn(t, MOE_SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
     routed, with_shared = ex.stack(False), ex.stack(True)
 

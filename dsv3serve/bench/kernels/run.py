@@ -4,6 +4,8 @@ attention and the fused norm kernels on DeepSeek-V3 shapes, against the same run
 ``--only fp8,moe,gate,mla,fused`` picks the sections (FP8: :mod:`dsv3serve.bench.kernels.fp8`;
 MoE and gate: :mod:`dsv3serve.bench.kernels.moe`; MLA: :mod:`dsv3serve.bench.kernels.mla`;
 fused norms: :mod:`dsv3serve.bench.kernels.fused`; timing: :mod:`dsv3serve.bench.kernels.timing`).
+``deepgemm`` (DeepGEMM against cuBLAS / Triton, :mod:`dsv3serve.bench.kernels.deepgemm_run`)
+runs only when named: its kernels JIT-compile for minutes on first use.
 This module is the subcommand's registry: it imports the sections, none imports it.
 """
 
@@ -17,11 +19,12 @@ from typing import Any
 
 import torch
 
-from dsv3serve.bench.kernels import fp8, fused, mla, moe
+from dsv3serve.bench.kernels import deepgemm_run, fp8, fused, mla, mla_report, moe
 from dsv3serve.bench.kernels.timing import measure_ceilings
 from dsv3serve.kernels.fp8_quant import HAS_TRITON
 
-SECTIONS = ("fp8", "moe", "gate", "mla", "fused")
+SECTIONS = ("fp8", "moe", "gate", "mla", "fused", "deepgemm")
+DEFAULT_SECTIONS = ("fp8", "moe", "gate", "mla", "fused")
 
 
 def _environment() -> dict[str, Any]:
@@ -55,6 +58,8 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         result["mla"] = mla.bench_mla(args, ceil)
     if "fused" in args.only:
         result["fused"] = fused.run_fused(args)
+    if "deepgemm" in args.only:
+        result["deepgemm"] = deepgemm_run.run_deepgemm(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if "fp8" in args.only:
         fp8.print_table(ceil, result["rows"])
@@ -64,10 +69,21 @@ def run_bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     if "gate" in args.only:
         moe.print_gate(result["gate"])
     if "mla" in args.only:
-        mla.print_mla_table(ceil, result["mla"])
+        mla_report.print_mla_table(ceil, result["mla"])
     if "fused" in args.only:
         fused.print_fused(result["fused"])
+    if "deepgemm" in args.only:
+        deepgemm_run.print_deepgemm(result["deepgemm"])
+        _write_deepgemm_table(args, result)
     return result
+
+
+def _write_deepgemm_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.write_deepgemm_table is None:
+        return
+    path = Path(args.write_deepgemm_table or deepgemm_run.default_table_path())
+    env = {**result["environment"], "ceilings": result["ceilings"]}
+    deepgemm_run.write_deepgemm_table(result["deepgemm"], path, env)
 
 
 def parse_sections(text: str) -> list[str]:
@@ -94,8 +110,9 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         type=parse_sections,
-        default=list(SECTIONS),
-        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla, fused (default: all)",
+        default=list(DEFAULT_SECTIONS),
+        help="comma list of sections: fp8 (quant + GEMM), moe, gate, mla, fused, deepgemm "
+        "(default: all but deepgemm)",
     )
     p.add_argument("--m", type=int, nargs="+", default=list(fp8.DEFAULT_MS), help="batch rows")
     p.add_argument("--shapes", nargs="+", default=list(fp8.SHAPES), choices=list(fp8.SHAPES))
@@ -105,5 +122,6 @@ def add_kernels_parser(bench: Any) -> argparse.ArgumentParser:
     moe.add_moe_args(p)
     mla.add_mla_args(p)
     fused.add_fused_args(p)
+    deepgemm_run.add_deepgemm_args(p)
     p.set_defaults(func=_run)
     return p

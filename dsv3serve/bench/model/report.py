@@ -34,6 +34,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": _version("triton", "pytorch-triton"),
         "flashinfer": _version("flashinfer-python", "flashinfer"),
+        "flash_mla": _version("sgl-flash-mla"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -146,4 +146,5 @@ def check_fits(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) 
         cfg.cuda_graph_max_bs,
         disable_cuda_graph=cfg.disable_cuda_graph,
         max_running_requests=cfg.max_running_requests,
+        attention_backend=cfg.attention_backend,
     )
