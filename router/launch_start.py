@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dsv3serve.json_types import JSONObject
+from dsv3serve.json_types import JSONObject, json_int
 
 if TYPE_CHECKING:
     from ray.serve.deployment import Application
@@ -55,8 +55,8 @@ class Listeners:
     @classmethod
     def of(cls, http: JSONObject, grpc: JSONObject | None) -> Listeners:
         """From ``serve.start``'s ``http_options`` and ``grpc_options``."""
-        grpc_port = None if grpc is None else int(grpc["port"])
-        return cls(str(http["host"]), int(http["port"]), grpc_port)
+        grpc_port = None if grpc is None else json_int(grpc["port"], "grpc_options.port")
+        return cls(str(http["host"]), json_int(http["port"], "http_options.port"), grpc_port)
 
     def describe(self, accepting: Callable[[str, int], bool] = port_accepting) -> str:
         """Which of the proxy's servers accept connections now, by name and address."""
