@@ -19,14 +19,14 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dsv3serve.json_types import JSONObject, json_float, json_object
+from dsv3serve.json_types import JSONObject, JSONValue, json_float, json_int, json_object
 
 
 class ConfigError(ValueError):
     """A config.json field holds a value this runtime does not support."""
 
 
-def _unsupported(field: str, found: Any, supported: Any) -> ConfigError:
+def _unsupported(field: str, found: object, supported: object) -> ConfigError:
     return ConfigError(f"config field {field!r}: found {found!r}, supported: {supported!r}")
 
 
@@ -173,10 +173,11 @@ class ModelConfig(MLAHeadShape):
         return cfg
 
 
-def _first_id(value: Any, default: int) -> int:
+def _first_id(value: JSONValue, default: int) -> int:
     if value is None:
         return default
-    return int(value[0]) if isinstance(value, list) else int(value)
+    first = value[0] if isinstance(value, list) else value
+    return json_int(first, "token id")
 
 
 def _check_model_type(raw: JSONObject) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -31,9 +31,14 @@ from dsv3serve.kvcache.pool import MLAKVPool
 MERGE_MAX_HEADS = 32
 
 
+RaggedWrapper: TypeAlias = Any
+"""A ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper``: flashinfer ships no type
+information, so its wrappers are untyped; this alias names that one gap in this module."""
+
+
 @dataclass
 class _Chunk:
-    wrapper: Any  # flashinfer.BatchPrefillWithRaggedKVCacheWrapper, planned
+    wrapper: RaggedWrapper  # planned
     slots: torch.Tensor  # [keys] int64 cache slots, device
     merge_rows: torch.Tensor | None  # [T * groups] uint8, device; None = every row
 
@@ -54,7 +59,7 @@ class FlashInferExtend:
         self._fi, self._workspace, self.dims, self.dtype = fi, workspace, dims, dtype
         self.max_prefix_tokens = max_prefix_tokens
         self._new = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
-        self._prefix_wrappers: list[Any] = []  # one per chunk, kept across steps
+        self._prefix_wrappers: list[RaggedWrapper] = []  # one per chunk, kept across steps
         self._groups = dims.num_heads // math.gcd(dims.num_heads, MERGE_MAX_HEADS)
         self._out_slots: torch.Tensor | None = None
         self._chunks: list[_Chunk] = []
@@ -83,7 +88,9 @@ class FlashInferExtend:
             self._chunks.append(_Chunk(wrapper, slots, rows))
         self._out_slots = batch.out_slots
 
-    def _plan(self, wrapper: Any, qo: torch.Tensor, kv: torch.Tensor, causal: bool) -> None:
+    def _plan(
+        self, wrapper: RaggedWrapper, qo: torch.Tensor, kv: torch.Tensor, causal: bool
+    ) -> None:
         d = self.dims
         wrapper.plan(
             qo,
@@ -116,14 +123,14 @@ class FlashInferExtend:
 
     @staticmethod
     def _attend(
-        wrapper: Any, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV
+        wrapper: RaggedWrapper, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV
     ) -> torch.Tensor:
         k, v = expand_kv(latent)  # [S, H, 192] contiguous, [S, H, 128] a strided view
         return wrapper.run(q, k, v.contiguous())
 
     @staticmethod
     def _attend_lse(
-        wrapper: Any, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV
+        wrapper: RaggedWrapper, q: torch.Tensor, latent: torch.Tensor, expand_kv: ExpandKV
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_attend` with the rows' log-sum-exp, for merging."""
         k, v = expand_kv(latent)

@@ -37,7 +37,7 @@ backend is built, never when this module is.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from dsv3serve.attention.flashmla_ops import (
     DEFAULT_Q_SCALE,
     LATENT_DIM,
     PAGE_SIZE,
+    FlashMLAHandle,
     check_flashmla,
     import_flash_mla,
 )
@@ -78,7 +79,7 @@ class Launch:
     rows: torch.Tensor | None
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    sched: Any
+    sched: FlashMLAHandle
 
 
 class FlashMLAAttention(PooledAttentionBackend):
@@ -159,7 +160,7 @@ class FlashMLAAttention(PooledAttentionBackend):
         metadata = self._graph.keep_metadata(key, self._metadata(lens, group.s_q))
         return Launch(group.s_q, None, table, lens, self._sched(*metadata))
 
-    def _sched(self, tile_metadata: torch.Tensor, num_splits: torch.Tensor) -> Any:
+    def _sched(self, tile_metadata: torch.Tensor, num_splits: torch.Tensor) -> FlashMLAHandle:
         """A ``FlashMLASchedMeta`` holding a planned schedule (the kernel then computes none)."""
         sched = self._ops.sched_meta()
         sched.tile_scheduler_metadata, sched.num_splits = tile_metadata, num_splits

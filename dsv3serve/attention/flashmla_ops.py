@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -24,13 +24,18 @@ LATENT_DIM, ROPE_DIM = 512, 64
 DEFAULT_Q_SCALE = 1.0  # e4m3 q = clamp(q / q_scale, +-448): SGLang's unit descale_q
 
 
+FlashMLAHandle: TypeAlias = Any
+"""An object of the ``flash_mla`` package (a function, a class, a schedule). sgl-flash-mla
+ships no type information, so these are untyped: this alias is that one gap, named once."""
+
+
 @dataclass(frozen=True)
 class FlashMLAOps:
     """The three entry points of ``flash_mla`` this backend calls."""
 
-    with_kvcache: Any  # flash_mla.flash_mla_with_kvcache
-    decoding_metadata: Any  # flash_mla.get_mla_decoding_metadata
-    sched_meta: Any  # flash_mla.flash_mla_interface.FlashMLASchedMeta (a class)
+    with_kvcache: FlashMLAHandle  # flash_mla.flash_mla_with_kvcache
+    decoding_metadata: FlashMLAHandle  # flash_mla.get_mla_decoding_metadata
+    sched_meta: FlashMLAHandle  # flash_mla.flash_mla_interface.FlashMLASchedMeta (a class)
 
 
 def import_flash_mla() -> FlashMLAOps:

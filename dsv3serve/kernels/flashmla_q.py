@@ -20,11 +20,9 @@ The scale is fixed (a constant of the backend), so nothing is reduced over ``q``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from dsv3serve.kernels.fp8_quant import HAS_TRITON
+from dsv3serve.kernels.fp8_quant import HAS_TRITON, JitKernel
 
 if HAS_TRITON:
     import triton
@@ -59,7 +57,7 @@ def _pack_q_body(
     tl.store(dst + R + cp, pe.to(ty), mask=mask)
 
 
-_pack_q_kernel: Any = triton.jit(_pack_q_body) if HAS_TRITON else None
+_pack_q_kernel: JitKernel = triton.jit(_pack_q_body) if HAS_TRITON else None
 
 
 def _check(q_latent: torch.Tensor, q_pe: torch.Tensor, out_dtype: torch.dtype) -> None:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from dsv3serve.kernels import deepgemm
-from dsv3serve.kernels.fp8_quant import HAS_TRITON, quant_per_token_group_fp8
+from dsv3serve.kernels.fp8_quant import HAS_TRITON, JitKernel, quant_per_token_group_fp8
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, fp8_block_linear_ref
 
 if HAS_TRITON:
@@ -126,8 +126,8 @@ def _splitk_reduce_body(ws_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_gemm_kernel: Any = triton.jit(_gemm_kernel_body) if HAS_TRITON else None
-_splitk_reduce: Any = triton.jit(_splitk_reduce_body) if HAS_TRITON else None
+_gemm_kernel: JitKernel = triton.jit(_gemm_kernel_body) if HAS_TRITON else None
+_splitk_reduce: JitKernel = triton.jit(_splitk_reduce_body) if HAS_TRITON else None
 
 
 @functools.cache

@@ -10,7 +10,7 @@ and a round-to-nearest-even conversion.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -23,6 +23,9 @@ except ImportError:  # CPU-only installs have no Triton; the reference runs inst
     triton = None
 
 HAS_TRITON = triton is not None
+JitKernel: TypeAlias = Any
+"""A ``triton.jit`` kernel handle (None without Triton). Triton ships no type information, so
+its handles are untyped: this alias is that one gap, named once for every kernel module."""
 SCALE_EPS = 1e-10  # the reference's clamp on a group's amax
 
 
@@ -44,7 +47,7 @@ def _quant_kernel_body(
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < n_groups)
 
 
-_quant_kernel: Any = triton.jit(_quant_kernel_body) if HAS_TRITON else None
+_quant_kernel: JitKernel = triton.jit(_quant_kernel_body) if HAS_TRITON else None
 
 
 def _groups_per_program(m: int) -> int:

@@ -60,7 +60,7 @@ class Measured:
     def speedup(self) -> float:
         return self.baseline_us / self.deepgemm_us
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, str | float]:
         return {"deepgemm_us": self.deepgemm_us, "baseline": self.baseline,
                 "baseline_us": self.baseline_us}  # fmt: skip
 
@@ -88,7 +88,7 @@ class DeepGemmTable:
 
     device: str
     sections: Mapping[str, Mapping[str, tuple[Measured, ...]]]
-    environment: Mapping[str, Any]
+    environment: Mapping[str, object]
 
     def points(self, section: str, key: str) -> tuple[Measured, ...]:
         return self.sections.get(section, {}).get(key, ())
@@ -98,7 +98,7 @@ class DeepGemmTable:
         return wins(self.points("dense", dense_key(n, k)), m)
 
 
-def _points(raw: Mapping[str, Mapping[str, Any]]) -> tuple[Measured, ...]:
+def _points(raw: Mapping[str, Mapping[str, str | float]]) -> tuple[Measured, ...]:
     rows = [Measured(int(m), float(r["deepgemm_us"]), str(r["baseline"]),
                      float(r["baseline_us"])) for m, r in raw.items()]  # fmt: skip
     return tuple(sorted(rows, key=lambda p: p.m))
@@ -130,7 +130,7 @@ def write_section(
     path: Path,
     section: str,
     points: Mapping[str, list[Measured]],
-    environment: Mapping[str, Any],
+    environment: Mapping[str, object],
 ) -> None:
     """Replace ``section``'s entries for the shape keys in ``points`` (other entries and
     sections kept) and the file's environment."""

@@ -19,11 +19,11 @@ kernel of ``q_b_proj`` with one read of the GEMM output.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from dsv3serve.kernels.fp8_quant import HAS_TRITON, SCALE_EPS
+from dsv3serve.kernels.fp8_quant import HAS_TRITON, SCALE_EPS, JitKernel
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, quant_per_token_group
 from dsv3serve.kernels.norm_quant import rms_norm_ref, rms_normed, store_fp8_groups
 
@@ -77,7 +77,7 @@ def _qkv_norm_body(
     tl.store(lat + R + pc, pe, mask=pc < P)
 
 
-_qkv_norm_kernel: Any = triton.jit(_qkv_norm_body) if HAS_TRITON else None
+_qkv_norm_kernel: JitKernel = triton.jit(_qkv_norm_body) if HAS_TRITON else None
 
 
 def _check(q_a: torch.Tensor, kv_a: torch.Tensor, q_w: torch.Tensor, kv_w: torch.Tensor) -> None:

@@ -18,11 +18,11 @@ kernel of the GEMM that follows, with one read of ``x`` (and ``residual``) per r
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from dsv3serve.kernels.fp8_quant import HAS_TRITON, SCALE_EPS
+from dsv3serve.kernels.fp8_quant import HAS_TRITON, SCALE_EPS, JitKernel
 from dsv3serve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, quant_per_token_group
 
 if HAS_TRITON:
@@ -93,9 +93,9 @@ def _norm_quant_body(
 
 
 # the two row helpers are also the MLA norms' (dsv3serve.kernels.mla_norm)
-rms_normed: Any = triton.jit(_rms_normed_body) if HAS_TRITON else None
-store_fp8_groups: Any = triton.jit(_store_fp8_groups_body) if HAS_TRITON else None
-_norm_quant_kernel: Any = triton.jit(_norm_quant_body) if HAS_TRITON else None
+rms_normed: JitKernel = triton.jit(_rms_normed_body) if HAS_TRITON else None
+store_fp8_groups: JitKernel = triton.jit(_store_fp8_groups_body) if HAS_TRITON else None
+_norm_quant_kernel: JitKernel = triton.jit(_norm_quant_body) if HAS_TRITON else None
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:

@@ -30,11 +30,9 @@ and the cache's scatter (and, for e4m3, its amax and quantisation) with one laun
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from dsv3serve.kernels.fp8_quant import HAS_TRITON
+from dsv3serve.kernels.fp8_quant import HAS_TRITON, JitKernel
 
 if HAS_TRITON:
     import triton
@@ -123,9 +121,9 @@ def _rope_kv_body(
         tl.store(dst + 1, ro, mask=mask)
 
 
-_rope_pairs: Any = triton.jit(_rope_pairs_body) if HAS_TRITON else None
-_write_row: Any = triton.jit(_write_row_body) if HAS_TRITON else None
-_rope_kv_kernel: Any = triton.jit(_rope_kv_body) if HAS_TRITON else None
+_rope_pairs: JitKernel = triton.jit(_rope_pairs_body) if HAS_TRITON else None
+_write_row: JitKernel = triton.jit(_write_row_body) if HAS_TRITON else None
+_rope_kv_kernel: JitKernel = triton.jit(_rope_kv_body) if HAS_TRITON else None
 
 
 def _check(

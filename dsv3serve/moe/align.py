@@ -13,11 +13,10 @@ keeps the path CUDA-graph-capturable.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from dsv3serve.kernels.fp8_quant import HAS_TRITON
+from dsv3serve.kernels.fp8_quant import HAS_TRITON, JitKernel
 
 if HAS_TRITON:
     import triton
@@ -100,9 +99,9 @@ def _scatter_body(ids_ptr, cursor_ptr, sorted_ptr, num_assign, BLOCK: tl.constex
     tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
-_count_kernel: Any = triton.jit(_count_body) if HAS_TRITON else None
-_plan_kernel: Any = triton.jit(_plan_body) if HAS_TRITON else None
-_scatter_kernel: Any = triton.jit(_scatter_body) if HAS_TRITON else None
+_count_kernel: JitKernel = triton.jit(_count_body) if HAS_TRITON else None
+_plan_kernel: JitKernel = triton.jit(_plan_body) if HAS_TRITON else None
+_scatter_kernel: JitKernel = triton.jit(_scatter_body) if HAS_TRITON else None
 _ASSIGN_BLOCK = 1024
 
 
